@@ -1,0 +1,31 @@
+"""Local training: every agent runs (DP-)SGD on its own data and never communicates.
+
+The lower baseline of the consensus paper: what an agent reaches alone.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from decentdp.algorithms.base import Algorithm, RoundContext, State, prefixed, unprefixed
+from decentdp.engine.optim import Optimizer
+
+
+class LocalTraining(Algorithm):
+    """``theta_i <- optimizer_step(theta_i, G_i(theta_i))`` with no messages."""
+
+    name: ClassVar[str] = "local"
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def init_state(self, params: torch.Tensor) -> State:
+        return {"params": params, **prefixed("opt", self.optimizer.init(params))}
+
+    def round(self, state: State, ctx: RoundContext) -> State:
+        params = state["params"]
+        grad = ctx.gradient(params, ctx.round_index, 0)
+        params, opt = self.optimizer.step(params, grad, unprefixed("opt", state), ctx.lr)
+        return {"params": params, **prefixed("opt", opt)}

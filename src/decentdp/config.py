@@ -1,0 +1,248 @@
+"""Experiment configuration: a TOML file validated by a pydantic schema.
+
+Every field has a type, a range and a default; unknown keys are errors.  Validation failures are
+turned into one :class:`~decentdp.errors.ConfigError` whose message names every offending field
+(``section.key``) with the allowed values, so the CLI can print it without a traceback.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from decentdp.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+AlgorithmName = Literal["central-dpsgd", "local", "dp-dsgd", "dp-dsgt", "dp-dinno"]
+DatasetName = Literal["digits", "mnist", "fashion-mnist", "cifar10", "cifar100"]
+PartitionName = Literal["iid", "overlap", "dirichlet", "unequal"]
+GraphName = Literal["complete", "ring", "star", "path", "grid", "torus", "erdos-renyi", "geometric", "fiedler",
+                    "complete-bipartite", "k-regular"]
+MixingName = Literal["metropolis-hastings", "average", "max-degree"]
+ModelName = Literal["convnet", "mlp", "lenet5", "cifar-cnn", "resnet9", "linear", "logistic"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ExperimentSection(_Section):
+    name: str = "experiment"
+    seed: int = Field(0, ge=0)
+    rounds: int = Field(100, ge=1)
+    eval_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(0, ge=0, description="rounds between checkpoints; 0 = at evaluations only")
+
+
+class DataSection(_Section):
+    dataset: DatasetName = "digits"
+    data_dir: str | None = None
+    partition: PartitionName = "iid"
+    overlap_t: float = Field(1.0, ge=0.0, le=1.0, description="A(t) of equation (8)")
+    dirichlet_alpha: float = Field(0.5, gt=0.0)
+    size_skew: float = Field(1.0, gt=0.0)
+    image_size: int | None = Field(None, ge=4, description="resize images to this side once at load")
+
+
+class TopologySection(_Section):
+    graph: GraphName = "complete"
+    agents: int = Field(10, ge=1)
+    mixing: MixingName = "metropolis-hastings"
+    p: float | None = Field(None, gt=0.0, le=1.0)
+    radius: float | None = Field(None, gt=0.0)
+    k: int | None = Field(None, ge=1)
+    fiedler: float | None = Field(None, gt=0.0, le=1.0, description="target normalized Fiedler value")
+    fiedler_tol: float = Field(0.01, gt=0.0)
+    rows: int | None = Field(None, ge=1)
+
+
+class ModelSection(_Section):
+    name: ModelName = "mlp"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class AlgorithmSection(_Section):
+    name: AlgorithmName = "dp-dsgt"
+    lr: float = Field(0.1, gt=0.0)
+    lr_final: float | None = Field(None, gt=0.0)
+    lr_schedule: Literal["constant", "logspace", "cosine"] = "constant"
+    batch_size: int = Field(64, ge=1, description="expected Poisson batch size L; q_i = L / |D_i|")
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    momentum: float = Field(0.0, ge=0.0, lt=1.0)
+    nesterov: bool = False
+    weight_decay: float = Field(0.0, ge=0.0)
+    rho: float = Field(0.5, gt=0.0, description="DiNNO penalty rho_0")
+    rho_growth: float = Field(1.0, ge=1.0, description="DiNNO: rho_k = rho_0 * rho_growth^k")
+    primal_steps: int = Field(1, ge=1, description="DiNNO: T noisy primal steps per round")
+    reset_optimizer_each_round: bool = False
+
+
+class PrivacySection(_Section):
+    epsilon: float = Field(math.inf, description="target epsilon per agent; 'inf' = non-private")
+    delta: float = Field(1e-5, gt=0.0, lt=1.0)
+    clip: float = Field(1.0, gt=0.0)
+    accountant: Literal["rdp", "pld"] = Field("rdp", description="accountant used to calibrate sigma")
+    agent_epsilons: list[float] | None = Field(None, description="per-agent budgets (overrides epsilon)")
+
+    @field_validator("epsilon", mode="before")
+    @classmethod
+    def _parse_inf(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() in {"inf", "infinity", "none", "non-private"}:
+            return math.inf
+        return value
+
+    @field_validator("epsilon")
+    @classmethod
+    def _positive(cls, value: float) -> float:
+        if math.isnan(value) or value <= 0:
+            raise ValueError("must be a positive number or 'inf' (non-private)")
+        return value
+
+    @field_validator("agent_epsilons")
+    @classmethod
+    def _all_positive(cls, value: list[float] | None) -> list[float] | None:
+        if value is not None and any(math.isnan(v) or v <= 0 for v in value):
+            raise ValueError("every per-agent epsilon must be a positive number")
+        return value
+
+    @property
+    def private(self) -> bool:
+        budgets = self.agent_epsilons if self.agent_epsilons is not None else [self.epsilon]
+        return any(math.isfinite(b) for b in budgets)
+
+
+class ExperimentConfig(_Section):
+    """A whole run: what data, which graph, which model, which algorithm, what privacy."""
+
+    experiment: ExperimentSection = Field(default_factory=ExperimentSection)
+    data: DataSection = Field(default_factory=DataSection)
+    topology: TopologySection = Field(default_factory=TopologySection)
+    model: ModelSection = Field(default_factory=ModelSection)
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
+    privacy: PrivacySection = Field(default_factory=PrivacySection)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> ExperimentConfig:
+        algo, topo, privacy = self.algorithm, self.topology, self.privacy
+        if algo.lr_schedule != "constant" and algo.lr_final is None:
+            raise _FieldError("algorithm.lr_final", f"is required by lr_schedule = '{algo.lr_schedule}'")
+        if privacy.agent_epsilons is not None and algo.name != "central-dpsgd" \
+                and len(privacy.agent_epsilons) != topo.agents:
+            raise _FieldError("privacy.agent_epsilons",
+                               f"has {len(privacy.agent_epsilons)} entries but topology.agents = {topo.agents}")
+        required = {"erdos-renyi": "p", "geometric": "radius", "fiedler": "fiedler", "k-regular": "k"}
+        needed = required.get(topo.graph)
+        if needed is not None and getattr(topo, needed) is None and algo.name != "central-dpsgd":
+            raise _FieldError(f"topology.{needed}", f"is required by graph = '{topo.graph}'")
+        return self
+
+    def to_toml_dict(self) -> dict[str, Any]:
+        """The resolved config as TOML-writable data ('inf' for infinity, no None values)."""
+        return _toml_ready(self.model_dump())
+
+
+class _FieldError(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def _toml_ready(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _toml_ready(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_toml_ready(v) for v in value]
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    return value
+
+
+def _section_keys(loc: tuple[Any, ...]) -> list[str]:
+    model: type[BaseModel] = ExperimentConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return []
+        model = field.annotation
+    return sorted(model.model_fields)
+
+
+def _describe(error: dict[str, Any]) -> tuple[str, str]:
+    loc = tuple(error["loc"])
+    field = ".".join(str(part) for part in loc)
+    kind = error["type"]
+    given = error.get("input")
+    if kind == "extra_forbidden":
+        keys = _section_keys(loc)
+        where = f"allowed keys: {', '.join(keys)}" if keys else "no such section"
+        return field, f"unknown key; {where}"
+    if kind == "literal_error":
+        return field, f"{given!r} is not one of the allowed values: {error['ctx']['expected']}"
+    if kind == "value_error" and isinstance(error.get("ctx", {}).get("error"), _FieldError):
+        inner: _FieldError = error["ctx"]["error"]
+        return inner.field, inner.message
+    message = error["msg"].removeprefix("Value error, ")
+    return field, f"{message} (got {given!r})" if given is not None and not isinstance(given, dict) else message
+
+
+def validate_config(raw: dict[str, Any]) -> ExperimentConfig:
+    """Validate a raw mapping; raise one ConfigError naming every invalid field."""
+    try:
+        return ExperimentConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems = [_describe(error) for error in exc.errors()]
+        lines = [f"{field}: {message}" for field, message in problems]
+        error = ConfigError(problems[0][0], problems[0][1])
+        error.args = ("invalid configuration:\n  " + "\n  ".join(lines),)
+        raise error from None
+
+
+def parse_override(assignment: str) -> tuple[list[str], Any]:
+    """Parse ``section.key=value`` (value in TOML syntax, bare words taken as strings)."""
+    if "=" not in assignment:
+        raise ConfigError("--set", f"expected KEY=VALUE, got {assignment!r}")
+    key, _, text = assignment.partition("=")
+    path = [part.strip() for part in key.strip().split(".")]
+    if len(path) < 2 or not all(path):
+        raise ConfigError("--set", f"key must look like section.key, got {key!r}")
+    try:
+        value = tomllib.loads(f"value = {text.strip()}")["value"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()
+    return path, value
+
+
+def apply_overrides(raw: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
+    """A copy of ``raw`` with each ``section.key=value`` assignment applied."""
+    merged: dict[str, Any] = {section: dict(values) if isinstance(values, dict) else values
+                              for section, values in raw.items()}
+    for assignment in assignments:
+        path, value = parse_override(assignment)
+        target = merged
+        for part in path[:-1]:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise ConfigError("--set", f"{'.'.join(path)}: {part} is not a section")
+        target[path[-1]] = value
+    return merged
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Read, override and validate a TOML experiment file."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError("CONFIG", f"no such config file: {file}")
+    try:
+        raw = tomllib.loads(file.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("CONFIG", f"{file} is not valid TOML: {exc}") from None
+    return validate_config(apply_overrides(raw, overrides or []))

@@ -1,0 +1,411 @@
+"""Image classification datasets, loaded once into normalized float32 tensors.
+
+Every loader returns a :class:`Dataset` whose tensors are already in NCHW layout and normalized, so training
+code indexes whole mini-batches (``x_train[idx]``) without per-sample Python transforms. Files are read from
+a user-supplied data directory in the formats the datasets are officially distributed in; nothing is
+downloaded and nothing is cached on disk. ``digits`` ships inside scikit-learn and needs no files.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import pickle
+import tarfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from decentdp.errors import ConfigError, DataError
+
+DATASETS: tuple[str, ...] = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100")
+
+# Per-channel (mean, std) of the training pixels scaled to [0, 1]; the values every paper normalizes with.
+_MNIST_STATS = ((0.1307,), (0.3081,))
+_FASHION_STATS = ((0.2860,), (0.3530,))
+_CIFAR10_STATS = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+_CIFAR100_STATS = ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762))
+
+# Where each dataset can be obtained, quoted in "file not found" errors.
+_SOURCES = {
+    "mnist": "https://storage.googleapis.com/tensorflow/tf-keras-datasets/mnist.npz (npz) or "
+    "https://ossci-datasets.s3.amazonaws.com/mnist/ (the four IDX .gz files)",
+    "fashion-mnist": "https://github.com/zalandoresearch/fashion-mnist (the four IDX files in data/fashion/)",
+    "cifar10": "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
+    "cifar100": "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
+}
+
+# IDX files of (Fashion-)MNIST: split -> (images file, labels file).
+_IDX_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+_IDX_NAMES = ", ".join(name for pair in _IDX_FILES.values() for name in pair)
+_IDX_MAGIC_IMAGES = 0x00000803  # unsigned bytes, 3 dimensions
+_IDX_MAGIC_LABELS = 0x00000801  # unsigned bytes, 1 dimension
+
+
+@dataclass(frozen=True, eq=False)
+class Dataset:
+    """Preloaded float32 tensors, normalized, in NCHW layout, ready for batched indexing.
+
+    Attributes
+    ----------
+    name : str
+        One of :data:`DATASETS`.
+    x_train, x_test : torch.Tensor
+        float32 images of shape ``(n, C, H, W)``, normalized with the dataset's channel mean and std.
+    y_train, y_test : torch.Tensor
+        int64 class labels in ``[0, num_classes)`` of shape ``(n,)``.
+    num_classes : int
+        Number of classes of the task.
+    """
+
+    name: str
+    x_train: torch.Tensor = field(repr=False)
+    y_train: torch.Tensor = field(repr=False)
+    x_test: torch.Tensor = field(repr=False)
+    y_test: torch.Tensor = field(repr=False)
+    num_classes: int
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """Shape ``(C, H, W)`` of one image, what a model's first layer is built for."""
+        c, h, w = self.x_train.shape[1:]
+        return (int(c), int(h), int(w))
+
+
+def load_dataset(name: str, data_dir: str | Path | None = None, *, image_size: int | None = None) -> Dataset:
+    """Load a dataset into memory as normalized float32 NCHW tensors.
+
+    Parameters
+    ----------
+    name : str
+        One of :data:`DATASETS`.
+    data_dir : str or Path, optional
+        Directory holding the dataset's files (see the per-dataset formats below). Ignored for
+        ``digits``; required for the others.
+    image_size : int, optional
+        Resize images to ``image_size x image_size`` once at load time (bilinear, antialiased when
+        shrinking), e.g. 32 for models designed for 32x32 inputs fed 28x28 MNIST.
+
+    Returns
+    -------
+    Dataset
+        Train and test tensors with labels.
+
+    Raises
+    ------
+    ConfigError
+        ``data.dataset`` for an unknown name, ``data.image_size`` for a non-positive size.
+    DataError
+        When ``data_dir`` is missing for a dataset that needs files, or its files are absent or unreadable.
+
+    Notes
+    -----
+    Accepted files:
+
+    * ``digits``: bundled with scikit-learn; 1,437 train / 360 test images (fixed stratified split).
+    * ``mnist`` / ``fashion-mnist``: ``mnist.npz`` / ``fashion-mnist.npz`` (keys ``x_train``, ``y_train``,
+      ``x_test``, ``y_test``) or the four IDX files (``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
+      ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``, each optionally ``.gz``), in ``data_dir`` or in
+      ``data_dir/mnist`` (resp. ``data_dir/fashion-mnist``).
+    * ``cifar10`` / ``cifar100``: the official python versions, either extracted (``cifar-10-batches-py/``,
+      ``cifar-100-python/``) or as tarballs (``cifar-10-python.tar.gz``, ``cifar-100-python.tar.gz``) in
+      ``data_dir``. CIFAR-100 uses the 100 fine labels.
+    """
+    if name not in DATASETS:
+        raise ConfigError("data.dataset", f"unknown dataset {name!r}; expected one of {', '.join(DATASETS)}")
+    if image_size is not None and (isinstance(image_size, bool) or not isinstance(image_size, int)
+                                   or image_size < 1):
+        raise ConfigError("data.image_size", f"must be a positive integer, got {image_size!r}")
+
+    if name == "digits":
+        dataset = _load_digits()
+    else:
+        directory = _require_dir(name, data_dir)
+        if name in ("mnist", "fashion-mnist"):
+            dataset = _load_mnist_like(name, directory)
+        else:
+            dataset = _load_cifar(name, directory)
+
+    if image_size is not None and dataset.input_shape[1:] != (image_size, image_size):
+        dataset = Dataset(
+            name=dataset.name,
+            x_train=_resize(dataset.x_train, image_size),
+            y_train=dataset.y_train,
+            x_test=_resize(dataset.x_test, image_size),
+            y_test=dataset.y_test,
+            num_classes=dataset.num_classes,
+        )
+    return dataset
+
+
+def _require_dir(name: str, data_dir: str | Path | None) -> Path:
+    """Return ``data_dir`` as an existing directory, or explain how to provide one."""
+    if data_dir is None:
+        raise DataError(
+            f"dataset {name!r} is read from files: pass their directory with --data-dir / data.data_dir "
+            f"(get them from {_SOURCES[name]})"
+        )
+    directory = Path(data_dir).expanduser()
+    if not directory.is_dir():
+        raise DataError(f"data directory {directory} for dataset {name!r} is not an existing directory")
+    return directory
+
+
+def _normalize(images: np.ndarray, stats: tuple[tuple[float, ...], tuple[float, ...]]) -> torch.Tensor:
+    """Turn uint8 NCHW images into float32 ``(x / 255 - mean) / std`` per channel, in place on one copy."""
+    mean, std = stats
+    x = torch.from_numpy(images.astype(np.float32))
+    x.div_(255.0)
+    x.sub_(torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
+    x.div_(torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
+    return x
+
+
+def _labels(labels: Any, num_classes: int, source: str) -> torch.Tensor:
+    """Convert labels to int64, checking they are in ``[0, num_classes)`` so a wrong file fails early."""
+    y = np.asarray(labels).astype(np.int64).reshape(-1)
+    if y.size and (y.min() < 0 or y.max() >= num_classes):
+        raise DataError(f"{source}: labels outside [0, {num_classes}) (found {y.min()}..{y.max()})")
+    return torch.from_numpy(y)
+
+
+def _resize(x: torch.Tensor, size: int) -> torch.Tensor:
+    """Bilinearly resize NCHW images to ``size x size``; antialiasing only acts when shrinking."""
+    return F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
+
+
+def _load_digits() -> Dataset:
+    """scikit-learn's 8x8 digits, scaled to [0, 1] and standardized with the training mean and std.
+
+    The split is stratified with a fixed seed so every run and every agent sees the same test set.
+    """
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    x = (bunch.data / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
+    y = bunch.target.astype(np.int64)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=360, random_state=0, stratify=y)
+    mean, std = float(x_tr.mean()), float(x_tr.std())
+    return Dataset(
+        name="digits",
+        x_train=torch.from_numpy(((x_tr - mean) / std).astype(np.float32)),
+        y_train=torch.from_numpy(y_tr),
+        x_test=torch.from_numpy(((x_te - mean) / std).astype(np.float32)),
+        y_test=torch.from_numpy(y_te),
+        num_classes=10,
+    )
+
+
+# ----------------------------------------------------------------------------- MNIST and Fashion-MNIST
+
+
+def _load_mnist_like(name: str, data_dir: Path) -> Dataset:
+    """Read (Fashion-)MNIST from an npz file or the four IDX files, whichever is found first.
+
+    Looks in ``data_dir`` then ``data_dir/<name>``; within a directory the npz file wins.
+    """
+    stats = _MNIST_STATS if name == "mnist" else _FASHION_STATS
+    looked_for: list[str] = []
+    for directory in (data_dir, data_dir / name):
+        npz = directory / f"{name}.npz"
+        looked_for.append(str(npz))
+        if npz.is_file():
+            arrays = _read_npz(npz)
+            break
+        idx_paths = _find_idx_files(directory)
+        looked_for.append(f"{directory}/{{{_IDX_NAMES}}}[.gz]")
+        if idx_paths is not None:
+            arrays: dict[str, np.ndarray] = {}
+            for split, (images, labels) in idx_paths.items():
+                arrays[f"x_{split}"] = _read_idx(images, _IDX_MAGIC_IMAGES)
+                arrays[f"y_{split}"] = _read_idx(labels, _IDX_MAGIC_LABELS)
+            break
+    else:
+        raise DataError(
+            f"dataset {name!r} not found in data directory {data_dir}; looked for: {'; '.join(looked_for)}. "
+            f"Get it from {_SOURCES[name]}"
+        )
+
+    for split in ("train", "test"):
+        x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
+        if x.dtype != np.uint8 or x.ndim != 3 or len(x) != len(y):
+            raise DataError(f"{name} {split} split: expected uint8 images (n, H, W) and n labels, "
+                            f"got {x.dtype} {x.shape} and {y.shape}")
+    return Dataset(
+        name=name,
+        x_train=_normalize(arrays["x_train"][:, None], stats),
+        y_train=_labels(arrays["y_train"], 10, f"{name} train labels"),
+        x_test=_normalize(arrays["x_test"][:, None], stats),
+        y_test=_labels(arrays["y_test"], 10, f"{name} test labels"),
+        num_classes=10,
+    )
+
+
+def _read_npz(path: Path) -> dict[str, np.ndarray]:
+    """Read the four uint8 arrays of an MNIST-style npz file (the Keras layout)."""
+    keys = ("x_train", "y_train", "x_test", "y_test")
+    try:
+        npz = np.load(path, allow_pickle=False)
+        if not isinstance(npz, np.lib.npyio.NpzFile):
+            raise DataError(f"{path}: expected an npz archive with keys {list(keys)}, found a single array")
+        with npz:
+            missing = [k for k in keys if k not in npz.files]
+            if missing:
+                raise DataError(f"{path}: missing arrays {missing}; expected keys {list(keys)}")
+            return {k: npz[k] for k in keys}
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise DataError(f"{path}: not a readable npz file ({exc})") from exc
+
+
+def _find_idx_files(directory: Path) -> dict[str, tuple[Path, Path]] | None:
+    """The four IDX files in ``directory`` (plain preferred over ``.gz``), or None if any is absent."""
+    found: dict[str, tuple[Path, Path]] = {}
+    for split, names in _IDX_FILES.items():
+        paths = []
+        for stem in names:
+            path = next((p for p in (directory / stem, directory / f"{stem}.gz") if p.is_file()), None)
+            if path is None:
+                return None
+            paths.append(path)
+        found[split] = (paths[0], paths[1])
+    return found
+
+
+def _read_idx(path: Path, magic: int) -> np.ndarray:
+    """Parse an IDX file of unsigned bytes (optionally gzipped) and check its magic number and size.
+
+    The IDX header is a big-endian int32 magic (``0x0000 08 D``: unsigned bytes, D dimensions) followed by
+    D big-endian int32 sizes; the data follows in row-major order.
+    """
+    try:
+        opener: Callable[..., Any] = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as exc:
+        raise DataError(f"{path}: cannot read IDX file ({exc})") from exc
+    if len(raw) < 4 or int.from_bytes(raw[:4], "big") != magic:
+        found = int.from_bytes(raw[:4], "big") if len(raw) >= 4 else None
+        raise DataError(
+            f"{path}: bad IDX magic number {found if found is None else hex(found)}, expected {hex(magic)} "
+            "(wrong file, or a gzip file without the .gz suffix?)"
+        )
+    ndim = magic & 0xFF
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise DataError(f"{path}: truncated IDX header")
+    shape = tuple(int(d) for d in np.frombuffer(raw, dtype=">i4", count=ndim, offset=4))
+    if len(raw) - header != int(np.prod(shape)):
+        raise DataError(f"{path}: IDX header announces shape {shape} but holds {len(raw) - header} bytes")
+    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
+
+
+# ----------------------------------------------------------------------------- CIFAR-10 and CIFAR-100
+
+_CIFAR_LAYOUT = {
+    # name: (folder, tarball, train members, test member, label key, classes, stats)
+    "cifar10": ("cifar-10-batches-py", "cifar-10-python.tar.gz",
+                tuple(f"data_batch_{i}" for i in range(1, 6)), "test_batch", b"labels", 10, _CIFAR10_STATS),
+    "cifar100": ("cifar-100-python", "cifar-100-python.tar.gz",
+                 ("train",), "test", b"fine_labels", 100, _CIFAR100_STATS),
+}
+
+
+class _NumpyOnlyUnpickler(pickle.Unpickler):
+    """Unpickler that only rebuilds numpy arrays, so a tampered data file cannot run code.
+
+    The official CIFAR batches are Python 2 pickles of dicts holding one uint8 ndarray and lists of
+    labels/names; those need nothing beyond numpy's array reconstructors. Re-pickled copies written by
+    Python 3 with protocol 2 also encode bytes through ``_codecs.encode``, which is harmless.
+    """
+
+    _ALLOWED_NUMPY = frozenset({"_reconstruct", "ndarray", "dtype", "scalar", "_frombuffer"})
+
+    def find_class(self, module: str, name: str) -> Any:
+        numpy_ok = module.split(".")[0] == "numpy" and name in self._ALLOWED_NUMPY
+        if numpy_ok or (module, name) == ("_codecs", "encode"):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a data file")
+
+
+def _unpickle(data: bytes, source: str) -> dict[bytes, Any]:
+    """Decode one CIFAR batch (``encoding="bytes"`` as the Python 2 pickles require)."""
+    try:
+        obj = _NumpyOnlyUnpickler(io.BytesIO(data), encoding="bytes").load()
+    except Exception as exc:  # a corrupt pickle can raise almost anything
+        raise DataError(f"{source}: not a readable CIFAR batch ({exc})") from exc
+    if not isinstance(obj, dict):
+        raise DataError(f"{source}: expected a pickled dict, got {type(obj).__name__}")
+    return obj
+
+
+def _load_cifar(name: str, data_dir: Path) -> Dataset:
+    """Read CIFAR-10/100 from the extracted official folder, or else from the official tarball."""
+    folder, tarball, train_members, test_member, label_key, num_classes, stats = _CIFAR_LAYOUT[name]
+    members = (*train_members, test_member)
+    if (data_dir / folder).is_dir():
+        blobs = {}
+        for member in members:
+            path = data_dir / folder / member
+            try:
+                blobs[member] = (path.read_bytes(), str(path))
+            except OSError as exc:
+                raise DataError(f"{name}: cannot read {path} ({exc}); the folder {data_dir / folder} "
+                                f"must hold {', '.join(members)}") from exc
+    elif (data_dir / tarball).is_file():
+        blobs = _read_tar_members(data_dir / tarball, folder, members)
+    else:
+        raise DataError(
+            f"dataset {name!r} not found in data directory {data_dir}; looked for the folder "
+            f"{data_dir / folder} and the archive {data_dir / tarball}. Get it from {_SOURCES[name]}"
+        )
+
+    def split(names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        xs, ys = [], []
+        for member in names:
+            data, source = blobs[member]
+            batch = _unpickle(data, source)
+            if b"data" not in batch or label_key not in batch:
+                raise DataError(f"{source}: missing key b'data' or {label_key!r}")
+            x = np.asarray(batch[b"data"], dtype=np.uint8)
+            y = np.asarray(batch[label_key])
+            if x.ndim != 2 or x.shape[1] != 3 * 32 * 32 or len(x) != len(y):
+                raise DataError(f"{source}: expected data (n, 3072) and n labels, got {x.shape}, {y.shape}")
+            xs.append(x)
+            ys.append(y)
+        # Each row holds the R, G and B planes of a 32x32 image in turn: a plain reshape gives NCHW.
+        images = np.concatenate(xs).reshape(-1, 3, 32, 32)
+        return _normalize(images, stats), _labels(np.concatenate(ys), num_classes, f"{name} labels")
+
+    x_train, y_train = split(train_members)
+    x_test, y_test = split((test_member,))
+    return Dataset(name=name, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test,
+                   num_classes=num_classes)
+
+
+def _read_tar_members(path: Path, folder: str, members: tuple[str, ...]) -> dict[str, tuple[bytes, str]]:
+    """Read ``folder/<member>`` for each member straight from a tarball, without extracting it to disk."""
+    blobs = {}
+    try:
+        with tarfile.open(path, "r:*") as tar:
+            for member in members:
+                arcname = f"{folder}/{member}"
+                try:
+                    handle = tar.extractfile(arcname)
+                except KeyError:
+                    handle = None
+                if handle is None:
+                    raise DataError(f"{path}: archive has no file {arcname}")
+                blobs[member] = (handle.read(), f"{path}:{arcname}")
+    except (OSError, EOFError, tarfile.TarError) as exc:
+        raise DataError(f"{path}: not a readable tar archive ({exc})") from exc
+    return blobs

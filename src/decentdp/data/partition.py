@@ -1,0 +1,281 @@
+"""Split a training set among N agents.
+
+Each scheme returns, per agent, the sorted indices of its samples (never copies of the data), so the engine
+can stack per-agent index tensors and draw batches from one shared tensor. Splits are deterministic for a
+given seed: the same ``(labels, n_agents, scheme, seed, parameters)`` always gives the same parts.
+
+Schemes
+-------
+``iid``
+    Uniform shuffle cut into N near-equal parts.
+``overlap``
+    The class-overlap split :math:`A(t)` of Bayrooti et al., equation (8): ``t = 0`` shares every class
+    equally, ``t = 1`` gives each agent exclusively the classes it owns (see :func:`overlap_matrix`).
+``dirichlet``
+    Per-class agent proportions drawn from ``Dir(alpha * 1_N)``; small ``alpha`` is strongly non-IID.
+``unequal``
+    IID labels, but lognormally distributed agent sizes (see :func:`partition`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from decentdp.errors import ConfigError
+
+PARTITIONS: tuple[str, ...] = ("iid", "overlap", "dirichlet", "unequal")
+
+# How many Dirichlet draws to try before concluding that min_size is out of reach for this alpha.
+_DIRICHLET_TRIES = 100
+
+
+def overlap_matrix(n_agents: int, n_classes: int, t: float) -> np.ndarray:
+    """Class-overlap matrix :math:`A(t)` of equation (8) in Bayrooti, Gao and Prorok.
+
+    Row ``i`` is an agent, column ``j`` a class; entry ``a_ij`` is the fraction of class ``j``'s samples
+    that agent ``i`` holds::
+
+        a_ij(t) = (1 - t) / N                 if i != j mod N
+        a_ij(t) = 1 - sum_{k != i} a_kj       if i == j mod N
+
+    The owner of class ``j`` is agent ``j mod N``; every other agent gets ``(1 - t) / N`` of the class and
+    the owner gets the rest, ``(1 + (N - 1) t) / N``. This defines the matrix for any number of classes
+    (with more classes than agents an agent owns several; with fewer, some agents own none). Columns sum
+    to 1. ``t = 0`` gives every agent ``1/N`` of every class; ``t = 1`` gives each class entirely to its
+    owner (the identity when ``n_classes == n_agents``).
+
+    Parameters
+    ----------
+    n_agents : int
+        Number of agents N (rows), at least 1.
+    n_classes : int
+        Number of classes (columns), at least 1.
+    t : float
+        Degree of class separation in ``[0, 1]``.
+
+    Returns
+    -------
+    numpy.ndarray
+        float64 array of shape ``(n_agents, n_classes)``.
+
+    Raises
+    ------
+    ConfigError
+        ``data.overlap_t`` when ``t`` is outside ``[0, 1]``; ``topology.agents`` or ``n_classes`` when a
+        count is not positive.
+    """
+    _check_positive_int("topology.agents", n_agents)
+    _check_positive_int("n_classes", n_classes)
+    t = _check_overlap_t(t)
+    a = np.full((n_agents, n_classes), (1.0 - t) / n_agents)
+    owners = np.arange(n_classes) % n_agents
+    a[owners, np.arange(n_classes)] = 1.0 - (n_agents - 1) * (1.0 - t) / n_agents
+    return a
+
+
+def partition(
+    labels: np.ndarray,
+    n_agents: int,
+    scheme: str,
+    *,
+    seed: int,
+    t: float | None = None,
+    alpha: float | None = None,
+    size_skew: float | None = None,
+    min_size: int = 1,
+) -> list[np.ndarray]:
+    """Assign the samples of a training set to ``n_agents`` agents.
+
+    Parameters
+    ----------
+    labels : numpy.ndarray
+        Integer class labels ``(n,)`` of the training set, values in ``[0, n_classes)``.
+    n_agents : int
+        Number of agents N.
+    scheme : str
+        One of :data:`PARTITIONS`.
+    seed : int
+        Seed of the numpy ``Generator`` that drives every random choice.
+    t : float, optional
+        ``overlap`` only: class separation in ``[0, 1]`` of :func:`overlap_matrix`. Each class's samples
+        are shuffled and cut into per-agent chunks whose sizes are ``a_ij * n_j`` rounded by the largest
+        remainder method (ties broken at random), so they sum exactly to the class count ``n_j``.
+    alpha : float, optional
+        ``dirichlet`` only: concentration ``> 0``. For each class, agent proportions are drawn from
+        ``Dir(alpha * 1_N)``; the whole draw is repeated (with seeds derived from ``seed``, at most
+        100 times) until every agent has at least ``min_size`` samples.
+    size_skew : float, optional
+        ``unequal`` only: ``sigma > 0`` of the lognormal size law. Agent weights are
+        ``w_i ~ LogNormal(0, sigma^2)`` i.i.d.; each agent gets ``min_size`` samples plus a share of the
+        remaining ``n - N * min_size`` proportional to ``w_i``. Samples are assigned uniformly at random, so
+        labels stay IID. ``sigma -> 0`` approaches equal sizes; with ``sigma = 1`` and 10 agents the largest
+        agent typically holds about 20 times as many samples as the smallest.
+    min_size : int, default 1
+        Fewest samples any agent may receive, checked for every scheme (an agent with no data cannot draw
+        a batch).
+
+    Returns
+    -------
+    list of numpy.ndarray
+        ``n_agents`` sorted int64 index arrays, pairwise disjoint, whose union is ``range(len(labels))``.
+
+    Raises
+    ------
+    ConfigError
+        ``data.partition`` for an unknown scheme or an agent left with fewer than ``min_size`` samples,
+        ``data.overlap_t`` / ``data.dirichlet_alpha`` / ``data.size_skew`` for a missing or invalid
+        parameter of the chosen scheme, ``data.labels`` for labels that are not non-negative integers,
+        ``min_size``, ``experiment.seed`` or ``topology.agents`` for invalid values (including more agents
+        than ``len(labels) / min_size``).
+    """
+    if scheme not in PARTITIONS:
+        raise ConfigError("data.partition",
+                          f"unknown scheme {scheme!r}; expected one of {', '.join(PARTITIONS)}")
+    labels = _check_labels(labels)
+    _check_positive_int("topology.agents", n_agents)
+    _check_positive_int("min_size", min_size)
+    if n_agents * min_size > len(labels):
+        raise ConfigError(
+            "topology.agents",
+            f"{n_agents} agents with at least {min_size} sample(s) each need {n_agents * min_size} samples, "
+            f"but the training set has {len(labels)}",
+        )
+
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ConfigError("experiment.seed", f"must be a non-negative integer, got {seed!r}")
+    rng = np.random.default_rng(seed)
+    if scheme == "iid":
+        parts = np.array_split(rng.permutation(len(labels)), n_agents)
+    elif scheme == "overlap":
+        if t is None:
+            raise ConfigError("data.overlap_t", "the 'overlap' partition needs t in [0, 1]")
+        n_classes = int(labels.max()) + 1
+        parts = _split_by_class(labels, overlap_matrix(n_agents, n_classes, t), rng)
+    elif scheme == "dirichlet":
+        parts = _dirichlet(labels, n_agents, alpha, seed, min_size)
+    else:
+        parts = _unequal(len(labels), n_agents, size_skew, min_size, rng)
+
+    parts = [np.sort(p).astype(np.int64, copy=False) for p in parts]
+    sizes = np.array([len(p) for p in parts])
+    if sizes.min() < min_size:
+        hint = " (with t near 1 an agent owning no class gets almost nothing)" if scheme == "overlap" else ""
+        raise ConfigError(
+            "data.partition",
+            f"agent {int(sizes.argmin())} would get {int(sizes.min())} samples, fewer than "
+            f"min_size={min_size}{hint}",
+        )
+    return parts
+
+
+def class_histograms(labels: np.ndarray, parts: list[np.ndarray], n_classes: int) -> np.ndarray:
+    """Count each agent's samples per class, for logging how non-IID a split is.
+
+    Parameters
+    ----------
+    labels : numpy.ndarray
+        Integer class labels ``(n,)``.
+    parts : list of numpy.ndarray
+        Index arrays, one per agent, as returned by :func:`partition`.
+    n_classes : int
+        Number of classes (columns).
+
+    Returns
+    -------
+    numpy.ndarray
+        int64 array ``(len(parts), n_classes)``; entry ``[i, j]`` is how many samples of class ``j``
+        agent ``i`` holds.
+    """
+    labels = np.asarray(labels)
+    hist = np.zeros((len(parts), n_classes), dtype=np.int64)
+    for i, part in enumerate(parts):
+        hist[i] = np.bincount(labels[part], minlength=n_classes)[:n_classes]
+    return hist
+
+
+def _largest_remainder(total: int, weights: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Integer sizes proportional to ``weights`` that sum exactly to ``total``.
+
+    Each size is the floor of its exact share; the units left over go to the largest fractional parts,
+    ties broken at random so no agent is favoured systematically across classes. Fractional parts are
+    rounded before comparing so that floating-point noise (e.g. ``1 - 2/3`` vs ``1/3``) is not a tie-breaker.
+    """
+    exact = total * weights / weights.sum()
+    sizes = np.floor(exact).astype(np.int64)
+    leftover = total - int(sizes.sum())
+    order = np.lexsort((rng.random(len(weights)), -np.round(exact - sizes, 9)))
+    sizes[order[:leftover]] += 1
+    return sizes
+
+
+def _split_by_class(labels: np.ndarray, fractions: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
+    """Cut each class's shuffled indices into chunks; agent i gets ``fractions[i, j]`` of class j."""
+    n_agents, n_classes = fractions.shape
+    chunks: list[list[np.ndarray]] = [[] for _ in range(n_agents)]
+    for j in range(n_classes):
+        members = rng.permutation(np.flatnonzero(labels == j))
+        sizes = _largest_remainder(len(members), fractions[:, j], rng)
+        for i, chunk in enumerate(np.split(members, np.cumsum(sizes)[:-1])):
+            chunks[i].append(chunk)
+    return [np.concatenate(c) for c in chunks]
+
+
+def _dirichlet(labels: np.ndarray, n_agents: int, alpha: float | None, seed: int,
+               min_size: int) -> list[np.ndarray]:
+    """Dirichlet label split, redrawn until every agent holds at least ``min_size`` samples."""
+    alpha = _check_positive_float("data.dirichlet_alpha", alpha, "dirichlet")
+    n_classes = int(labels.max()) + 1
+    smallest = 0
+    for attempt in range(_DIRICHLET_TRIES):
+        rng = np.random.default_rng([seed, attempt])
+        fractions = rng.dirichlet(np.full(n_agents, alpha), size=n_classes).T
+        parts = _split_by_class(labels, fractions, rng)
+        smallest = min(len(p) for p in parts)
+        if smallest >= min_size:
+            return parts
+    raise ConfigError(
+        "data.dirichlet_alpha",
+        f"alpha={alpha} left some agent with {smallest} < min_size={min_size} samples in each of "
+        f"{_DIRICHLET_TRIES} draws; use a larger alpha, fewer agents or a smaller min_size",
+    )
+
+
+def _unequal(n: int, n_agents: int, size_skew: float | None, min_size: int,
+             rng: np.random.Generator) -> list[np.ndarray]:
+    """IID split with lognormal agent sizes, each at least ``min_size``."""
+    sigma = _check_positive_float("data.size_skew", size_skew, "unequal")
+    weights = rng.lognormal(mean=0.0, sigma=sigma, size=n_agents)
+    sizes = min_size + _largest_remainder(n - n_agents * min_size, weights, rng)
+    return np.split(rng.permutation(n), np.cumsum(sizes)[:-1])
+
+
+def _check_labels(labels: np.ndarray) -> np.ndarray:
+    """Return ``labels`` as a 1-D integer array of non-negative class ids, or explain what is wrong."""
+    arr = np.asarray(labels)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise ConfigError("data.labels", f"expected a 1-D integer label array, got dtype {arr.dtype} "
+                                         f"and shape {arr.shape}")
+    if arr.size and arr.min() < 0:
+        raise ConfigError("data.labels", "labels must be non-negative class ids")
+    return arr.astype(np.int64, copy=False)
+
+
+def _check_positive_int(field: str, value: int) -> None:
+    """Reject counts that are not positive integers (bools included, which are ints to Python)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ConfigError(field, f"must be a positive integer, got {value!r}")
+
+
+def _check_overlap_t(t: float) -> float:
+    """Return ``t`` as a float after checking it is a real number in ``[0, 1]``."""
+    if isinstance(t, bool) or not isinstance(t, (int, float, np.floating, np.integer)) or not 0.0 <= t <= 1.0:
+        raise ConfigError("data.overlap_t", f"must be a number in [0, 1], got {t!r}")
+    return float(t)
+
+
+def _check_positive_float(field: str, value: float | None, scheme: str) -> float:
+    """Return a scheme's parameter as a float after checking it was given and is finite and positive."""
+    is_number = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
+    if not is_number or not np.isfinite(value) or value <= 0:
+        raise ConfigError(field, f"the {scheme!r} partition needs a finite value > 0, got {value!r}")
+    return float(value)

@@ -1,0 +1,64 @@
+"""Evaluation of every agent's model on the test set, and consensus distance.
+
+All N models are evaluated in one batched pass per test chunk (``vmap`` over agents), so the
+test set is read once per evaluation, not N times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from decentdp.engine.flat_model import FlatModel
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Per-agent test accuracy and loss, and how far the agents are from agreeing."""
+
+    accuracy: torch.Tensor  # (N,)
+    loss: torch.Tensor      # (N,)
+    consensus_distance: float
+
+    def summary(self) -> dict[str, float]:
+        acc = self.accuracy.double()
+        return {
+            "accuracy_mean": float(acc.mean()),
+            "accuracy_std": float(acc.std(unbiased=False)),
+            "accuracy_min": float(acc.min()),
+            "accuracy_max": float(acc.max()),
+            "loss_mean": float(self.loss.double().mean()),
+            "consensus_distance": self.consensus_distance,
+        }
+
+
+def consensus_distance(params: torch.Tensor) -> float:
+    """``sqrt(mean_i ||theta_i - mean_j theta_j||^2)``: zero exactly when all agents agree."""
+    return float((params - params.mean(dim=0, keepdim=True)).pow(2).sum(dim=1).mean().sqrt())
+
+
+class Evaluator:
+    """Evaluates stacked parameters on a fixed test set in chunks of ``chunk`` samples."""
+
+    def __init__(self, model: FlatModel, x: torch.Tensor, y: torch.Tensor, chunk: int = 2048) -> None:
+        self.model = model
+        self.x = x
+        self.y = y
+        self.chunk = chunk
+
+    @torch.no_grad()
+    def __call__(self, params: torch.Tensor) -> Evaluation:
+        correct = torch.zeros(params.shape[0], dtype=torch.float64)
+        loss = torch.zeros(params.shape[0], dtype=torch.float64)
+        for start in range(0, len(self.y), self.chunk):
+            x, y = self.x[start:start + self.chunk], self.y[start:start + self.chunk]
+            outputs = self.model.predict(params, x)                      # (N, B, K)
+            n_agents, batch = outputs.shape[:2]
+            flat_targets = y.repeat(n_agents)
+            losses = self.model.loss(outputs.reshape(n_agents * batch, -1), flat_targets).view(n_agents, batch)
+            predicted = (outputs[..., 0] > 0).long() if outputs.shape[-1] == 1 else outputs.argmax(dim=-1)
+            correct += (predicted == y).sum(dim=1).double()
+            loss += losses.sum(dim=1).double()
+        n = len(self.y)
+        return Evaluation(correct / n, loss / n, consensus_distance(params))

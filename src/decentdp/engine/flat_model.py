@@ -1,0 +1,74 @@
+"""A model as a function of one flat parameter vector, vectorised over agents and samples.
+
+The simulator stores the parameters of all N agents as one ``(N, d)`` matrix.  Mixing is then a
+single matrix product, noise a single draw, an optimizer step a few element-wise kernels, and the
+model itself is called through ``torch.func.functional_call`` on *views* of a row, under
+``torch.func.vmap`` over agents (and over samples for per-sample gradients).  No Python loop over
+agents runs on the training path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class FlatModel:
+    """Wraps an ``nn.Module`` so that it is evaluated at a flat parameter vector of length ``dim``.
+
+    The module itself is only a template: its parameters are read once (``initial_parameters``) and
+    never updated; buffers are passed through unchanged (DP models have no running statistics).
+    """
+
+    def __init__(self, module: nn.Module, loss: LossFn) -> None:
+        self.module = module
+        self.loss = loss
+        named = list(module.named_parameters())
+        self.names = [name for name, _ in named]
+        self.shapes = [tuple(p.shape) for _, p in named]
+        self.numels = [p.numel() for _, p in named]
+        self.dim = sum(self.numels)
+        self.buffers = {name: b.detach() for name, b in module.named_buffers()}
+
+    def initial_parameters(self) -> torch.Tensor:
+        """The template module's parameters as one flat vector."""
+        return torch.cat([p.detach().reshape(-1) for p in self.module.parameters()])
+
+    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of ``flat`` shaped like the module's parameters (no copy)."""
+        return {name: chunk.view(shape)
+                for name, chunk, shape in zip(self.names, flat.split(self.numels), self.shapes, strict=True)}
+
+    def forward(self, flat: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """Outputs of the model at parameters ``flat`` (d,) for a batch ``inputs``."""
+        return functional_call(self.module, (self.unflatten(flat), self.buffers), (inputs,))
+
+    def _sample_loss(self, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.forward(flat, x.unsqueeze(0)), y.unsqueeze(0)).squeeze(0)
+
+    def per_sample_gradients(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Gradients of every sample's loss at its agent's parameters: ``(N, B, d)``.
+
+        ``params`` is ``(N, d)``, ``x`` is ``(N, B, ...)`` and ``y`` is ``(N, B)``.
+        """
+        per_sample = vmap(grad(self._sample_loss), in_dims=(None, 0, 0))
+        return vmap(per_sample, in_dims=(0, 0, 0))(params, x, y)
+
+    def batch_gradients(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                        weights: torch.Tensor) -> torch.Tensor:
+        """Gradient of each agent's weighted loss sum ``sum_b w_b l(x_b)``: ``(N, d)``."""
+
+        def weighted_loss(flat: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
+            return (self.loss(self.forward(flat, xb), yb) * wb).sum()
+
+        return vmap(grad(weighted_loss))(params, x, y, weights)
+
+    @torch.no_grad()
+    def predict(self, params: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """Outputs of every agent's model on one shared batch: ``(N, B, outputs)``."""
+        return vmap(self.forward, in_dims=(0, None))(params, inputs)

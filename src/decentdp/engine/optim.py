@@ -1,0 +1,85 @@
+"""Optimizers as pure functions over stacked ``(N, d)`` agent parameters.
+
+Their state (momentum, Adam moments) is a dict of ``(N, d)`` tensors that the algorithm keeps in
+its state between rounds, so momentum and Adam actually act across steps (the consensus paper's
+code rebuilt its optimizer every step; see ``reset_each_round`` in DP-DiNNO for that behaviour).
+Weight decay is added to the gradient (L2 regularisation), as in ``torch.optim.SGD``/``Adam``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+OptimizerState = dict[str, torch.Tensor]
+
+
+class Optimizer(Protocol):
+    """A first-order update rule applied row-wise to stacked agent parameters."""
+
+    def init(self, params: torch.Tensor) -> OptimizerState: ...
+
+    def step(self, params: torch.Tensor, grad: torch.Tensor, state: OptimizerState,
+             lr: float) -> tuple[torch.Tensor, OptimizerState]: ...
+
+
+@dataclass(frozen=True)
+class SGD:
+    """SGD with optional heavy-ball momentum, Nesterov and L2 weight decay (as ``torch.optim.SGD``)."""
+
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+    def init(self, params: torch.Tensor) -> OptimizerState:
+        return {"momentum": torch.zeros_like(params)} if self.momentum else {}
+
+    def step(self, params: torch.Tensor, grad: torch.Tensor, state: OptimizerState,
+             lr: float) -> tuple[torch.Tensor, OptimizerState]:
+        if self.weight_decay:
+            grad = grad + self.weight_decay * params
+        if not self.momentum:
+            return params - lr * grad, state
+        buffer = self.momentum * state["momentum"] + grad
+        direction = grad + self.momentum * buffer if self.nesterov else buffer
+        return params - lr * direction, {"momentum": buffer}
+
+
+@dataclass(frozen=True)
+class Adam:
+    """Adam (Kingma & Ba 2015) with bias correction and L2 weight decay (as ``torch.optim.Adam``)."""
+
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def init(self, params: torch.Tensor) -> OptimizerState:
+        return {"m": torch.zeros_like(params), "v": torch.zeros_like(params),
+                "t": torch.zeros(params.shape[0], 1, dtype=params.dtype)}
+
+    def step(self, params: torch.Tensor, grad: torch.Tensor, state: OptimizerState,
+             lr: float) -> tuple[torch.Tensor, OptimizerState]:
+        if self.weight_decay:
+            grad = grad + self.weight_decay * params
+        t = state["t"] + 1
+        m = self.beta1 * state["m"] + (1 - self.beta1) * grad
+        v = self.beta2 * state["v"] + (1 - self.beta2) * grad * grad
+        m_hat = m / (1 - self.beta1 ** t)
+        v_hat = v / (1 - self.beta2 ** t)
+        return params - lr * m_hat / (v_hat.sqrt() + self.eps), {"m": m, "v": v, "t": t}
+
+
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adam")
+
+
+def make_optimizer(name: str, *, momentum: float = 0.0, weight_decay: float = 0.0,
+                   nesterov: bool = False, betas: tuple[float, float] = (0.9, 0.999)) -> Optimizer:
+    """Build an optimizer by name (names validated by the config schema)."""
+    if name == "sgd":
+        return SGD(momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+    if name == "adam":
+        return Adam(beta1=betas[0], beta2=betas[1], weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}; allowed: {', '.join(OPTIMIZERS)}")

@@ -1,0 +1,307 @@
+"""From a validated config to a results folder: build every component, run, record.
+
+Data flow (see ``docs/architecture.md``)::
+
+    config -> dataset + partition -> AgentData ----------------+
+           -> topology (graph, W) -> SimulatedNetwork ---------+
+           -> model -> FlatModel (+ initial params, stacked) ---+--> Simulator.run -> metrics,
+           -> privacy: sigma_i calibrated for planned releases  |    checkpoints, ledger,
+              -> PrivacyLedger + GradientOracle ----------------+    summary, plots
+           -> algorithm (registry) ---------------------------/
+
+Everything that can fail because of user input (data files, graph, calibration) is built before
+the output folder is touched, so a failing run leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from decentdp.algorithms import build_algorithm
+from decentdp.algorithms.base import Algorithm, State
+from decentdp.config import ExperimentConfig
+from decentdp.data.datasets import Dataset, load_dataset
+from decentdp.data.partition import class_histograms, partition
+from decentdp.engine.evaluation import Evaluator
+from decentdp.engine.flat_model import FlatModel
+from decentdp.engine.network import SimulatedNetwork
+from decentdp.engine.rng import AgentRandom
+from decentdp.engine.sampling import AgentData, PoissonSampler
+from decentdp.engine.schedules import Schedule
+from decentdp.engine.simulator import Simulator
+from decentdp.errors import ConfigError
+from decentdp.models import build_model, classification_loss, validate_for_dp
+from decentdp.privacy.accounting import calibrate_noise_multiplier
+from decentdp.privacy.ledger import PrivacyLedger
+from decentdp.privacy.mechanism import GaussianSpec, GradientOracle
+from decentdp.results import (
+    CHECKPOINT_FILE,
+    CONFIG_FILE,
+    METRICS_FILE,
+    PRIVACY_FILE,
+    PROVENANCE_FILE,
+    SETUP_FILE,
+    SUMMARY_FILE,
+    plot_metrics,
+    provenance,
+    write_json,
+    write_jsonl,
+    write_toml,
+)
+from decentdp.topology import Topology, build_topology
+
+
+@dataclass
+class Experiment:
+    """Every component of a run, built and validated, before anything is written."""
+
+    config: ExperimentConfig
+    dataset: Dataset
+    data: AgentData
+    topology: Topology
+    model: FlatModel
+    algorithm: Algorithm
+    ledger: PrivacyLedger
+    oracle: GradientOracle
+    simulator: Simulator
+    evaluator: Evaluator
+    noise_multipliers: torch.Tensor
+    sample_rates: torch.Tensor
+    histograms: np.ndarray
+    setup: dict[str, Any] = field(default_factory=dict)
+
+    def initial_state(self) -> State:
+        params = self.model.initial_parameters()
+        return self.algorithm.init_state(params.unsqueeze(0).repeat(self.data.n_agents, 1))
+
+
+def _agent_budgets(config: ExperimentConfig, n_agents: int) -> list[float]:
+    privacy = config.privacy
+    if config.algorithm.name == "central-dpsgd":
+        return [min(privacy.agent_epsilons) if privacy.agent_epsilons else privacy.epsilon]
+    return list(privacy.agent_epsilons) if privacy.agent_epsilons else [privacy.epsilon] * n_agents
+
+
+def _calibrate(budgets: list[float], rates: list[float], config: ExperimentConfig, releases: int) -> list[float]:
+    """sigma_i for each agent's planned ``rounds * releases`` releases at rate q_i (cached per pair)."""
+    cache: dict[tuple[float, float], float] = {}
+    sigmas = []
+    for epsilon, rate in zip(budgets, rates, strict=True):
+        if (epsilon, rate) not in cache:
+            cache[(epsilon, rate)] = calibrate_noise_multiplier(
+                epsilon, config.privacy.delta, rate, config.experiment.rounds, releases, config.privacy.accountant)
+        sigmas.append(cache[(epsilon, rate)])
+    return sigmas
+
+
+def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = None) -> Experiment:
+    """Load data, build graph, model, privacy and algorithm; raises DecentDPError on bad input."""
+    cfg_data, topo_cfg, algo_cfg = config.data, config.topology, config.algorithm
+    seed = config.experiment.seed
+    dataset = load_dataset(cfg_data.dataset, data_dir if data_dir is not None else cfg_data.data_dir,
+                           image_size=cfg_data.image_size)
+    labels = dataset.y_train.numpy()
+    algorithm = build_algorithm(config)
+    if algorithm.pools_data:
+        parts = [np.arange(len(labels), dtype=np.int64)]
+        topology = build_topology("complete", 1, mixing="metropolis-hastings", seed=seed)
+    else:
+        parts = partition(labels, topo_cfg.agents, cfg_data.partition, seed=seed, t=cfg_data.overlap_t,
+                          alpha=cfg_data.dirichlet_alpha, size_skew=cfg_data.size_skew)
+        graph_params = {key: getattr(topo_cfg, key) for key in ("p", "radius", "k", "fiedler", "rows")
+                        if getattr(topo_cfg, key) is not None}
+        topology = build_topology(topo_cfg.graph, topo_cfg.agents, mixing=topo_cfg.mixing, seed=seed,
+                                  fiedler_tol=topo_cfg.fiedler_tol, **graph_params)
+    data = AgentData(dataset.x_train, dataset.y_train, tuple(torch.from_numpy(p) for p in parts))
+
+    module = build_model(config.model.name, dataset.input_shape, dataset.num_classes, seed=seed,
+                         **config.model.options)
+    private = config.privacy.private
+    if private:
+        validate_for_dp(module)
+    model = FlatModel(module, classification_loss)
+
+    sizes = [len(p) for p in parts]
+    if min(sizes) == 0:
+        raise ConfigError("data.partition", "an agent received no training data; use fewer agents or another split")
+    rates = [min(1.0, algo_cfg.batch_size / n) for n in sizes]
+    budgets = _agent_budgets(config, len(parts))
+    sigmas = _calibrate(budgets, rates, config, algorithm.releases_per_round) if private else [0.0] * len(parts)
+    ledger = PrivacyLedger(len(parts), budgets, config.privacy.delta, budget_accountant=config.privacy.accountant)
+    rng = AgentRandom(seed)
+    sample_rates = torch.tensor(rates, dtype=torch.float64)
+    noise_multipliers = torch.tensor(sigmas, dtype=torch.float32)
+    sampler = PoissonSampler(data, sample_rates, rng)
+    spec = GaussianSpec(noise_multipliers, config.privacy.clip) if private else None
+    oracle = GradientOracle(model, sampler, ledger, rng, spec)
+    network = SimulatedNetwork(topology)
+    schedule = Schedule(algo_cfg.lr_schedule, algo_cfg.lr, algo_cfg.lr_final or algo_cfg.lr, config.experiment.rounds)
+    simulator = Simulator(algorithm, network, oracle, schedule)
+    evaluator = Evaluator(model, dataset.x_test, dataset.y_test)
+    histograms = class_histograms(labels, parts, dataset.num_classes)
+    setup = {
+        "n_agents": len(parts),
+        "parameters": model.dim,
+        "agent_sizes": sizes,
+        "sample_rates": rates,
+        "noise_multipliers": sigmas,
+        "epsilon_budgets": [b if math.isfinite(b) else "inf" for b in budgets],
+        "releases_per_round": algorithm.releases_per_round,
+        "calibration_accountant": config.privacy.accountant,
+        "class_histograms": histograms.tolist(),
+        "topology": topology.report.as_dict(),
+        "mixing_warnings": list(topology.warnings),
+    }
+    return Experiment(config, dataset, data, topology, model, algorithm, ledger, oracle, simulator, evaluator,
+                      noise_multipliers, sample_rates, histograms, setup)
+
+
+@dataclass
+class RunResult:
+    """What a finished (or stopped) run reports."""
+
+    summary: dict[str, Any]
+    metrics: list[dict[str, Any]]
+    state: State
+    out_dir: Path | None
+
+
+def _prepare_out_dir(out_dir: Path, resume: bool) -> dict[str, Any] | None:
+    checkpoint = out_dir / CHECKPOINT_FILE
+    if resume:
+        if not checkpoint.is_file():
+            raise ConfigError("--resume", f"no checkpoint to resume in {out_dir}")
+        return torch.load(checkpoint, weights_only=False)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ConfigError("--out", f"{out_dir} already holds files; pass --resume to continue that run "
+                                   "or choose an empty directory")
+    return None
+
+
+def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, *,
+                   data_dir: str | Path | None = None, resume: bool = False, stop_after: int | None = None,
+                   progress: bool = True, log: Callable[[str], None] | None = None) -> RunResult:
+    """Build and run an experiment, writing its results folder (if ``out_dir`` is given).
+
+    ``stop_after`` ends the run after that many rounds (as if killed right after a checkpoint),
+    leaving a resumable folder; ``resume`` continues a run from its folder's checkpoint.
+    """
+    experiment = build_experiment(config, data_dir)
+    out = Path(out_dir) if out_dir is not None else None
+    checkpoint = _prepare_out_dir(out, resume) if out is not None else None
+    if checkpoint is not None and checkpoint["config"] != config.to_toml_dict():
+        raise ConfigError("--resume", "the config differs from the one the checkpoint was made with")
+
+    state = experiment.initial_state()
+    metrics: list[dict[str, Any]] = []
+    start, elapsed = 0, 0.0
+    if checkpoint is not None:
+        state, start, elapsed = checkpoint["state"], checkpoint["round"], checkpoint["wall_seconds"]
+        metrics = checkpoint["metrics"]
+        experiment.ledger = experiment.ledger.from_state_dict(checkpoint["ledger"])
+        experiment.oracle.ledger = experiment.ledger
+    elif out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        write_toml(out / CONFIG_FILE, config.to_toml_dict())
+        write_json(out / PROVENANCE_FILE, provenance(config.experiment.seed))
+        write_json(out / SETUP_FILE, experiment.setup)
+
+    cfg = config.experiment
+    rounds = cfg.rounds
+    last = min(rounds, stop_after) if stop_after is not None else rounds
+    checkpoint_every = cfg.checkpoint_every or cfg.eval_every
+    emit = log or (lambda message: tqdm.write(message))
+    bar = tqdm(total=rounds, initial=start, disable=not progress, desc=cfg.name, unit="round", leave=False)
+    clock = time.perf_counter()
+
+    def save(round_done: int, current: State) -> None:
+        if out is None:
+            return
+        payload = {"round": round_done, "state": current, "metrics": metrics, "config": config.to_toml_dict(),
+                   "ledger": experiment.ledger.state_dict(), "wall_seconds": elapsed + time.perf_counter() - clock}
+        tmp = out / f".{CHECKPOINT_FILE}.tmp"
+        torch.save(payload, tmp)
+        tmp.replace(out / CHECKPOINT_FILE)
+        write_jsonl(out / METRICS_FILE, metrics)
+
+    def after_round(done: int, current: State) -> bool:
+        bar.update(1)
+        if done % cfg.eval_every == 0 or done == rounds:
+            row = {"round": done, "lr": experiment.simulator.schedule(done - 1),
+                   **experiment.evaluator(current["params"]).summary(),
+                   "epsilon_max": float(experiment.ledger.epsilon(config.privacy.accountant).max()),
+                   "epsilon_accountant": config.privacy.accountant,
+                   "clipped_fraction": experiment.oracle.last.clipped_fraction if experiment.oracle.last else 0.0,
+                   "wall_seconds": elapsed + time.perf_counter() - clock}
+            metrics.append(row)
+            emit(f"round {done:>5}/{rounds}  acc {row['accuracy_mean']:.4f} "
+                 f"(min {row['accuracy_min']:.4f}, max {row['accuracy_max']:.4f})  "
+                 f"consensus {row['consensus_distance']:.3g}  eps({row['epsilon_accountant']}) "
+                 f"{row['epsilon_max']:.3g}")
+        if done % checkpoint_every == 0 or done == last:
+            save(done, current)
+        return done < last
+
+    if start < last:
+        state = experiment.simulator.run(state, start, rounds, after_round)
+    bar.close()
+    wall = elapsed + time.perf_counter() - clock
+    summary = _summary(experiment, metrics, wall, finished=last == rounds)
+    if out is not None and last == rounds:
+        epsilons_pld = experiment.ledger.epsilon("pld")
+        write_json(out / PRIVACY_FILE, {
+            "delta": config.privacy.delta,
+            "epsilon_pld": epsilons_pld.tolist(),
+            "epsilon_rdp": experiment.ledger.epsilon("rdp").tolist(),
+            "releases": experiment.ledger.releases().tolist(),
+            "refused_releases": experiment.ledger.refused.tolist(),
+            "ledger": experiment.ledger.state_dict(),
+        })
+        write_json(out / SUMMARY_FILE, summary)
+        if metrics:
+            plot_metrics(metrics, out)
+    return RunResult(summary, metrics, state, out)
+
+
+def _summary(experiment: Experiment, metrics: list[dict[str, Any]], wall: float, finished: bool) -> dict[str, Any]:
+    config = experiment.config
+    last = metrics[-1] if metrics else {}
+    eps_pld = experiment.ledger.epsilon("pld")
+    return {
+        "name": config.experiment.name,
+        "algorithm": config.algorithm.name,
+        "dataset": config.data.dataset,
+        "n_agents": experiment.data.n_agents,
+        "rounds": int(last.get("round", 0)),
+        "finished": finished,
+        "accuracy_mean": last.get("accuracy_mean"),
+        "accuracy_std": last.get("accuracy_std"),
+        "accuracy_min": last.get("accuracy_min"),
+        "accuracy_max": last.get("accuracy_max"),
+        "consensus_distance": last.get("consensus_distance"),
+        "epsilon_max": _finite_or_str(float(eps_pld.max())),
+        "epsilon_per_agent": [_finite_or_str(float(e)) for e in eps_pld],
+        "epsilon_accountant": "pld",
+        "delta": config.privacy.delta,
+        "noise_multipliers": experiment.noise_multipliers.tolist(),
+        "wall_seconds": wall,
+    }
+
+
+def _finite_or_str(value: float) -> float | str:
+    return value if math.isfinite(value) else "inf"
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """The one-line JSON the CLI prints last with ``--json``."""
+    return json.dumps(summary, sort_keys=True)

@@ -1,0 +1,37 @@
+"""Per-sample gradient clipping (flat l2), as in DP-SGD (Abadi et al. 2016, Algorithm 1).
+
+``clip_C(g) = g * min(1, C / ||g||_2)`` bounds each record's contribution to a batch sum by ``C``,
+which is the sensitivity the Gaussian noise ``sigma * C`` is calibrated to.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_NORM_EPS = 1e-6
+
+
+def clip_factors(norms: torch.Tensor, clip: float) -> torch.Tensor:
+    """``min(1, C / ||g||)`` for each per-sample gradient norm."""
+    return (clip / (norms + _NORM_EPS)).clamp(max=1.0)
+
+
+def clipped_sum(per_sample: torch.Tensor, mask: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum over each agent's batch of clipped per-sample gradients.
+
+    Parameters
+    ----------
+    per_sample:
+        ``(N, B, d)`` per-sample gradients (padded batches).
+    mask:
+        ``(N, B)`` with 1 for real samples and 0 for padding.
+    clip:
+        The clipping norm ``C``.
+
+    Returns
+    -------
+    The ``(N, d)`` clipped sums and the ``(N, B)`` per-sample norms before clipping.
+    """
+    norms = per_sample.norm(dim=-1)
+    weights = clip_factors(norms, clip) * mask
+    return torch.einsum("nb,nbd->nd", weights, per_sample), norms

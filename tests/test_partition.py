@@ -1,0 +1,209 @@
+"""Tests of the agent data splits: equation (8), cover and determinism properties, parameter validation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decentdp.data.partition import PARTITIONS, class_histograms, overlap_matrix, partition
+from decentdp.errors import ConfigError
+
+SCHEME_PARAMS = {
+    "iid": {},
+    "overlap": {"t": 0.5},
+    "dirichlet": {"alpha": 0.5},
+    "unequal": {"size_skew": 1.0},
+}
+
+
+def make_labels(n: int, n_classes: int, seed: int = 0) -> np.ndarray:
+    """Unbalanced labels: class sizes differ so rounding is exercised."""
+    rng = np.random.default_rng(seed)
+    return rng.choice(n_classes, size=n, p=np.arange(1, n_classes + 1) / np.arange(1, n_classes + 1).sum())
+
+
+def expected_a(n_agents: int, n_classes: int, t: float) -> np.ndarray:
+    """Equation (8) written entry by entry, independently of the library."""
+    a = np.zeros((n_agents, n_classes))
+    for j in range(n_classes):
+        for i in range(n_agents):
+            if i != j % n_agents:
+                a[i, j] = (1 - t) / n_agents
+        owner = j % n_agents
+        a[owner, j] = 1 - sum(a[k, j] for k in range(n_agents) if k != owner)
+    return a
+
+
+@pytest.mark.parametrize("t", [0.0, 0.25, 0.5, 0.75, 1.0])
+def test_overlap_matrix_matches_equation_8(t: float) -> None:
+    a = overlap_matrix(10, 10, t)
+    assert a.shape == (10, 10)
+    np.testing.assert_allclose(a, expected_a(10, 10, t), atol=1e-12)
+    np.testing.assert_allclose(a.sum(axis=0), 1.0, atol=1e-12)
+
+
+@pytest.mark.parametrize(("n_agents", "n_classes"), [(4, 10), (10, 4), (3, 3), (1, 5)])
+def test_overlap_matrix_other_shapes(n_agents: int, n_classes: int) -> None:
+    for t in (0.0, 0.3, 1.0):
+        a = overlap_matrix(n_agents, n_classes, t)
+        np.testing.assert_allclose(a, expected_a(n_agents, n_classes, t), atol=1e-12)
+        np.testing.assert_allclose(a.sum(axis=0), 1.0, atol=1e-12)
+
+
+def test_overlap_matrix_extremes() -> None:
+    np.testing.assert_array_equal(overlap_matrix(10, 10, 1.0), np.eye(10))
+    np.testing.assert_allclose(overlap_matrix(10, 10, 0.0), np.full((10, 10), 0.1))
+
+
+@pytest.mark.parametrize("t", [0.0, 0.25, 0.5, 0.75, 1.0])
+def test_overlap_partition_realizes_matrix(t: float) -> None:
+    labels = make_labels(3000, 10)
+    parts = partition(labels, 10, "overlap", seed=1, t=t)
+    hist = class_histograms(labels, parts, 10)
+    counts = np.bincount(labels, minlength=10)
+    np.testing.assert_array_equal(hist.sum(axis=0), counts)
+    fractions = hist / counts
+    assert np.all(np.abs(fractions - overlap_matrix(10, 10, t)) <= 1.0 / counts + 1e-12)
+
+
+def test_overlap_t1_gives_one_class_per_agent() -> None:
+    labels = make_labels(2000, 10)
+    parts = partition(labels, 10, "overlap", seed=0, t=1.0)
+    for i, part in enumerate(parts):
+        assert set(np.unique(labels[part])) == {i}
+
+
+def test_overlap_rounding_ties_are_not_biased() -> None:
+    # 3 samples per class over 2 agents at t=0: every class has one leftover sample and a tie; random
+    # tie-breaking must not hand it to the same agent every time (which would give sizes 80 / 40).
+    labels = np.repeat(np.arange(40), 3)
+    parts = partition(labels, 2, "overlap", seed=0, t=0.0)
+    assert set(class_histograms(labels, parts, 40).ravel()) == {1, 2}
+    assert abs(len(parts[0]) - len(parts[1])) < 30
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    scheme=st.sampled_from(PARTITIONS),
+    n_agents=st.integers(1, 12),
+    n_classes=st.integers(1, 10),
+    seed=st.integers(0, 2**31),
+)
+def test_disjoint_cover(scheme: str, n_agents: int, n_classes: int, seed: int) -> None:
+    labels = make_labels(400, n_classes, seed=seed % 7)
+    params = dict(SCHEME_PARAMS[scheme])
+    if scheme == "overlap":
+        params["t"] = 0.3  # some agents own no class when n_agents > n_classes: t must leave them data
+    parts = partition(labels, n_agents, scheme, seed=seed, **params)
+    assert len(parts) == n_agents
+    for part in parts:
+        assert part.dtype == np.int64
+        assert np.all(np.diff(part) > 0)  # sorted, no duplicates
+        assert len(part) >= 1
+    merged = np.concatenate(parts)
+    np.testing.assert_array_equal(np.sort(merged), np.arange(len(labels)))
+
+
+@pytest.mark.parametrize("scheme", PARTITIONS)
+def test_deterministic_per_seed(scheme: str) -> None:
+    labels = make_labels(1000, 10)
+    a = partition(labels, 8, scheme, seed=3, **SCHEME_PARAMS[scheme])
+    b = partition(labels, 8, scheme, seed=3, **SCHEME_PARAMS[scheme])
+    c = partition(labels, 8, scheme, seed=4, **SCHEME_PARAMS[scheme])
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c, strict=True))
+
+
+def test_iid_near_equal_sizes() -> None:
+    parts = partition(make_labels(1003, 10), 10, "iid", seed=0)
+    assert sorted(len(p) for p in parts) == [100] * 7 + [101] * 3
+
+
+def test_dirichlet_min_size_enforced() -> None:
+    labels = make_labels(2000, 10)
+    parts = partition(labels, 10, "dirichlet", seed=0, alpha=0.1, min_size=60)
+    assert min(len(p) for p in parts) >= 60
+
+
+def test_dirichlet_unreachable_min_size_suggests_larger_alpha() -> None:
+    labels = make_labels(1000, 10)
+    with pytest.raises(ConfigError) as info:
+        partition(labels, 10, "dirichlet", seed=0, alpha=0.01, min_size=99)
+    assert info.value.field == "data.dirichlet_alpha"
+    assert "larger alpha" in str(info.value)
+
+
+def test_dirichlet_small_alpha_is_skewed() -> None:
+    labels = make_labels(5000, 10)
+    hist = class_histograms(labels, partition(labels, 10, "dirichlet", seed=0, alpha=0.05), 10)
+    iid = class_histograms(labels, partition(labels, 10, "iid", seed=0), 10)
+    # Fraction of each agent's data in its most common class.
+    assert (hist.max(axis=1) / hist.sum(axis=1)).mean() > 2 * (iid.max(axis=1) / iid.sum(axis=1)).mean()
+
+
+def test_unequal_sizes_vary_and_respect_min_size() -> None:
+    labels = make_labels(5000, 10)
+    sizes = np.array([len(p) for p in partition(labels, 10, "unequal", seed=0, size_skew=1.5, min_size=50)])
+    assert sizes.min() >= 50
+    assert sizes.max() > 2 * sizes.min()
+    flat = np.array([len(p) for p in partition(labels, 10, "unequal", seed=0, size_skew=0.01)])
+    assert flat.max() - flat.min() <= 0.05 * flat.mean()
+
+
+def test_class_histograms_counts() -> None:
+    labels = np.array([0, 1, 1, 2, 2, 2])
+    hist = class_histograms(labels, [np.array([0, 1]), np.array([2, 3, 4, 5])], 3)
+    np.testing.assert_array_equal(hist, [[1, 1, 0], [0, 1, 3]])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"scheme": "bogus"}, "data.partition"),
+        ({"scheme": "overlap"}, "data.overlap_t"),
+        ({"scheme": "overlap", "t": -0.1}, "data.overlap_t"),
+        ({"scheme": "overlap", "t": 1.5}, "data.overlap_t"),
+        ({"scheme": "dirichlet"}, "data.dirichlet_alpha"),
+        ({"scheme": "dirichlet", "alpha": 0.0}, "data.dirichlet_alpha"),
+        ({"scheme": "dirichlet", "alpha": float("nan")}, "data.dirichlet_alpha"),
+        ({"scheme": "unequal"}, "data.size_skew"),
+        ({"scheme": "unequal", "size_skew": -1.0}, "data.size_skew"),
+        ({"scheme": "iid", "n_agents": 0}, "topology.agents"),
+        ({"scheme": "iid", "n_agents": 101}, "topology.agents"),
+        ({"scheme": "iid", "n_agents": 10, "min_size": 11}, "topology.agents"),
+        ({"scheme": "iid", "min_size": 0}, "min_size"),
+        ({"scheme": "iid", "seed": -1}, "experiment.seed"),
+    ],
+)
+def test_invalid_values_name_the_field(kwargs: dict, field: str) -> None:
+    args = {"n_agents": 4, "seed": 0} | kwargs
+    with pytest.raises(ConfigError) as info:
+        partition(make_labels(100, 5), **args)
+    assert info.value.field == field
+
+
+def test_unknown_scheme_lists_allowed() -> None:
+    with pytest.raises(ConfigError, match="iid, overlap, dirichlet, unequal"):
+        partition(make_labels(100, 5), 4, "pathological", seed=0)
+
+
+def test_overlap_agent_without_class_rejected() -> None:
+    # t=1 with more agents than classes leaves agents 5..9 with nothing.
+    with pytest.raises(ConfigError) as info:
+        partition(make_labels(500, 5), 10, "overlap", seed=0, t=1.0)
+    assert info.value.field == "data.partition"
+
+
+def test_overlap_matrix_rejects_bad_t() -> None:
+    with pytest.raises(ConfigError) as info:
+        overlap_matrix(10, 10, 2.0)
+    assert info.value.field == "data.overlap_t"
+
+
+def test_bad_labels_rejected() -> None:
+    with pytest.raises(ConfigError):
+        partition(np.array([0.5, 1.5, 2.0]), 2, "iid", seed=0)
+    with pytest.raises(ConfigError):
+        partition(np.array([0, -1, 2]), 2, "iid", seed=0)
