@@ -7,19 +7,15 @@ turned into one :class:`~decentdp.errors.ConfigError` whose message names every 
 
 from __future__ import annotations
 
+import copy
 import math
-import sys
+import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from decentdp.errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 AlgorithmName = Literal["central-dpsgd", "local", "dp-dsgd", "dp-dsgt", "dp-dinno"]
 DatasetName = Literal["digits", "mnist", "fashion-mnist", "cifar10", "cifar100"]
@@ -223,8 +219,7 @@ def parse_override(assignment: str) -> tuple[list[str], Any]:
 
 def apply_overrides(raw: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
     """A copy of ``raw`` with each ``section.key=value`` assignment applied."""
-    merged: dict[str, Any] = {section: dict(values) if isinstance(values, dict) else values
-                              for section, values in raw.items()}
+    merged: dict[str, Any] = copy.deepcopy(raw)
     for assignment in assignments:
         path, value = parse_override(assignment)
         target = merged
@@ -242,7 +237,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
     if not file.is_file():
         raise ConfigError("CONFIG", f"no such config file: {file}")
     try:
-        raw = tomllib.loads(file.read_text())
+        raw = tomllib.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("CONFIG", f"cannot read {file} as UTF-8 TOML: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("CONFIG", f"{file} is not valid TOML: {exc}") from None
     return validate_config(apply_overrides(raw, overrides or []))

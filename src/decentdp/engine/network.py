@@ -13,6 +13,7 @@ directed, and every undirected link of the graph appears as two directed edges.
 
 from __future__ import annotations
 
+import warnings
 from typing import Protocol
 
 import numpy as np
@@ -70,7 +71,11 @@ class SimulatedNetwork:
 
     def _operator(self, matrix: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         dense = torch.tensor(matrix, dtype=dtype)
-        return dense.to_sparse_csr() if self.n_agents >= _SPARSE_FROM else dense
+        if self.n_agents < _SPARSE_FROM:
+            return dense
+        with warnings.catch_warnings():  # "sparse CSR support is in beta": matmul with CSR is all we use
+            warnings.simplefilter("ignore", UserWarning)
+            return dense.to_sparse_csr()
 
     def mix(self, x: torch.Tensor) -> torch.Tensor:
         return self._mixing @ x

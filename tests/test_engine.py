@@ -1,0 +1,177 @@
+"""The simulator's pieces: message passing, optimizers, schedules, random streams, algorithms."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from decentdp.algorithms.base import RoundContext
+from decentdp.algorithms.dp_dinno import DPDiNNO
+from decentdp.algorithms.dp_dsgd import DPDSGD
+from decentdp.algorithms.dp_dsgt import DPDSGT
+from decentdp.config import validate_config
+from decentdp.engine.network import SimulatedNetwork
+from decentdp.engine.optim import SGD, Adam
+from decentdp.engine.rng import AgentRandom, Stream
+from decentdp.engine.schedules import Schedule
+from decentdp.experiment import build_experiment
+from decentdp.topology import build_topology
+
+from conftest import tiny_config
+
+
+def _network(graph: str = "ring", n: int = 6, **params: float) -> SimulatedNetwork:
+    return SimulatedNetwork(build_topology(graph, n, seed=0, **params), dtype=torch.float64)
+
+
+def test_message_passing_primitives_agree_with_mixing() -> None:
+    net = _network("erdos-renyi", 8, p=0.5)
+    x = torch.randn(8, 5, dtype=torch.float64)
+    w = torch.tensor(net.topology.mixing)
+    src, dst = net.edges[:, 0], net.edges[:, 1]
+    via_messages = net.aggregate(net.broadcast(x), weights=w[dst, src]) + torch.diag(w)[:, None] * x
+    torch.testing.assert_close(via_messages, net.mix(x))
+    torch.testing.assert_close(net.neighbor_sum(x), net.aggregate(net.broadcast(x)))
+    torch.testing.assert_close(net.degrees, torch.tensor(net.topology.adjacency().sum(1)))
+
+
+def test_per_edge_messages_reach_their_receiver() -> None:
+    net = _network("star", 5)
+    messages = torch.arange(len(net.edges), dtype=torch.float64)[:, None]  # a distinct message per edge
+    received = net.aggregate(net.exchange(messages))
+    for agent in range(5):
+        assert received[agent, 0] == messages[net.edges[:, 1] == agent].sum()
+
+
+def test_pairwise_swap_exchanges_between_neighbours_only() -> None:
+    net = _network("ring", 6)
+    x = torch.arange(6.0)[:, None]
+    partner = torch.tensor([1, 0, 2, 4, 3, 5])  # pairs (0,1), (3,4); agents 2 and 5 idle or offline
+    assert net.swap(x, partner)[:, 0].tolist() == [1, 0, 2, 4, 3, 5]
+    with pytest.raises(ValueError, match="not a pair of neighbours"):
+        net.swap(x, torch.tensor([3, 1, 2, 0, 4, 5]))
+
+
+def test_large_networks_mix_with_a_sparse_operator() -> None:
+    net = SimulatedNetwork(build_topology("ring", 300, seed=0))
+    x = torch.randn(300, 3)
+    assert net._mixing.layout == torch.sparse_csr
+    dense = torch.tensor(net.topology.mixing, dtype=torch.float32)
+    torch.testing.assert_close(net.mix(x), dense @ x)
+
+
+@pytest.mark.parametrize("momentum,nesterov,weight_decay", [(0.0, False, 0.0), (0.9, False, 1e-4), (0.9, True, 0.0)])
+def test_sgd_matches_torch_optim(momentum: float, nesterov: bool, weight_decay: float) -> None:
+    _check_against_torch(SGD(momentum, weight_decay, nesterov),
+                         lambda p: torch.optim.SGD(p, lr=0.05, momentum=momentum, nesterov=nesterov,
+                                                   weight_decay=weight_decay))
+
+
+def test_adam_matches_torch_optim() -> None:
+    _check_against_torch(Adam(weight_decay=1e-3), lambda p: torch.optim.Adam(p, lr=0.05, weight_decay=1e-3))
+
+
+def _check_against_torch(ours: SGD | Adam, make_reference) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    params = torch.randn(3, 4, dtype=torch.float64)
+    reference = [torch.nn.Parameter(row.clone()) for row in params]
+    optimizer = make_reference(reference)
+    state = ours.init(params)
+    for _ in range(5):
+        grads = torch.randn(3, 4, dtype=torch.float64)
+        params, state = ours.step(params, grads, state, 0.05)
+        for row, g in zip(reference, grads, strict=True):
+            row.grad = g.clone()
+        optimizer.step()
+    torch.testing.assert_close(params, torch.stack([p.detach() for p in reference]))
+
+
+def test_schedules_hit_their_endpoints() -> None:
+    log = Schedule("logspace", 0.1, 0.001, 101)
+    assert log(0) == pytest.approx(0.1) and log(100) == pytest.approx(0.001) and log(50) == pytest.approx(0.01)
+    cosine = Schedule("cosine", 0.1, 0.0, 11)
+    assert cosine(0) == pytest.approx(0.1) and cosine(10) == pytest.approx(0.0) and cosine(5) == pytest.approx(0.05)
+    assert Schedule("constant", 0.3, 0.3, 5)(4) == 0.3
+
+
+def test_agent_streams_are_keyed_and_independent_of_other_agents() -> None:
+    rng = AgentRandom(11)
+    block = rng.normal([0, 1, 2, 3], 1000, round_index=5, stream=Stream.NOISE)
+    alone = rng.normal([2], 1000, round_index=5, stream=Stream.NOISE)
+    torch.testing.assert_close(block[2:3], alone, rtol=0, atol=0)  # a shard holding only agent 2 agrees
+    assert not torch.equal(block[0], block[1])
+    assert not torch.equal(rng.normal([0], 1000, 6, Stream.NOISE), block[:1])
+    assert not torch.equal(rng.normal([0], 1000, 5, Stream.NOISE, step=1), block[:1])
+
+
+def _quadratic(targets: torch.Tensor):  # type: ignore[no-untyped-def]
+    """Agent i's loss 1/2 ||theta - b_i||^2, whose network optimum is mean(b)."""
+    return lambda params, round_index, step: params - targets
+
+
+def _run(algorithm, net: SimulatedNetwork, targets: torch.Tensor, rounds: int, lr) -> dict:  # type: ignore[no-untyped-def]
+    state = algorithm.init_state(torch.zeros_like(targets))
+    for k in range(rounds):
+        state = algorithm.round(state, RoundContext(k, lr(k), net, _quadratic(targets)))
+    return state
+
+
+def test_dsgd_on_a_quadratic_converges_to_the_known_optimum() -> None:
+    torch.manual_seed(0)
+    net = _network("ring", 8)
+    targets = torch.randn(8, 3, dtype=torch.float64) * 3
+    state = _run(DPDSGD(SGD()), net, targets, 3000, lambda k: 1 / (k + 2))  # diminishing steps: exact limit
+    torch.testing.assert_close(state["params"], targets.mean(0).expand(8, 3), atol=1e-2, rtol=0)
+
+
+def test_dsgt_converges_exactly_with_a_constant_step() -> None:
+    torch.manual_seed(0)
+    net = _network("ring", 8)
+    targets = torch.randn(8, 3, dtype=torch.float64) * 3
+    state = _run(DPDSGT(), net, targets, 500, lambda k: 0.2)
+    torch.testing.assert_close(state["params"], targets.mean(0).expand(8, 3), atol=1e-8, rtol=0)
+
+
+@pytest.mark.parametrize("optimizer", [SGD(), Adam()], ids=["sgd", "adam-reset-each-round"])
+def test_dinno_on_a_quadratic_reaches_consensus_at_the_optimum(optimizer: SGD | Adam) -> None:
+    torch.manual_seed(0)
+    net = _network("ring", 6)
+    targets = torch.randn(6, 2, dtype=torch.float64)
+    algorithm = DPDiNNO(optimizer, rho=0.5, primal_steps=5, reset_each_round=isinstance(optimizer, Adam))
+    state = _run(algorithm, net, targets, 1000, lambda k: 0.02)
+    torch.testing.assert_close(state["params"], targets.mean(0).expand(6, 2), atol=1e-6, rtol=0)
+    assert state["dual"].sum(0).abs().max() < 1e-9  # duals stay in the range of the Laplacian
+
+
+def test_dsgt_tracks_the_sum_of_the_latest_gradients() -> None:
+    """With sigma = 0 and a doubly stochastic W: sum_i y_i = sum_i G_i after every round (eq. 5)."""
+    experiment = build_experiment(validate_config(tiny_config(
+        privacy={"epsilon": "inf"}, topology={"graph": "erdos-renyi", "agents": 6, "p": 0.5},
+        model={"name": "mlp"})))
+    state = experiment.initial_state()
+    for k in range(5):
+        ctx = RoundContext(k, 0.1, experiment.simulator.network, experiment.oracle)
+        state = experiment.algorithm.round(state, ctx)
+        torch.testing.assert_close(state["tracker"].sum(0), state["last_grad"].sum(0), atol=1e-5, rtol=1e-5)
+        assert torch.count_nonzero(state["last_grad"]) > 0
+
+
+def test_private_runs_are_bit_for_bit_reproducible() -> None:
+    raw = tiny_config(algorithm={"name": "dp-dsgd", "optimizer": "sgd", "momentum": 0.5})
+    finals = []
+    for _ in range(2):
+        experiment = build_experiment(validate_config(raw))
+        finals.append(experiment.simulator.run(experiment.initial_state(), 0, 3, lambda d, s: True)["params"])
+    assert torch.equal(finals[0], finals[1])
+
+
+def test_central_training_pools_all_data_into_one_agent() -> None:
+    experiment = build_experiment(validate_config(tiny_config(algorithm={"name": "central-dpsgd"})))
+    assert experiment.data.n_agents == 1
+    assert len(experiment.data.indices[0]) == len(experiment.dataset.y_train)
+    assert float(experiment.sample_rates[0]) == pytest.approx(16 / len(experiment.dataset.y_train))
+    assert math.isfinite(float(experiment.noise_multipliers[0]))
+    np.testing.assert_array_equal(experiment.histograms.sum(0), np.bincount(experiment.dataset.y_train.numpy()))

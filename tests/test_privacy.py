@@ -1,0 +1,190 @@
+"""Privacy machinery: clipping, calibrated noise, calibration, ledgers and budget enforcement."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from opacus.accountants import RDPAccountant
+from opacus.accountants.utils import get_noise_multiplier
+from scipy import stats
+
+from decentdp.config import validate_config
+from decentdp.engine.flat_model import FlatModel
+from decentdp.engine.rng import AgentRandom
+from decentdp.engine.sampling import AgentData, PoissonSampler
+from decentdp.errors import ConfigError, PrivacyError
+from decentdp.experiment import build_experiment
+from decentdp.models import build_model, classification_loss
+from decentdp.privacy.accounting import calibrate_noise_multiplier, epsilon_spent
+from decentdp.privacy.clipping import clipped_sum
+from decentdp.privacy.ledger import PrivacyLedger
+from decentdp.privacy.mechanism import GaussianSpec, GradientOracle
+
+from conftest import tiny_config
+
+
+def _flat_model(name: str = "convnet", shape: tuple[int, int, int] = (1, 12, 12)) -> FlatModel:
+    return FlatModel(build_model(name, shape, 10, seed=3), classification_loss)
+
+
+@pytest.mark.parametrize("name,shape", [("convnet", (1, 12, 12)), ("mlp", (1, 8, 8)), ("cifar-cnn", (3, 8, 8))])
+def test_per_sample_clipped_sums_match_one_sample_at_a_time(name: str, shape: tuple[int, int, int]) -> None:
+    torch.manual_seed(0)
+    model = _flat_model(name, shape)
+    n_agents, batch, clip = 3, 5, 0.05
+    params = model.initial_parameters() + 0.01 * torch.randn(n_agents, model.dim)
+    x = torch.randn(n_agents, batch, *shape)
+    y = torch.randint(0, 10, (n_agents, batch))
+    mask = torch.ones(n_agents, batch)
+    mask[1, 3:] = 0.0  # padding must not contribute
+    summed, norms = clipped_sum(model.per_sample_gradients(params, x, y), mask, clip)
+
+    module = model.module
+    for agent in range(n_agents):
+        expected = torch.zeros(model.dim)
+        for b in range(batch):
+            torch.nn.utils.vector_to_parameters(params[agent].clone(), module.parameters())
+            module.zero_grad()
+            classification_loss(module(x[agent, b:b + 1]), y[agent, b:b + 1]).sum().backward()
+            g = torch.cat([p.grad.reshape(-1) for p in module.parameters()])
+            assert norms[agent, b].item() == pytest.approx(g.norm().item(), rel=1e-4)
+            expected += mask[agent, b] * g * min(1.0, clip / (g.norm().item() + 1e-6))
+        torch.testing.assert_close(summed[agent], expected, rtol=1e-4, atol=1e-6)
+
+
+def _oracle(sigma: float, clip: float, n_agents: int = 4, batch: int = 8) -> GradientOracle:
+    torch.manual_seed(1)
+    model = _flat_model("mlp", (1, 8, 8))
+    x = torch.randn(200, 1, 8, 8)
+    y = torch.randint(0, 10, (200,))
+    data = AgentData(x, y, tuple(torch.arange(i * 50, (i + 1) * 50) for i in range(n_agents)))
+    rates = torch.full((n_agents,), batch / 50, dtype=torch.float64)
+    rng = AgentRandom(7)
+    ledger = PrivacyLedger(n_agents, math.inf, 1e-5)
+    spec = GaussianSpec(torch.full((n_agents,), sigma), clip)
+    return GradientOracle(model, PoissonSampler(data, rates, rng), ledger, rng, spec)
+
+
+def test_added_noise_has_the_calibrated_standard_deviation() -> None:
+    sigma, clip = 1.7, 0.5
+    oracle = _oracle(sigma, clip)
+    params = oracle.model.initial_parameters().repeat(4, 1)
+    released = oracle(params, round_index=3)
+    batch = oracle.sampler.sample(3)
+    summed, _ = clipped_sum(oracle.model.per_sample_gradients(params, batch.x, batch.y), batch.mask, clip)
+    noise = (released * oracle.expected_batch[:, None] - summed).flatten().double()
+    expected_std = sigma * clip
+    # Chi-square interval for the variance of n i.i.d. normal draws (fixed seed, alpha = 1e-4).
+    n = noise.numel()
+    var = float(noise.pow(2).mean())
+    low, high = stats.chi2.ppf([5e-5, 1 - 5e-5], n) / n
+    assert low * expected_std**2 < var < high * expected_std**2
+    assert abs(float(noise.mean())) < 5 * expected_std / math.sqrt(n)
+    # Noise differs across agents and rounds, and is reproducible for the same key.
+    again = oracle(params, round_index=3)
+    torch.testing.assert_close(again, released, rtol=0, atol=0)
+    assert not torch.equal(oracle(params, round_index=4), released)
+
+
+def test_calibrated_sigma_agrees_with_opacus_within_one_percent() -> None:
+    for epsilon, q, steps in [(1.0, 1 / 24, 2000), (10.0, 256 / 60000, 2000), (0.5, 0.01, 500)]:
+        sigma = calibrate_noise_multiplier(epsilon, 1e-5, q, steps, accountant="rdp")
+        opacus_sigma = get_noise_multiplier(target_epsilon=epsilon, target_delta=1e-5, sample_rate=q, steps=steps,
+                                            accountant="rdp", epsilon_tolerance=0.001)
+        assert sigma == pytest.approx(opacus_sigma, rel=0.01)
+        accountant = RDPAccountant()
+        accountant.history = [(sigma, q, steps)]
+        assert accountant.get_epsilon(1e-5) == pytest.approx(epsilon, rel=0.01)
+
+
+def test_calibration_accounts_for_every_release_per_step() -> None:
+    one = calibrate_noise_multiplier(1.0, 1e-5, 0.05, 200, releases_per_step=1)
+    two = calibrate_noise_multiplier(1.0, 1e-5, 0.05, 200, releases_per_step=2)
+    assert two > one
+    assert two == pytest.approx(calibrate_noise_multiplier(1.0, 1e-5, 0.05, 400), rel=1e-6)
+    assert epsilon_spent(two, 1e-5, 0.05, 200, 2, accountant="rdp") <= 1.0
+
+
+def test_pld_reports_a_tighter_epsilon_than_rdp() -> None:
+    sigma = calibrate_noise_multiplier(1.0, 1e-5, 1 / 24, 2000)
+    pld = epsilon_spent(sigma, 1e-5, 1 / 24, 2000, accountant="pld")
+    assert 0.8 < pld < epsilon_spent(sigma, 1e-5, 1 / 24, 2000, accountant="rdp") <= 1.0
+
+
+def test_unreachable_epsilon_raises_privacy_error() -> None:
+    with pytest.raises(PrivacyError, match="raise epsilon or delta"):
+        calibrate_noise_multiplier(1e-9, 1e-12, 1.0, 10**6)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"target_epsilon": -1.0}, "privacy.epsilon"),
+    ({"delta": 0.0}, "privacy.delta"),
+    ({"sample_rate": 1.5}, "--sample-rate"),
+    ({"steps": 0}, "--steps"),
+])
+def test_calibration_rejects_invalid_requests(kwargs: dict[str, float], field: str) -> None:
+    request = {"target_epsilon": 1.0, "delta": 1e-5, "sample_rate": 0.1, "steps": 10, **kwargs}
+    with pytest.raises(ConfigError) as error:
+        calibrate_noise_multiplier(**request)
+    assert error.value.field == field
+
+
+def test_ledger_enforces_the_budget_exactly_at_the_planned_releases() -> None:
+    sigma = calibrate_noise_multiplier(1.0, 1e-5, 0.1, 50)
+    ledger = PrivacyLedger(3, [1.0, 1.0, 0.5], 1e-5)
+    sigmas, rates = np.full(3, sigma), np.full(3, 0.1)
+    for k in range(50):
+        allowed = ledger.spend(k, sigmas, rates, releases=1)
+        assert allowed[:2].all()
+    assert not ledger.spend(50, sigmas, rates, releases=1)[:2].any()
+    assert ledger.releases()[0] == 50
+    assert ledger.refused[0] == 1
+    # The agent with half the budget was stopped early, and never went past it.
+    assert ledger.releases()[2] < 50
+    assert ledger.epsilon("rdp")[2] <= 0.5
+    assert (ledger.epsilon("rdp")[:2] <= 1.0).all()
+
+
+def test_refused_agents_release_nothing() -> None:
+    oracle = _oracle(sigma=0.8, clip=1.0)
+    oracle.ledger = PrivacyLedger(4, [math.inf, 1e-3, math.inf, math.inf], 1e-5)
+    params = oracle.model.initial_parameters().repeat(4, 1)
+    grads = oracle(params, round_index=0)
+    assert torch.count_nonzero(grads[1]) == 0
+    assert torch.count_nonzero(grads[0]) > 0
+    assert oracle.ledger.releases().tolist() == [1, 0, 1, 1]
+
+
+def test_ledger_round_trips_through_its_state_dict() -> None:
+    ledger = PrivacyLedger(2, 2.0, 1e-5)
+    for k in range(5):
+        ledger.spend(k, np.array([1.1, 1.3]), np.array([0.1, 0.2]), releases=2)
+    copy = PrivacyLedger.from_state_dict(ledger.state_dict())
+    assert copy.state_dict() == ledger.state_dict()
+    np.testing.assert_allclose(copy.epsilon(), ledger.epsilon())
+
+
+def test_dinno_with_two_primal_steps_records_two_releases_per_round() -> None:
+    raw = tiny_config(algorithm={"name": "dp-dinno", "optimizer": "adam", "lr": 0.01, "primal_steps": 2},
+                      experiment={"rounds": 3, "eval_every": 3})
+    experiment = build_experiment(validate_config(raw))
+    one_step = build_experiment(validate_config(tiny_config(
+        algorithm={"name": "dp-dinno", "optimizer": "adam", "lr": 0.01, "primal_steps": 1},
+        experiment={"rounds": 3, "eval_every": 3})))
+    assert experiment.algorithm.releases_per_round == 2
+    assert (experiment.noise_multipliers > one_step.noise_multipliers).all()
+    state = experiment.initial_state()
+    experiment.simulator.run(state, 0, 3, lambda done, s: True)
+    assert experiment.ledger.releases().tolist() == [6, 6, 6, 6]
+    assert [run.count for run in experiment.ledger.runs[0]] == [6]
+    assert (experiment.ledger.epsilon("rdp") <= 5.0).all()
+
+
+def test_non_private_runs_report_infinite_epsilon() -> None:
+    experiment = build_experiment(validate_config(tiny_config(privacy={"epsilon": "inf"})))
+    experiment.simulator.run(experiment.initial_state(), 0, 2, lambda done, s: True)
+    assert np.isinf(experiment.ledger.epsilon()).all()
+    assert experiment.ledger.releases().tolist() == [2, 2, 2, 2]
