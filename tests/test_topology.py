@@ -233,13 +233,13 @@ def test_single_agent_is_a_complete_graph_with_identity_mixing() -> None:
 def test_single_agent_is_rejected_for_other_kinds(kind: str) -> None:
     with pytest.raises(ConfigError, match="single agent") as info:
         make_graph(kind, 1, **KIND_PARAMS[kind])
-    assert info.value.field == "topology.n_agents"
+    assert info.value.field == "topology.agents"
 
 
 def test_ring_needs_three_agents() -> None:
     with pytest.raises(ConfigError, match="'path' or 'complete'") as info:
         make_graph("ring", 2)
-    assert info.value.field == "topology.n_agents"
+    assert info.value.field == "topology.agents"
 
 
 def test_disconnected_matrix_is_rejected() -> None:
@@ -329,9 +329,9 @@ def test_unknown_graph_parameter_is_rejected() -> None:
 @pytest.mark.parametrize(
     ("kind", "n", "params", "field"),
     [
-        ("ring", 0, {}, "topology.n_agents"),
-        ("ring", 5.0, {}, "topology.n_agents"),
-        ("ring", 5, {"seed": -1}, "seed"),
+        ("ring", 0, {}, "topology.agents"),
+        ("ring", 5.0, {}, "topology.agents"),
+        ("ring", 5, {"seed": -1}, "experiment.seed"),
         ("erdos-renyi", 8, {"max_tries": 0}, "topology.max_tries"),
         ("erdos-renyi", 8, {}, "topology.p"),
         ("erdos-renyi", 8, {"p": 0.0}, "topology.p"),
@@ -349,9 +349,9 @@ def test_unknown_graph_parameter_is_rejected() -> None:
         ("k-regular", 8, {"k": 1}, "topology.k"),
         ("ring", 8, {"p": 0.5}, "topology.p"),
         ("complete", 8, {"radius": 0.5}, "topology.radius"),
-        ("grid", 7, {}, "topology.n_agents"),
+        ("grid", 7, {}, "topology.agents"),
         ("grid", 12, {"rows": 5}, "topology.rows"),
-        ("torus", 10, {}, "topology.n_agents"),
+        ("torus", 10, {}, "topology.agents"),
         ("torus", 18, {"rows": 2}, "topology.rows"),
     ],
 )

@@ -27,7 +27,8 @@ ModelName = Literal["convnet", "mlp", "lenet5", "cifar-cnn", "resnet9", "linear"
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # strict: no silent coercion ("3" -> 3, true -> 1 round); integers are still accepted for floats
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
 
 
 class ExperimentSection(_Section):
@@ -91,9 +92,12 @@ class PrivacySection(_Section):
     @field_validator("epsilon", mode="before")
     @classmethod
     def _parse_inf(cls, value: Any) -> Any:
-        if isinstance(value, str) and value.strip().lower() in {"inf", "infinity", "none", "non-private"}:
-            return math.inf
-        return value
+        return _parse_infinity(value)
+
+    @field_validator("agent_epsilons", mode="before")
+    @classmethod
+    def _parse_infs(cls, value: Any) -> Any:
+        return [_parse_infinity(v) for v in value] if isinstance(value, list) else value
 
     @field_validator("epsilon")
     @classmethod
@@ -113,6 +117,13 @@ class PrivacySection(_Section):
     def private(self) -> bool:
         budgets = self.agent_epsilons if self.agent_epsilons is not None else [self.epsilon]
         return any(math.isfinite(b) for b in budgets)
+
+
+def _parse_infinity(value: Any) -> Any:
+    """TOML has ``inf`` but users write ``"inf"``; both mean no budget (non-private)."""
+    if isinstance(value, str) and value.strip().lower() in {"inf", "infinity", "none", "non-private"}:
+        return math.inf
+    return value
 
 
 class ExperimentConfig(_Section):

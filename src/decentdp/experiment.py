@@ -16,7 +16,6 @@ the output folder is touched, so a failing run leaves nothing half-written.
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +53,7 @@ from decentdp.results import (
     SUMMARY_FILE,
     plot_metrics,
     provenance,
+    strict_json,
     write_json,
     write_jsonl,
     write_toml,
@@ -155,7 +155,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
         "agent_sizes": sizes,
         "sample_rates": rates,
         "noise_multipliers": sigmas,
-        "epsilon_budgets": [b if math.isfinite(b) else "inf" for b in budgets],
+        "epsilon_budgets": budgets,
         "releases_per_round": algorithm.releases_per_round,
         "calibration_accountant": config.privacy.accountant,
         "class_histograms": histograms.tolist(),
@@ -182,6 +182,8 @@ def _prepare_out_dir(out_dir: Path, resume: bool) -> dict[str, Any] | None:
         if not checkpoint.is_file():
             raise ConfigError("--resume", f"no checkpoint to resume in {out_dir}")
         return torch.load(checkpoint, weights_only=False)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError("--out", f"{out_dir} exists and is not a directory")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError("--out", f"{out_dir} already holds files; pass --resume to continue that run "
                                    "or choose an empty directory")
@@ -277,7 +279,7 @@ def _summary(experiment: Experiment, metrics: list[dict[str, Any]], wall: float,
     config = experiment.config
     last = metrics[-1] if metrics else {}
     eps_pld = experiment.ledger.epsilon("pld")
-    return {
+    return strict_json({
         "name": config.experiment.name,
         "algorithm": config.algorithm.name,
         "dataset": config.data.dataset,
@@ -289,17 +291,13 @@ def _summary(experiment: Experiment, metrics: list[dict[str, Any]], wall: float,
         "accuracy_min": last.get("accuracy_min"),
         "accuracy_max": last.get("accuracy_max"),
         "consensus_distance": last.get("consensus_distance"),
-        "epsilon_max": _finite_or_str(float(eps_pld.max())),
-        "epsilon_per_agent": [_finite_or_str(float(e)) for e in eps_pld],
+        "epsilon_max": float(eps_pld.max()),
+        "epsilon_per_agent": eps_pld.tolist(),
         "epsilon_accountant": "pld",
         "delta": config.privacy.delta,
         "noise_multipliers": experiment.noise_multipliers.tolist(),
         "wall_seconds": wall,
-    }
-
-
-def _finite_or_str(value: float) -> float | str:
-    return value if math.isfinite(value) else "inf"
+    })
 
 
 def summary_line(summary: dict[str, Any]) -> str:

@@ -7,6 +7,7 @@ leaves a truncated file behind; the checkpoint lets it resume exactly where it s
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import subprocess
@@ -37,7 +38,7 @@ def write_atomic(path: Path, text: str | bytes) -> None:
 
 
 def write_json(path: Path, data: Any) -> None:
-    write_atomic(path, json.dumps(data, indent=2, sort_keys=True, default=_jsonable) + "\n")
+    write_atomic(path, json.dumps(strict_json(data), indent=2, sort_keys=True, default=_jsonable) + "\n")
 
 
 def write_toml(path: Path, data: dict[str, Any]) -> None:
@@ -45,7 +46,20 @@ def write_toml(path: Path, data: dict[str, Any]) -> None:
 
 
 def write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
-    write_atomic(path, "".join(json.dumps(row, default=_jsonable) + "\n" for row in rows))
+    write_atomic(path, "".join(json.dumps(strict_json(row), default=_jsonable) + "\n" for row in rows))
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with non-finite floats spelled as strings ("inf"), since JSON has no Infinity."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    if hasattr(value, "tolist"):
+        return strict_json(value.tolist())
+    return value
 
 
 def _jsonable(value: Any) -> Any:

@@ -117,8 +117,8 @@ def make_graph(
         When no connected draw (or no draw hitting the Fiedler target) is found in ``max_tries``.
     """
     _check_choice("topology.graph", "graph", kind, GRAPH_KINDS)
-    n = _require_int("topology.n_agents", n_agents, minimum=1)
-    _require_int("seed", seed, minimum=0)
+    n = _require_int("topology.agents", n_agents, minimum=1)
+    _require_int("experiment.seed", seed, minimum=0)
     max_tries = _require_int("topology.max_tries", max_tries, minimum=1)
     _check_params_used(kind, {"p": p, "radius": radius, "k": k, "fiedler": fiedler, "rows": rows})
     _check_min_agents(kind, n)
@@ -423,7 +423,7 @@ def topology_from_matrix(w: np.ndarray, *, require_doubly_stochastic: bool = Tru
 
 def _lattice(kind: str, n: int, rows: int | None) -> nx.Graph:
     """Grid or torus on ``n`` agents, relabelled row-major to ``0 .. n-1``."""
-    field = "topology.n_agents" if rows is None else "topology.rows"
+    field = "topology.agents" if rows is None else "topology.rows"
     rows, cols = _lattice_shape(kind, n, rows)
     if kind == "torus" and min(rows, cols) < _TORUS_MIN_SIDE:
         raise ConfigError(
@@ -441,7 +441,7 @@ def _lattice_shape(kind: str, n: int, rows: int | None) -> tuple[int, int]:
         rows = _most_square_rows(n)
         if rows == 1:
             raise ConfigError(
-                "topology.n_agents",
+                "topology.agents",
                 f"a {kind} needs n_agents = rows * cols with rows, cols >= 2, and {n} is prime; "
                 f"choose a composite n_agents or pass rows",
             )
@@ -698,7 +698,7 @@ def _check_min_agents(kind: str, n: int) -> None:
             2: "; with 2 agents use 'path' or 'complete'",
         }.get(n, "")
         raise ConfigError(
-            "topology.n_agents", f"graph '{kind}' needs at least {minimum} agents, got {n}{hint}"
+            "topology.agents", f"graph '{kind}' needs at least {minimum} agents, got {n}{hint}"
         )
 
 

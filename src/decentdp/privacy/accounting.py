@@ -121,8 +121,8 @@ def epsilon_spent(
 ) -> float:
     """Epsilon of ``steps * releases_per_step`` sampled Gaussian releases with the given sigma."""
     check_sampling(sample_rate, steps, releases_per_step)
-    if math.isnan(noise_multiplier) or noise_multiplier < 0:
-        raise ConfigError("--sigma", f"must be non-negative, got {noise_multiplier!r}")
+    if not math.isfinite(noise_multiplier) or noise_multiplier < 0:
+        raise ConfigError("--sigma", f"must be a finite non-negative number, got {noise_multiplier!r}")
     return epsilon_of_runs(((float(noise_multiplier), float(sample_rate), int(steps * releases_per_step)),),
                            float(delta), accountant)
 

@@ -1,0 +1,474 @@
+"""Tests of decentdp.config: the TOML schema, its error messages, overrides and round-tripping.
+
+Also checks errors that only surface when a validated config is built into an experiment
+(graphs, data files, model options), since the CLI reports both kinds the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomli_w
+
+from decentdp.config import (
+    ExperimentConfig,
+    apply_overrides,
+    load_config,
+    parse_override,
+    validate_config,
+)
+from decentdp.errors import ConfigError, DataError, DecentDPError, GraphError
+from decentdp.experiment import build_experiment
+
+ALGORITHMS = ("central-dpsgd", "local", "dp-dsgd", "dp-dsgt", "dp-dinno")
+DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100")
+PARTITIONS = ("iid", "overlap", "dirichlet", "unequal")
+GRAPHS = ("complete", "ring", "star", "path", "grid", "torus", "erdos-renyi", "geometric", "fiedler",
+          "complete-bipartite", "k-regular")
+MIXINGS = ("metropolis-hastings", "average", "max-degree")
+MODELS = ("convnet", "mlp", "lenet5", "cifar-cnn", "resnet9", "linear", "logistic")
+SECTIONS = "algorithm, data, experiment, model, privacy, topology"
+PRIVACY_KEYS = "accountant, agent_epsilons, clip, delta, epsilon"
+ALGORITHM_KEYS = ("batch_size", "lr", "lr_final", "lr_schedule", "momentum", "name", "nesterov", "optimizer",
+                  "primal_steps", "reset_optimizer_each_round", "rho", "rho_growth", "weight_decay")
+
+
+def _quoted(names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(f"'{name}'" for name in names)
+
+
+# (id, TOML text, expected ConfigError.field, fragments that must all appear in ConfigError.message)
+INVALID_TOML: list[tuple[str, str, str, tuple[str, ...]]] = [
+    ("epsilon-negative", "[privacy]\nepsilon = -1.0", "privacy.epsilon",
+     ("must be a positive number or 'inf'", "got -1.0")),
+    ("epsilon-zero", "[privacy]\nepsilon = 0", "privacy.epsilon", ("must be a positive number or 'inf'", "got 0")),
+    ("epsilon-nan", "[privacy]\nepsilon = nan", "privacy.epsilon", ("must be a positive number or 'inf'", "nan")),
+    ("epsilon-minus-inf", "[privacy]\nepsilon = -inf", "privacy.epsilon", ("must be a positive number",)),
+    ("epsilon-word", '[privacy]\nepsilon = "infinite"', "privacy.epsilon", ("valid number", "'infinite'")),
+    ("delta-zero", "[privacy]\ndelta = 0.0", "privacy.delta", ("greater than 0", "got 0.0")),
+    ("delta-one", "[privacy]\ndelta = 1.0", "privacy.delta", ("less than 1", "got 1.0")),
+    ("delta-above-one", "[privacy]\ndelta = 1.5", "privacy.delta", ("less than 1", "got 1.5")),
+    ("clip-zero", "[privacy]\nclip = 0.0", "privacy.clip", ("greater than 0",)),
+    ("clip-negative", "[privacy]\nclip = -2.0", "privacy.clip", ("greater than 0", "got -2.0")),
+    ("accountant-unknown", '[privacy]\naccountant = "moments"', "privacy.accountant",
+     ("'moments' is not one of the allowed values", "'rdp'", "'pld'")),
+    ("algorithm-unknown", '[algorithm]\nname = "fedavg"', "algorithm.name",
+     ("'fedavg' is not one of the allowed values", *_quoted(ALGORITHMS))),
+    ("dataset-unknown", '[data]\ndataset = "imagenet"', "data.dataset",
+     ("'imagenet' is not one of the allowed values", *_quoted(DATASETS))),
+    ("partition-unknown", '[data]\npartition = "pathological"', "data.partition",
+     ("'pathological' is not one of the allowed values", *_quoted(PARTITIONS))),
+    ("graph-unknown", '[topology]\ngraph = "hypercube"', "topology.graph",
+     ("'hypercube' is not one of the allowed values", *_quoted(GRAPHS))),
+    ("mixing-unknown", '[topology]\nmixing = "laplacian"', "topology.mixing",
+     ("'laplacian' is not one of the allowed values", *_quoted(MIXINGS))),
+    ("model-unknown", '[model]\nname = "vgg16"', "model.name",
+     ("'vgg16' is not one of the allowed values", *_quoted(MODELS))),
+    ("optimizer-unknown", '[algorithm]\noptimizer = "adamw"', "algorithm.optimizer",
+     ("'adamw' is not one of the allowed values", "'sgd'", "'adam'")),
+    ("lr-schedule-unknown", '[algorithm]\nlr_schedule = "step"', "algorithm.lr_schedule",
+     ("'step' is not one of the allowed values", "'constant'", "'logspace'", "'cosine'")),
+    ("section-unknown", "[training]\nrounds = 3", "training", ("unknown key", f"allowed keys: {SECTIONS}")),
+    ("key-unknown", "[privacy]\nepsilom = 1.0", "privacy.epsilom", ("unknown key", f"allowed keys: {PRIVACY_KEYS}")),
+    ("key-unknown-algorithm", "[algorithm]\nlearning_rate = 0.1", "algorithm.learning_rate",
+     ("unknown key", "allowed keys: " + ", ".join(ALGORITHM_KEYS))),
+    ("section-not-a-table", "privacy = 3", "privacy", ("valid dictionary",)),
+    ("rounds-zero", "[experiment]\nrounds = 0", "experiment.rounds", ("greater than or equal to 1", "got 0")),
+    ("rounds-string", '[experiment]\nrounds = "ten"', "experiment.rounds", ("valid integer", "'ten'")),
+    ("rounds-fraction", "[experiment]\nrounds = 10.5", "experiment.rounds", ("valid integer", "valid integer")),
+    ("eval-every-zero", "[experiment]\neval_every = 0", "experiment.eval_every", ("greater than or equal to 1",)),
+    ("seed-negative", "[experiment]\nseed = -1", "experiment.seed", ("greater than or equal to 0",)),
+    ("agents-zero", "[topology]\nagents = 0", "topology.agents", ("greater than or equal to 1", "got 0")),
+    ("p-above-one", '[topology]\ngraph = "erdos-renyi"\np = 1.5', "topology.p", ("less than or equal to 1",)),
+    ("batch-size-zero", "[algorithm]\nbatch_size = 0", "algorithm.batch_size", ("greater than or equal to 1",)),
+    ("lr-zero", "[algorithm]\nlr = 0.0", "algorithm.lr", ("greater than 0",)),
+    ("lr-negative", "[algorithm]\nlr = -0.1", "algorithm.lr", ("greater than 0", "got -0.1")),
+    ("momentum-one", "[algorithm]\nmomentum = 1.0", "algorithm.momentum", ("less than 1",)),
+    ("primal-steps-zero", "[algorithm]\nprimal_steps = 0", "algorithm.primal_steps", ("greater than or equal to 1",)),
+    ("rho-growth-below-one", "[algorithm]\nrho_growth = 0.5", "algorithm.rho_growth",
+     ("greater than or equal to 1", "got 0.5")),
+    ("overlap-t-above-one", "[data]\noverlap_t = 1.5", "data.overlap_t", ("less than or equal to 1", "got 1.5")),
+    ("dirichlet-alpha-zero", "[data]\ndirichlet_alpha = 0.0", "data.dirichlet_alpha", ("greater than 0",)),
+    ("image-size-tiny", "[data]\nimage_size = 2", "data.image_size", ("greater than or equal to 4",)),
+    ("logspace-without-lr-final", '[algorithm]\nlr_schedule = "logspace"', "algorithm.lr_final",
+     ("is required by lr_schedule = 'logspace'",)),
+    ("cosine-without-lr-final", '[algorithm]\nlr_schedule = "cosine"', "algorithm.lr_final",
+     ("is required by lr_schedule = 'cosine'",)),
+    ("erdos-renyi-without-p", '[topology]\ngraph = "erdos-renyi"', "topology.p",
+     ("is required by graph = 'erdos-renyi'",)),
+    ("geometric-without-radius", '[topology]\ngraph = "geometric"', "topology.radius",
+     ("is required by graph = 'geometric'",)),
+    ("fiedler-without-target", '[topology]\ngraph = "fiedler"', "topology.fiedler",
+     ("is required by graph = 'fiedler'",)),
+    ("k-regular-without-k", '[topology]\ngraph = "k-regular"', "topology.k", ("is required by graph = 'k-regular'",)),
+    ("agent-epsilons-wrong-length", "[topology]\nagents = 4\n[privacy]\nagent_epsilons = [1.0, 2.0, 3.0]",
+     "privacy.agent_epsilons", ("has 3 entries but topology.agents = 4",)),
+    ("agent-epsilons-negative", "[topology]\nagents = 3\n[privacy]\nagent_epsilons = [1.0, -2.0, 3.0]",
+     "privacy.agent_epsilons", ("every per-agent epsilon must be a positive number",)),
+    ("agent-epsilons-nan", "[topology]\nagents = 2\n[privacy]\nagent_epsilons = [1.0, nan]",
+     "privacy.agent_epsilons", ("every per-agent epsilon must be a positive number",)),
+]
+
+
+def _write(tmp_path: Path, text: str, name: str = "experiment.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(("text", "field", "fragments"), [case[1:] for case in INVALID_TOML],
+                         ids=[case[0] for case in INVALID_TOML])
+def test_invalid_toml_names_field_and_allowed_values(tmp_path: Path, text: str, field: str,
+                                                     fragments: tuple[str, ...]) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, text))
+    error = info.value
+    assert error.field == field
+    for fragment in fragments:
+        assert fragment in error.message, f"{fragment!r} not in {error.message!r}"
+    # The printed form names the field and carries no pydantic boilerplate.
+    assert f"{field}: " in str(error)
+    assert str(error).startswith("invalid configuration:")
+    assert "errors.pydantic.dev" not in str(error)
+    assert "Value error," not in str(error)
+
+
+def test_invalid_case_table_is_large() -> None:
+    assert len(INVALID_TOML) >= 25
+    assert len({case[0] for case in INVALID_TOML}) == len(INVALID_TOML)
+
+
+@pytest.mark.parametrize(("raw", "field", "fragment"), [
+    ({"privacy": {"epsilon": float("nan")}}, "privacy.epsilon", "must be a positive number"),
+    ({"privacy": {"epsilon": -3}}, "privacy.epsilon", "got -3"),
+    ({"privacy": {"delta": 0}}, "privacy.delta", "greater than 0"),
+    ({"topology": {"agents": 3}, "privacy": {"agent_epsilons": [1.0, 0.0, 2.0]}}, "privacy.agent_epsilons",
+     "positive"),
+    ({"experiment": {"rounds": "ten"}}, "experiment.rounds", "valid integer"),
+    ({"model": {"name": "mlp", "hidden": 3}}, "model.hidden", "allowed keys: name, options"),
+])
+def test_invalid_raw_dicts(raw: dict[str, Any], field: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        validate_config(raw)
+    assert info.value.field == field
+    assert fragment in info.value.message
+
+
+def test_every_invalid_field_is_reported_first_one_as_field() -> None:
+    raw = {"privacy": {"epsilon": -1, "delta": 2}, "algorithm": {"name": "fedavg"}, "topology": {"agents": 0}}
+    with pytest.raises(ConfigError) as info:
+        validate_config(raw)
+    text = str(info.value)
+    for field in ("privacy.epsilon", "privacy.delta", "algorithm.name", "topology.agents"):
+        assert f"\n  {field}: " in text
+    assert info.value.field in {"privacy.epsilon", "privacy.delta", "algorithm.name", "topology.agents"}
+
+
+def test_config_error_is_a_decentdp_error() -> None:
+    with pytest.raises(DecentDPError):
+        validate_config({"privacy": {"delta": 0}})
+
+
+def test_cross_field_checks_are_skipped_where_not_needed() -> None:
+    # central-dpsgd pools the data: no per-agent length check, no graph parameters needed.
+    config = validate_config({"algorithm": {"name": "central-dpsgd"}, "topology": {"graph": "erdos-renyi"},
+                              "privacy": {"agent_epsilons": [2.0, 3.0]}})
+    assert config.topology.p is None
+    assert config.privacy.agent_epsilons == [2.0, 3.0]
+    # A constant schedule does not need lr_final.
+    assert validate_config({"algorithm": {"lr_schedule": "constant"}}).algorithm.lr_final is None
+
+
+# ----------------------------------------------------------------------------- load_config
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "nope.toml")
+    assert info.value.field == "CONFIG"
+    assert "no such config file" in info.value.message
+    assert "nope.toml" in info.value.message
+
+
+def test_config_path_is_a_directory(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path)
+    assert info.value.field == "CONFIG"
+
+
+def test_malformed_toml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, "[privacy\nepsilon = 1"))
+    assert info.value.field == "CONFIG"
+    assert "is not valid TOML" in info.value.message
+
+
+def test_non_utf8_config_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('[experiment]\nname = "caf\u00e9"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.field == "CONFIG"
+    assert "UTF-8" in info.value.message
+
+
+def test_utf8_config_is_read_as_utf8(tmp_path: Path) -> None:
+    config = load_config(_write(tmp_path, '[experiment]\nname = "caf\u00e9-\u03b5"'))
+    assert config.experiment.name == "caf\u00e9-\u03b5"
+
+
+# ----------------------------------------------------------------------------- valid configs
+
+
+def test_defaults_validate() -> None:
+    config = validate_config({})
+    assert config == ExperimentConfig()
+    assert config.experiment.rounds == 100
+    assert config.data.dataset == "digits"
+    assert config.topology.graph == "complete"
+    assert config.algorithm.name == "dp-dsgt"
+    assert config.privacy.delta == 1e-5
+    assert math.isinf(config.privacy.epsilon)
+    assert config.privacy.private is False
+
+
+def test_empty_toml_file_gives_defaults(tmp_path: Path) -> None:
+    assert load_config(_write(tmp_path, "")) == ExperimentConfig()
+
+
+@pytest.mark.parametrize("text", ["inf", "INF", " Infinity ", "none", "non-private"])
+def test_epsilon_inf_strings_mean_non_private(text: str) -> None:
+    config = validate_config({"privacy": {"epsilon": text}})
+    assert config.privacy.epsilon == math.inf
+    assert config.privacy.private is False
+
+
+def test_epsilon_inf_in_toml_file(tmp_path: Path) -> None:
+    config = load_config(_write(tmp_path, '[privacy]\nepsilon = "inf"'))
+    assert config.privacy.epsilon == math.inf
+    assert config.privacy.private is False
+    bare = load_config(_write(tmp_path, "[privacy]\nepsilon = inf", "bare.toml"))
+    assert bare.privacy.epsilon == math.inf
+
+
+def test_private_flag() -> None:
+    assert validate_config({"privacy": {"epsilon": 1}}).privacy.private is True
+    assert validate_config({"privacy": {"epsilon": 1}}).privacy.epsilon == 1.0
+    all_inf = validate_config({"topology": {"agents": 2}, "privacy": {"agent_epsilons": ["inf", "inf"]}})
+    assert all_inf.privacy.private is False
+    mixed = validate_config({"topology": {"agents": 2}, "privacy": {"agent_epsilons": [2, "inf"]}})
+    assert mixed.privacy.private is True
+    assert mixed.privacy.agent_epsilons == [2.0, math.inf]
+
+
+def test_validate_assignment_rejects_bad_values() -> None:
+    config = validate_config({})
+    with pytest.raises(ValueError, match="delta"):
+        config.privacy.delta = 0.0
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+@pytest.mark.parametrize(("assignment", "path", "value", "kind"), [
+    ("privacy.epsilon=1", ["privacy", "epsilon"], 1, int),
+    ("privacy.epsilon=1.5", ["privacy", "epsilon"], 1.5, float),
+    ("privacy.epsilon=inf", ["privacy", "epsilon"], math.inf, float),
+    ("algorithm.name=dp-dsgd", ["algorithm", "name"], "dp-dsgd", str),
+    ('algorithm.name="dp-dsgd"', ["algorithm", "name"], "dp-dsgd", str),
+    ("topology.agents=5", ["topology", "agents"], 5, int),
+    ("algorithm.nesterov=true", ["algorithm", "nesterov"], True, bool),
+    ("experiment.name=my run", ["experiment", "name"], "my run", str),
+    (" topology . graph = ring ", ["topology", "graph"], "ring", str),
+    ("model.options.hidden=[32, 16]", ["model", "options", "hidden"], [32, 16], list),
+])
+def test_parse_override_reads_toml_values(assignment: str, path: list[str], value: Any, kind: type) -> None:
+    parsed_path, parsed = parse_override(assignment)
+    assert parsed_path == path
+    assert parsed == value
+    assert type(parsed) is kind
+
+
+def test_overrides_through_load_config_have_schema_types(tmp_path: Path) -> None:
+    path = _write(tmp_path, '[privacy]\nepsilon = 8.0\n[algorithm]\nname = "dp-dinno"')
+    config = load_config(path, ["privacy.epsilon=1", "algorithm.name=dp-dsgd", "topology.agents=5",
+                                "model.options.hidden=[16]"])
+    assert config.privacy.epsilon == 1.0
+    assert isinstance(config.privacy.epsilon, float)
+    assert config.algorithm.name == "dp-dsgd"
+    assert config.topology.agents == 5
+    assert isinstance(config.topology.agents, int)
+    assert config.model.options == {"hidden": [16]}
+    assert config.privacy.private is True
+
+
+def test_later_override_wins(tmp_path: Path) -> None:
+    config = load_config(_write(tmp_path, ""), ["privacy.epsilon=1", "privacy.epsilon=3"])
+    assert config.privacy.epsilon == 3.0
+
+
+def test_override_values_are_validated(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, ""), ["privacy.delta=2"])
+    assert info.value.field == "privacy.delta"
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, ""), ["privacy.epsilom=2"])
+    assert info.value.field == "privacy.epsilom"
+    assert "allowed keys" in info.value.message
+
+
+@pytest.mark.parametrize(("assignment", "fragment"), [
+    ("privacy.epsilon", "expected KEY=VALUE"),
+    ("epsilon=1", "section.key"),
+    (".epsilon=1", "section.key"),
+    ("privacy.=1", "section.key"),
+    ("privacy..epsilon=1", "section.key"),
+])
+def test_bad_override_syntax_names_set(assignment: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_override(assignment)
+    assert info.value.field == "--set"
+    assert fragment in info.value.message
+    assert str(info.value).startswith("--set: ")
+
+
+def test_override_into_a_value_that_is_not_a_section() -> None:
+    with pytest.raises(ConfigError) as info:
+        apply_overrides({"privacy": {"epsilon": 1.0}}, ["privacy.epsilon.x=1"])
+    assert info.value.field == "--set"
+    assert "epsilon is not a section" in info.value.message
+    with pytest.raises(ConfigError) as info:
+        apply_overrides({"privacy": 3}, ["privacy.epsilon=1"])
+    assert info.value.field == "--set"
+
+
+def test_apply_overrides_does_not_mutate_its_input() -> None:
+    raw = {"privacy": {"epsilon": 2.0}, "model": {"name": "mlp", "options": {"hidden": [8]}}}
+    before = copy.deepcopy(raw)
+    merged = apply_overrides(raw, ["privacy.epsilon=1", "model.options.hidden=[4, 4]", "data.dataset=digits"])
+    assert raw == before
+    assert merged["privacy"]["epsilon"] == 1
+    assert merged["model"]["options"]["hidden"] == [4, 4]
+    assert merged["data"] == {"dataset": "digits"}
+
+
+# ----------------------------------------------------------------------------- to_toml_dict round trip
+
+
+def _round_trip(config: ExperimentConfig) -> ExperimentConfig:
+    return validate_config(tomllib.loads(tomli_w.dumps(config.to_toml_dict())))
+
+
+def test_defaults_round_trip_through_toml() -> None:
+    config = validate_config({})
+    data = config.to_toml_dict()
+    assert data["privacy"]["epsilon"] == "inf"
+    assert "lr_final" not in data["algorithm"]  # None values are dropped
+    assert _round_trip(config) == config
+
+
+def test_non_default_config_round_trips_through_toml(tmp_path: Path) -> None:
+    config = validate_config({
+        "experiment": {"name": "rt", "seed": 7, "rounds": 12, "eval_every": 3},
+        "data": {"dataset": "mnist", "data_dir": "/data", "partition": "dirichlet", "dirichlet_alpha": 0.3,
+                 "image_size": 32},
+        "topology": {"graph": "erdos-renyi", "agents": 4, "p": 0.5, "mixing": "max-degree"},
+        "model": {"name": "mlp", "options": {"hidden": [32, 16]}},
+        "algorithm": {"name": "dp-dinno", "lr": 0.05, "lr_schedule": "logspace", "lr_final": 0.001,
+                      "optimizer": "adam", "primal_steps": 3, "rho_growth": 1.1},
+        "privacy": {"epsilon": 2, "delta": 1e-6, "clip": 0.5, "accountant": "pld",
+                    "agent_epsilons": [1.0, "inf", 2.5, 3.0]},
+    })
+    data = config.to_toml_dict()
+    assert data["privacy"]["agent_epsilons"] == [1.0, "inf", 2.5, 3.0]
+    again = _round_trip(config)
+    assert again == config
+    assert again.privacy.agent_epsilons[1] == math.inf
+    # And through a file, as the results folder stores it.
+    path = tmp_path / "config.toml"
+    path.write_text(tomli_w.dumps(data), encoding="utf-8")
+    assert load_config(path) == config
+
+
+# ----------------------------------------------------------------------------- build-time errors
+
+TINY = {
+    "experiment": {"rounds": 2, "eval_every": 1},
+    "data": {"dataset": "digits"},
+    "topology": {"graph": "ring", "agents": 4},
+    "model": {"name": "mlp"},
+    "algorithm": {"name": "dp-dsgt", "batch_size": 16},
+    "privacy": {"epsilon": "inf"},
+}
+
+
+def _tiny(**sections: dict[str, Any]) -> ExperimentConfig:
+    raw = copy.deepcopy(TINY)
+    for section, values in sections.items():
+        raw[section].update(values)
+    return validate_config(raw)
+
+
+@pytest.mark.parametrize(("sections", "error_type", "field", "fragment"), [
+    ({"topology": {"graph": "torus", "agents": 10}}, ConfigError, None, "torus needs at least 3 rows"),
+    ({"topology": {"graph": "ring", "agents": 2}}, ConfigError, None, "'ring' needs at least 3 agents"),
+    ({"topology": {"graph": "ring", "p": 0.5}}, ConfigError, "topology.p", "only used by graph 'erdos-renyi'"),
+    ({"topology": {"graph": "erdos-renyi", "agents": 20, "p": 0.01}}, GraphError, None,
+     "p is too small for a connected draw"),
+    ({"topology": {"graph": "fiedler", "fiedler": 0.9}}, ConfigError, "topology.fiedler", "unreachable"),
+    ({"topology": {"graph": "k-regular", "agents": 5, "k": 3}}, ConfigError, "topology.k", "must be even"),
+    ({"topology": {"graph": "complete", "agents": 2000}}, ConfigError, "topology.agents", "training set has"),
+    ({"model": {"options": {"nonsense": 1}}}, ConfigError, "model.nonsense", "has no option 'nonsense'"),
+    ({"model": {"options": {"hidden": -3}}}, ConfigError, "model.hidden", "positive integer"),
+    ({"data": {"partition": "dirichlet", "dirichlet_alpha": 0.01}, "topology": {"graph": "complete", "agents": 50}},
+     ConfigError, "data.dirichlet_alpha", "use a larger alpha"),
+])
+def test_build_time_errors(sections: dict[str, Any], error_type: type[DecentDPError], field: str | None,
+                           fragment: str) -> None:
+    config = _tiny(**sections)
+    with pytest.raises(error_type) as info:
+        build_experiment(config)
+    if field is not None:
+        assert info.value.field == field
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("topology", [{"graph": "torus", "agents": 10}, {"graph": "ring", "agents": 2},
+                                      {"graph": "grid", "agents": 7}])
+def test_build_time_agent_count_errors_name_the_config_key(topology: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError) as info:
+        build_experiment(_tiny(topology=topology))
+    assert info.value.field == "topology.agents"
+
+
+def test_mnist_without_files_names_the_files_looked_for(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    config = _tiny(data={"dataset": "mnist", "data_dir": str(empty)})
+    with pytest.raises(DataError) as info:
+        build_experiment(config)
+    message = str(info.value)
+    assert str(empty / "mnist.npz") in message
+    assert "train-images-idx3-ubyte" in message
+    # The data_dir argument (the CLI's --data-dir) takes precedence over data.data_dir.
+    with pytest.raises(DataError, match="is not an existing directory"):
+        build_experiment(config, data_dir=tmp_path / "missing")
+
+
+def test_mnist_without_data_dir_explains_how_to_pass_one() -> None:
+    with pytest.raises(DataError, match="--data-dir"):
+        build_experiment(_tiny(data={"dataset": "mnist"}))
+
+
+def test_tiny_valid_config_builds() -> None:
+    experiment = build_experiment(_tiny())
+    assert experiment.data.n_agents == 4
+    assert experiment.setup["n_agents"] == 4
+    assert experiment.setup["epsilon_budgets"] == [math.inf] * 4
+    assert experiment.setup["noise_multipliers"] == [0.0] * 4
+    assert sum(experiment.setup["agent_sizes"]) == len(experiment.dataset.y_train)
