@@ -19,6 +19,7 @@ from typing import ClassVar
 import torch
 
 from decentdp.engine.network import Network
+from decentdp.engine.optim import Optimizer
 
 State = dict[str, torch.Tensor]
 GradientFn = Callable[[torch.Tensor, int, int], torch.Tensor]
@@ -54,6 +55,16 @@ class Algorithm(ABC):
     @abstractmethod
     def round(self, state: State, ctx: RoundContext) -> State:
         """One synchronous round: every agent computes from the previous round's values (Jacobi)."""
+
+
+class OptimizerAlgorithm(Algorithm):
+    """An algorithm whose only state besides the parameters is its optimizer's (under ``opt.``)."""
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def init_state(self, params: torch.Tensor) -> State:
+        return {"params": params, **prefixed("opt", self.optimizer.init(params))}
 
 
 def prefixed(prefix: str, state: State) -> State:

@@ -22,18 +22,18 @@ from typing import ClassVar
 
 import torch
 
-from decentdp.algorithms.base import Algorithm, RoundContext, State, prefixed, unprefixed
+from decentdp.algorithms.base import OptimizerAlgorithm, RoundContext, State, prefixed, unprefixed
 from decentdp.engine.optim import Optimizer
 
 
-class DPDiNNO(Algorithm):
+class DPDiNNO(OptimizerAlgorithm):
     """Consensus ADMM with an inexact, private primal solver."""
 
     name: ClassVar[str] = "dp-dinno"
 
     def __init__(self, optimizer: Optimizer, rho: float, rho_growth: float = 1.0, primal_steps: int = 1,
                  reset_each_round: bool = False) -> None:
-        self.optimizer = optimizer
+        super().__init__(optimizer)
         self.rho0 = rho
         self.rho_growth = rho_growth
         self.primal_steps = primal_steps
@@ -44,7 +44,7 @@ class DPDiNNO(Algorithm):
         return self.primal_steps
 
     def init_state(self, params: torch.Tensor) -> State:
-        return {"params": params, "dual": torch.zeros_like(params), **prefixed("opt", self.optimizer.init(params))}
+        return {**super().init_state(params), "dual": torch.zeros_like(params)}
 
     def round(self, state: State, ctx: RoundContext) -> State:
         net = ctx.network

@@ -13,22 +13,13 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
-
-from decentdp.algorithms.base import Algorithm, RoundContext, State, prefixed, unprefixed
-from decentdp.engine.optim import Optimizer
+from decentdp.algorithms.base import OptimizerAlgorithm, RoundContext, State, prefixed, unprefixed
 
 
-class DPDSGD(Algorithm):
+class DPDSGD(OptimizerAlgorithm):
     """Decentralized SGD with private gradients and synchronous gossip."""
 
     name: ClassVar[str] = "dp-dsgd"
-
-    def __init__(self, optimizer: Optimizer) -> None:
-        self.optimizer = optimizer
-
-    def init_state(self, params: torch.Tensor) -> State:
-        return {"params": params, **prefixed("opt", self.optimizer.init(params))}
 
     def round(self, state: State, ctx: RoundContext) -> State:
         params = state["params"]

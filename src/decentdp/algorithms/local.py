@@ -7,22 +7,13 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
-
-from decentdp.algorithms.base import Algorithm, RoundContext, State, prefixed, unprefixed
-from decentdp.engine.optim import Optimizer
+from decentdp.algorithms.base import OptimizerAlgorithm, RoundContext, State, prefixed, unprefixed
 
 
-class LocalTraining(Algorithm):
+class LocalTraining(OptimizerAlgorithm):
     """``theta_i <- optimizer_step(theta_i, G_i(theta_i))`` with no messages."""
 
     name: ClassVar[str] = "local"
-
-    def __init__(self, optimizer: Optimizer) -> None:
-        self.optimizer = optimizer
-
-    def init_state(self, params: torch.Tensor) -> State:
-        return {"params": params, **prefixed("opt", self.optimizer.init(params))}
 
     def round(self, state: State, ctx: RoundContext) -> State:
         params = state["params"]
