@@ -223,6 +223,8 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
     last = min(rounds, stop_after) if stop_after is not None else rounds
     checkpoint_every = cfg.checkpoint_every or cfg.eval_every
     emit = log or (lambda message: tqdm.write(message))
+    for warning in experiment.topology.warnings:
+        emit(f"warning: {warning}")
     bar = tqdm(total=rounds, initial=start, disable=not progress, desc=cfg.name, unit="round", leave=False)
     clock = time.perf_counter()
 
