@@ -266,9 +266,9 @@ def test_run_writes_results_folder(finished_run: dict[str, Any], tiny_config: Pa
 
     privacy = json.loads((out / "privacy.json").read_text())
     assert privacy["delta"] == 1e-5
-    assert len(privacy["epsilon_pld"]) == 4
-    assert max(privacy["epsilon_pld"]) == pytest.approx(summary["epsilon_max"])
-    assert all(e_pld <= e_rdp for e_pld, e_rdp in zip(privacy["epsilon_pld"], privacy["epsilon_rdp"], strict=True))
+    assert len(privacy["epsilon"]) == 4
+    assert max(privacy["epsilon"]) == pytest.approx(summary["epsilon_max"])
+    assert all(e_pld <= e_rdp for e_pld, e_rdp in zip(privacy["epsilon"], privacy["epsilon_rdp"], strict=True))
     assert all(e_rdp <= 5.0 for e_rdp in privacy["epsilon_rdp"])
 
     setup = json.loads((out / "setup.json").read_text())

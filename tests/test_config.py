@@ -423,8 +423,8 @@ def _tiny(**sections: dict[str, Any]) -> ExperimentConfig:
     ({"topology": {"graph": "fiedler", "fiedler": 0.9}}, ConfigError, "topology.fiedler", "unreachable"),
     ({"topology": {"graph": "k-regular", "agents": 5, "k": 3}}, ConfigError, "topology.k", "must be even"),
     ({"topology": {"graph": "complete", "agents": 2000}}, ConfigError, "topology.agents", "training set has"),
-    ({"model": {"options": {"nonsense": 1}}}, ConfigError, "model.nonsense", "has no option 'nonsense'"),
-    ({"model": {"options": {"hidden": -3}}}, ConfigError, "model.hidden", "positive integer"),
+    ({"model": {"options": {"nonsense": 1}}}, ConfigError, "model.options.nonsense", "has no option 'nonsense'"),
+    ({"model": {"options": {"hidden": -3}}}, ConfigError, "model.options.hidden", "positive integer"),
     ({"data": {"partition": "dirichlet", "dirichlet_alpha": 0.01}, "topology": {"graph": "complete", "agents": 50}},
      ConfigError, "data.dirichlet_alpha", "use a larger alpha"),
 ])

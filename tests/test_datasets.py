@@ -38,8 +38,9 @@ def check_layout(ds: Dataset, shape: tuple[int, int, int], n_train: int, n_test:
 def test_digits_shapes_and_standardization() -> None:
     ds = load_dataset("digits")
     check_layout(ds, (1, 8, 8), 1437, 360, 10)
-    assert abs(ds.x_train.mean().item()) < 1e-5
-    assert abs(ds.x_train.std().item() - 1.0) < 1e-3
+    # Fixed public constants (not the pooled training statistics), so only close to 0 and 1.
+    assert abs(ds.x_train.mean().item()) < 1e-2
+    assert abs(ds.x_train.std().item() - 1.0) < 1e-2
     # Stratified split: every class appears in the test set in proportion.
     assert torch.bincount(ds.y_test, minlength=10).min() >= 35
 

@@ -112,7 +112,7 @@ def test_mlp_hidden_option() -> None:
 def test_mlp_rejects_bad_hidden(hidden: object) -> None:
     with pytest.raises(ConfigError) as err:
         build_model("mlp", DIGITS, 10, seed=0, hidden=hidden)
-    assert err.value.field == "model.hidden"
+    assert err.value.field == "model.options.hidden"
 
 
 def test_lenet5_activation_option() -> None:
@@ -121,7 +121,7 @@ def test_lenet5_activation_option() -> None:
     assert not any(isinstance(m, nn.Tanh) for m in relu.modules())
     with pytest.raises(ConfigError) as err:
         build_model("lenet5", MNIST, 10, seed=0, activation="sigmoid")
-    assert err.value.field == "model.activation"
+    assert err.value.field == "model.options.activation"
     assert "tanh" in err.value.message and "relu" in err.value.message
 
 
@@ -226,11 +226,11 @@ def test_unknown_model_name_lists_allowed() -> None:
 def test_unknown_option_names_the_option() -> None:
     with pytest.raises(ConfigError) as err:
         build_model("mlp", DIGITS, 10, seed=0, depth=3)
-    assert err.value.field == "model.depth"
+    assert err.value.field == "model.options.depth"
     assert "hidden" in err.value.message
     with pytest.raises(ConfigError) as err:
         build_model("convnet", DIGITS, 10, seed=0, hidden=10)
-    assert err.value.field == "model.hidden"
+    assert err.value.field == "model.options.hidden"
     assert "no options" in err.value.message
 
 

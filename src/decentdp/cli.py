@@ -78,7 +78,8 @@ def _run(args: argparse.Namespace) -> int:
     per_agent = ", ".join(_eps(e) for e in summary["epsilon_per_agent"])
     print(f"final test accuracy over {summary['n_agents']} agents: mean {summary['accuracy_mean']:.4f}, "
           f"min {summary['accuracy_min']:.4f}, max {summary['accuracy_max']:.4f}")
-    print(f"epsilon spent per agent (PLD, delta={summary['delta']:g}): max {_eps(summary['epsilon_max'])}"
+    print(f"epsilon spent per agent ({summary['epsilon_accountant'].upper()}, delta={summary['delta']:g}): "
+          f"max {_eps(summary['epsilon_max'])}"
           f"  [{per_agent}]")
     print(f"wall time {summary['wall_seconds']:.1f} s; results in {out}")
     if args.json:

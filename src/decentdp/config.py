@@ -28,11 +28,12 @@ ModelName = Literal["convnet", "mlp", "lenet5", "cifar-cnn", "resnet9", "linear"
 
 class _Section(BaseModel):
     # strict: no silent coercion ("3" -> 3, true -> 1 round); integers are still accepted for floats
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
 
 class ExperimentSection(_Section):
-    name: str = "experiment"
+    name: str = Field("experiment", pattern=r"^\w[\w.-]*$",
+                      description="letters, digits, '.', '_', '-' (it names the results folder, so no '/')")
     seed: int = Field(0, ge=0)
     rounds: int = Field(100, ge=1)
     eval_every: int = Field(10, ge=1)
@@ -77,17 +78,21 @@ class AlgorithmSection(_Section):
     nesterov: bool = False
     weight_decay: float = Field(0.0, ge=0.0)
     rho: float = Field(0.5, gt=0.0, description="DiNNO penalty rho_0")
-    rho_growth: float = Field(1.0, ge=1.0, description="DiNNO: rho_k = rho_0 * rho_growth^k")
+    rho_growth: float = Field(1.0, ge=1.0, description="DiNNO: rho in round k (from 0) is rho * rho_growth^(k+1)")
     primal_steps: int = Field(1, ge=1, description="DiNNO: T noisy primal steps per round")
     reset_optimizer_each_round: bool = False
 
 
 class PrivacySection(_Section):
+    model_config = ConfigDict(_Section.model_config, allow_inf_nan=True)  # epsilon = inf: non-private
+
     epsilon: float = Field(math.inf, description="target epsilon per agent; 'inf' = non-private")
     delta: float = Field(1e-5, gt=0.0, lt=1.0)
-    clip: float = Field(1.0, gt=0.0)
+    clip: float = Field(1.0, gt=0.0, allow_inf_nan=False)
     accountant: Literal["rdp", "pld"] = Field("rdp", description="accountant used to calibrate sigma")
-    agent_epsilons: list[float] | None = Field(None, description="per-agent budgets (overrides epsilon)")
+    secure_noise: bool = Field(False, description="key noise and sampling with a secret, not only the seed")
+    agent_epsilons: list[float] | None = Field(None, min_length=1,
+                                               description="per-agent budgets (overrides epsilon)")
 
     @field_validator("epsilon", mode="before")
     @classmethod
@@ -119,6 +124,26 @@ class PrivacySection(_Section):
         return any(math.isfinite(b) for b in budgets)
 
 
+_DINNO_ONLY = ("rho", "rho_growth", "primal_steps", "reset_optimizer_each_round")
+
+
+def _reject_unused_settings(algo: AlgorithmSection) -> None:
+    """A setting the chosen algorithm ignores is almost always a mistake: say so instead of ignoring it."""
+    fields = AlgorithmSection.model_fields
+    given = {key for key in fields if getattr(algo, key) != fields[key].default}  # resolved configs list all keys
+    unused = []
+    if algo.name != "dp-dinno":
+        unused += [key for key in _DINNO_ONLY if key in given]
+    if algo.name == "dp-dsgt":  # plain update x <- W(x - lr y) (Alg. 2): no optimizer
+        unused += [key for key in ("optimizer", "momentum", "nesterov") if key in given]
+    if algo.optimizer == "adam":
+        unused += [key for key in ("momentum", "nesterov") if key in given]
+    if unused:
+        raise _FieldError(f"algorithm.{unused[0]}",
+                          f"is not used by algorithm '{algo.name}' with optimizer '{algo.optimizer}'; "
+                          f"remove {', '.join(unused)}")
+
+
 def _parse_infinity(value: Any) -> Any:
     """TOML has ``inf`` but users write ``"inf"``; both mean no budget (non-private)."""
     if isinstance(value, str) and value.strip().lower() in {"inf", "infinity", "none", "non-private"}:
@@ -136,18 +161,26 @@ class ExperimentConfig(_Section):
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
     privacy: PrivacySection = Field(default_factory=PrivacySection)
 
+    @property
+    def pools_data(self) -> bool:
+        """Whether the algorithm trains one model on all agents' data (central baselines)."""
+        from decentdp.algorithms import algorithm_class
+
+        return algorithm_class(self.algorithm.name).pools_data
+
     @model_validator(mode="after")
     def _cross_field(self) -> ExperimentConfig:
         algo, topo, privacy = self.algorithm, self.topology, self.privacy
         if algo.lr_schedule != "constant" and algo.lr_final is None:
             raise _FieldError("algorithm.lr_final", f"is required by lr_schedule = '{algo.lr_schedule}'")
-        if privacy.agent_epsilons is not None and algo.name != "central-dpsgd" \
+        _reject_unused_settings(algo)
+        if privacy.agent_epsilons is not None and not self.pools_data \
                 and len(privacy.agent_epsilons) != topo.agents:
             raise _FieldError("privacy.agent_epsilons",
                                f"has {len(privacy.agent_epsilons)} entries but topology.agents = {topo.agents}")
         required = {"erdos-renyi": "p", "geometric": "radius", "fiedler": "fiedler", "k-regular": "k"}
         needed = required.get(topo.graph)
-        if needed is not None and getattr(topo, needed) is None and algo.name != "central-dpsgd":
+        if needed is not None and getattr(topo, needed) is None and not self.pools_data:
             raise _FieldError(f"topology.{needed}", f"is required by graph = '{topo.graph}'")
         return self
 

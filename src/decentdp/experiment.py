@@ -16,6 +16,7 @@ the output folder is touched, so a failing run leaves nothing half-written.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -87,9 +88,16 @@ class Experiment:
 
 def _agent_budgets(config: ExperimentConfig, n_agents: int) -> list[float]:
     privacy = config.privacy
-    if config.algorithm.name == "central-dpsgd":
-        return [min(privacy.agent_epsilons) if privacy.agent_epsilons else privacy.epsilon]
-    return list(privacy.agent_epsilons) if privacy.agent_epsilons else [privacy.epsilon] * n_agents
+    budgets = list(privacy.agent_epsilons) if privacy.agent_epsilons is not None else [privacy.epsilon] * n_agents
+    return [min(budgets)] if config.pools_data else budgets
+
+
+def _round_up_to_float32(sigma: float) -> float:
+    """The smallest float32 >= sigma: the noise is drawn in float32 and must never be below the plan."""
+    single = np.float32(sigma)
+    if float(single) < sigma:
+        single = np.nextafter(single, np.float32(np.inf))
+    return float(single)
 
 
 def _calibrate(budgets: list[float], rates: list[float], config: ExperimentConfig, releases: int) -> list[float]:
@@ -100,7 +108,7 @@ def _calibrate(budgets: list[float], rates: list[float], config: ExperimentConfi
         if (epsilon, rate) not in cache:
             cache[(epsilon, rate)] = calibrate_noise_multiplier(
                 epsilon, config.privacy.delta, rate, config.experiment.rounds, releases, config.privacy.accountant)
-        sigmas.append(cache[(epsilon, rate)])
+        sigmas.append(_round_up_to_float32(cache[(epsilon, rate)]))
     return sigmas
 
 
@@ -132,13 +140,11 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     model = FlatModel(module, classification_loss)
 
     sizes = [len(p) for p in parts]
-    if min(sizes) == 0:
-        raise ConfigError("data.partition", "an agent received no training data; use fewer agents or another split")
     rates = [min(1.0, algo_cfg.batch_size / n) for n in sizes]
     budgets = _agent_budgets(config, len(parts))
     sigmas = _calibrate(budgets, rates, config, algorithm.releases_per_round) if private else [0.0] * len(parts)
     ledger = PrivacyLedger(len(parts), budgets, config.privacy.delta, budget_accountant=config.privacy.accountant)
-    rng = AgentRandom(seed)
+    rng = AgentRandom(seed, secrets.token_bytes(32) if config.privacy.secure_noise else b"")
     sample_rates = torch.tensor(rates, dtype=torch.float64)
     noise_multipliers = torch.tensor(sigmas, dtype=torch.float32)
     sampler = PoissonSampler(data, sample_rates, rng)
@@ -181,7 +187,7 @@ def _prepare_out_dir(out_dir: Path, resume: bool) -> dict[str, Any] | None:
     if resume:
         if not checkpoint.is_file():
             raise ConfigError("--resume", f"no checkpoint to resume in {out_dir}")
-        return torch.load(checkpoint, weights_only=False)
+        return torch.load(checkpoint, weights_only=True)
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError("--out", f"{out_dir} exists and is not a directory")
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -212,6 +218,7 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
         metrics = checkpoint["metrics"]
         experiment.ledger = experiment.ledger.from_state_dict(checkpoint["ledger"])
         experiment.oracle.ledger = experiment.ledger
+        experiment.oracle.rng.secret = bytes.fromhex(checkpoint["secret"])
     elif out is not None:
         out.mkdir(parents=True, exist_ok=True)
         write_toml(out / CONFIG_FILE, config.to_toml_dict())
@@ -223,6 +230,16 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
     last = min(rounds, stop_after) if stop_after is not None else rounds
     checkpoint_every = cfg.checkpoint_every or cfg.eval_every
     emit = log or (lambda message: tqdm.write(message))
+    report = experiment.topology.report
+    sigmas = experiment.noise_multipliers
+    emit(f"{experiment.data.n_agents} agent(s) on a {config.topology.graph if not config.pools_data else 'single'} "
+         f"graph: {report.n_edges} edges, normalized Fiedler {report.normalized_fiedler:.3f}, "
+         f"spectral gap {report.spectral_gap:.3f}; {experiment.model.dim} parameters per agent")
+    budgets = experiment.ledger.budgets
+    emit(f"privacy: epsilon {budgets.min():g}..{budgets.max():g} per agent at delta {config.privacy.delta:g}, "
+         f"sigma {float(sigmas.min()):.4g}..{float(sigmas.max()):.4g} for "
+         f"{rounds * experiment.algorithm.releases_per_round} planned releases"
+         if config.privacy.private else "privacy: none (epsilon = inf)")
     for warning in experiment.topology.warnings:
         emit(f"warning: {warning}")
     bar = tqdm(total=rounds, initial=start, disable=not progress, desc=cfg.name, unit="round", leave=False)
@@ -232,6 +249,7 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
         if out is None:
             return
         payload = {"round": round_done, "state": current, "metrics": metrics, "config": config.to_toml_dict(),
+                   "secret": experiment.oracle.rng.secret.hex(),
                    "ledger": experiment.ledger.state_dict(), "wall_seconds": elapsed + time.perf_counter() - clock}
         tmp = out / f".{CHECKPOINT_FILE}.tmp"
         torch.save(payload, tmp)
@@ -256,16 +274,23 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
             save(done, current)
         return done < last
 
+    if checkpoint is None:
+        save(0, state)  # resumable from the very start
     if start < last:
         state = experiment.simulator.run(state, start, rounds, after_round)
     bar.close()
     wall = elapsed + time.perf_counter() - clock
     summary = _summary(experiment, metrics, wall, finished=last == rounds)
+    refused = experiment.ledger.refused
+    if refused.any():
+        emit(f"warning: {int((refused > 0).sum())} agent(s) ran out of privacy budget and skipped "
+             f"{int(refused.sum())} release(s) in total (see privacy.json)")
     if out is not None and last == rounds:
-        epsilons_pld = experiment.ledger.epsilon("pld")
+        epsilons, accountant = experiment.ledger.reported_epsilon()
         write_json(out / PRIVACY_FILE, {
             "delta": config.privacy.delta,
-            "epsilon_pld": epsilons_pld.tolist(),
+            "epsilon": epsilons.tolist(),
+            "epsilon_accountant": accountant,
             "epsilon_rdp": experiment.ledger.epsilon("rdp").tolist(),
             "releases": experiment.ledger.releases().tolist(),
             "refused_releases": experiment.ledger.refused.tolist(),
@@ -280,7 +305,7 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
 def _summary(experiment: Experiment, metrics: list[dict[str, Any]], wall: float, finished: bool) -> dict[str, Any]:
     config = experiment.config
     last = metrics[-1] if metrics else {}
-    eps_pld = experiment.ledger.epsilon("pld")
+    epsilons, accountant = experiment.ledger.reported_epsilon()
     return strict_json({
         "name": config.experiment.name,
         "algorithm": config.algorithm.name,
@@ -293,9 +318,10 @@ def _summary(experiment: Experiment, metrics: list[dict[str, Any]], wall: float,
         "accuracy_min": last.get("accuracy_min"),
         "accuracy_max": last.get("accuracy_max"),
         "consensus_distance": last.get("consensus_distance"),
-        "epsilon_max": float(eps_pld.max()),
-        "epsilon_per_agent": eps_pld.tolist(),
-        "epsilon_accountant": "pld",
+        "epsilon_max": float(epsilons.max()),
+        "epsilon_per_agent": epsilons.tolist(),
+        "epsilon_accountant": accountant,
+        "refused_releases": int(experiment.ledger.refused.sum()),
         "delta": config.privacy.delta,
         "noise_multipliers": experiment.noise_multipliers.tolist(),
         "wall_seconds": wall,

@@ -118,7 +118,7 @@ def build_model(
     for option in options:
         if option not in accepted:
             allowed = f"accepted options: {', '.join(accepted)}" if accepted else "it takes no options"
-            raise ConfigError(f"model.{option}", f"model {name!r} has no option {option!r}; {allowed}")
+            raise ConfigError(f"model.options.{option}", f"model {name!r} has no option {option!r}; {allowed}")
     with torch.random.fork_rng(devices=[]):
         # Seed only the CPU generator (torch.manual_seed would also reseed CUDA, which fork_rng
         # with devices=[] does not restore); the model is created on the CPU.
@@ -278,7 +278,7 @@ def mlp(
     widths = [hidden] if isinstance(hidden, int) else list(hidden) if isinstance(hidden, list | tuple) else []
     if not widths or not all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in widths):
         raise ConfigError(
-            "model.hidden", f"expected a positive integer or a non-empty list of them; got {hidden!r}"
+            "model.options.hidden", f"expected a positive integer or a non-empty list of them; got {hidden!r}"
         )
     layers: list[nn.Module] = [nn.Flatten()]
     fan_in = _flat_size(input_shape)
@@ -304,7 +304,7 @@ def lenet5(input_shape: tuple[int, int, int], num_classes: int, *, activation: s
     """
     if activation not in _LENET_ACTIVATIONS:
         raise ConfigError(
-            "model.activation",
+            "model.options.activation",
             f"unknown activation {activation!r}; choose one of: {', '.join(_LENET_ACTIVATIONS)}",
         )
     act = _LENET_ACTIVATIONS[activation]

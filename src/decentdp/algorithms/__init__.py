@@ -15,7 +15,13 @@ from decentdp.engine.optim import make_optimizer
 if TYPE_CHECKING:
     from decentdp.config import ExperimentConfig
 
-ALGORITHMS: tuple[str, ...] = (CentralDPSGD.name, LocalTraining.name, DPDSGD.name, DPDSGT.name, DPDiNNO.name)
+_CLASSES: dict[str, type[Algorithm]] = {cls.name: cls for cls in (CentralDPSGD, LocalTraining, DPDSGD, DPDSGT, DPDiNNO)}
+ALGORITHMS: tuple[str, ...] = tuple(_CLASSES)
+
+
+def algorithm_class(name: str) -> type[Algorithm]:
+    """The class registered under ``name`` (names are validated by the config schema)."""
+    return _CLASSES[name]
 
 
 def build_algorithm(config: ExperimentConfig) -> Algorithm:

@@ -1,7 +1,9 @@
 """DP-DiNNO: Bayrooti et al., Algorithm 3 (the DP version of DiNNO's consensus ADMM, eqs. 6-7).
 
-Per round ``k``, with penalty ``rho_k = rho_0 * growth^k`` (applied before the dual update, as in
-DiNNO's code) and graph neighbours ``N(i)`` (excluding ``i``)::
+Per round ``k = 0, 1, ...``, with penalty ``rho = rho_0 * growth^(k+1)`` (grown before the dual
+update, as in DiNNO's code) and graph neighbours ``N(i)``.  The paper's ``N_i`` includes ``i``
+itself; its ``j = i`` term vanishes in (6) but would add a proximal term ``rho ||psi - theta_i||^2``
+to (7).  We follow DiNNO's original method and code, which sum over neighbours only::
 
     y_i^{k+1} = y_i^k + rho sum_{j in N(i)} (theta_i^k - theta_j^k)                      (6; Alg. 3 line 8)
     psi^0 = theta_i^k;  for t = 1..T:                                                     (lines 9-15)

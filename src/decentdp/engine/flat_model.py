@@ -3,8 +3,9 @@
 The simulator stores the parameters of all N agents as one ``(N, d)`` matrix.  Mixing is then a
 single matrix product, noise a single draw, an optimizer step a few element-wise kernels, and the
 model itself is called through ``torch.func.functional_call`` on *views* of a row, under
-``torch.func.vmap`` over agents (and over samples for per-sample gradients).  No Python loop over
-agents runs on the training path.
+``torch.func.vmap`` over agents (and over samples for per-sample gradients).  The model's
+forward and backward passes never loop over agents in Python (batch sampling, per-agent random
+streams and ledger checks still do, at a cost that is small next to the gradients for N <= 100).
 """
 
 from __future__ import annotations

@@ -27,22 +27,32 @@ class Stream(IntEnum):
     SCHEDULE = 4
 
 
-def stream_seed(seed: int, agent: int, round_index: int, stream: Stream, step: int = 0) -> int:
-    """A 63-bit seed derived from the key by SHA-256 (well mixed even for adjacent keys)."""
+def stream_seed(seed: int, agent: int, round_index: int, stream: Stream, step: int = 0, secret: bytes = b"") -> int:
+    """A 63-bit seed derived from the key (and an optional secret) by SHA-256."""
     key = f"{seed}/{agent}/{round_index}/{int(stream)}/{step}".encode()
-    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
+    return int.from_bytes(hashlib.sha256(secret + key).digest()[:8], "little") >> 1
 
 
 class AgentRandom:
-    """Factory of per-agent generators for one run; holds only the run seed, so it has no state."""
+    """Factory of per-agent generators for one run; holds only its key, so it has no state.
 
-    def __init__(self, seed: int) -> None:
+    Privacy note: noise that anyone can recompute protects nothing.  With only the public run seed
+    (the default) the simulator reproduces the mechanism's *distribution* exactly, which is what a
+    simulation needs; with ``secret`` (``privacy.secure_noise``) the streams are also keyed by 32
+    bytes from the operating system's CSPRNG, kept only in the checkpoint (the agents' private
+    state) and never in configs, metrics or summaries, as a deployment requires.  The generator
+    behind each stream is torch's Mersenne Twister, which is not a cryptographic generator: a real
+    deployment should draw its noise from a vetted source.
+    """
+
+    def __init__(self, seed: int, secret: bytes = b"") -> None:
         self.seed = int(seed)
+        self.secret = secret
 
     def generator(self, agent: int, round_index: int, stream: Stream, step: int = 0) -> torch.Generator:
         """The generator agent ``agent`` uses for ``stream`` in round ``round_index`` (sub-step ``step``)."""
         generator = torch.Generator()
-        generator.manual_seed(stream_seed(self.seed, agent, round_index, stream, step))
+        generator.manual_seed(stream_seed(self.seed, agent, round_index, stream, step, self.secret))
         return generator
 
     def normal(self, agents: list[int], dim: int, round_index: int, stream: Stream, step: int = 0,

@@ -63,6 +63,7 @@ class PoissonSampler:
         index = torch.zeros(len(chosen), width, dtype=torch.long)
         mask = torch.zeros(len(chosen), width)
         for row, selected in enumerate(chosen):
+            index[row] = self.data.indices[row][0]  # padding reads one of the agent's own records
             index[row, : len(selected)] = selected
             mask[row, : len(selected)] = 1.0
         return Batch(self.data.x[index], self.data.y[index], mask)

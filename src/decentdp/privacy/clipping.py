@@ -33,5 +33,8 @@ def clipped_sum(per_sample: torch.Tensor, mask: torch.Tensor, clip: float) -> tu
     The ``(N, d)`` clipped sums and the ``(N, B)`` per-sample norms before clipping.
     """
     norms = per_sample.norm(dim=-1)
-    weights = clip_factors(norms, clip) * mask
-    return torch.einsum("nb,nbd->nd", weights, per_sample), norms
+    # Padding and non-finite gradients contribute exactly nothing (0 * inf would be NaN).
+    keep = (mask > 0) & torch.isfinite(norms)
+    weights = torch.where(keep, clip_factors(norms, clip), torch.zeros_like(norms))
+    safe = torch.where(keep[..., None], per_sample, torch.zeros_like(per_sample))
+    return torch.einsum("nb,nbd->nd", weights, safe), norms

@@ -5,7 +5,7 @@ formula computed beforehand; the epsilon we report is computed from those events
 agent's history is run-length encoded as runs of identical sampled Gaussian releases, which keeps
 a 2000-round history a handful of numbers and makes it serialisable into checkpoints.
 
-Budget enforcement (``authorize``) uses the same accountant as noise calibration (RDP by default),
+Budget enforcement (``spend``) uses the same accountant as noise calibration (RDP by default),
 so that an agent whose noise was calibrated for its planned releases can make exactly those
 releases and no more.  Because epsilon grows monotonically with the number of identical releases,
 the check reduces to comparing a count with a cached maximum, which keeps it off the hot path.
@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from decentdp.errors import PrivacyError
 from decentdp.privacy.accounting import Run, check_epsilon_delta, epsilon_of_runs
 
 _UNLIMITED = 1 << 40
@@ -145,6 +146,13 @@ class PrivacyLedger:
         """Epsilon each agent has spent so far, from its recorded releases."""
         at = self.delta if delta is None else float(delta)
         return np.array([epsilon_of_runs(self.history(agent), at, accountant) for agent in range(self.n_agents)])
+
+    def reported_epsilon(self) -> tuple[np.ndarray, str]:
+        """Epsilon per agent by PLD (tight), or by RDP where PLD is impractical; with the accountant's name."""
+        try:
+            return self.epsilon("pld"), "pld"
+        except PrivacyError:
+            return self.epsilon("rdp"), "rdp"
 
     def state_dict(self) -> dict[str, Any]:
         """A JSON-serialisable snapshot (for checkpoints and the results folder)."""
