@@ -60,3 +60,36 @@ def test_a_run_writes_its_results_folder(tmp_path: Path) -> None:
     assert 0.0 < summary["epsilon_max"] <= 5.0
     setup = json.loads((tmp_path / "out" / "setup.json").read_text())
     assert len(setup["class_histograms"]) == 4 and setup["topology"]["n_agents"] == 4
+
+
+def test_a_run_interrupted_before_its_first_round_can_be_resumed(tmp_path: Path) -> None:
+    config = validate_config(tiny_config())
+    run_experiment(config, tmp_path / "run", progress=False, stop_after=0)
+    assert (tmp_path / "run" / "checkpoint.pt").is_file()
+    resumed = run_experiment(config, tmp_path / "run", progress=False, resume=True)
+    whole = run_experiment(config, tmp_path / "whole", progress=False)
+    assert torch.equal(resumed.state["params"], whole.state["params"])
+
+
+@pytest.mark.parametrize("algorithm,field", [
+    ({"name": "dp-dsgt", "momentum": 0.9}, "algorithm.momentum"),
+    ({"name": "dp-dsgd", "primal_steps": 3}, "algorithm.primal_steps"),
+    ({"name": "dp-dinno", "optimizer": "adam", "nesterov": True}, "algorithm.nesterov"),
+])
+def test_settings_the_algorithm_ignores_are_errors(algorithm: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        validate_config(tiny_config(algorithm=algorithm))
+    assert error.value.field == field and "is not used by" in str(error.value)
+
+
+@pytest.mark.parametrize("section,values,field", [
+    ("privacy", {"clip": float("inf")}, "privacy.clip"),
+    ("algorithm", {"lr": float("nan")}, "algorithm.lr"),
+    ("experiment", {"name": "../../escaped"}, "experiment.name"),
+    ("privacy", {"agent_epsilons": []}, "privacy.agent_epsilons"),
+])
+def test_values_that_would_break_the_guarantee_or_escape_the_folder_are_rejected(
+        section: str, values: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        validate_config(tiny_config(**{section: values}))
+    assert error.value.field == field

@@ -188,3 +188,44 @@ def test_non_private_runs_report_infinite_epsilon() -> None:
     experiment.simulator.run(experiment.initial_state(), 0, 2, lambda done, s: True)
     assert np.isinf(experiment.ledger.epsilon()).all()
     assert experiment.ledger.releases().tolist() == [2, 2, 2, 2]
+
+
+def test_padding_and_non_finite_gradients_contribute_nothing() -> None:
+    per_sample = torch.ones(2, 3, 4)
+    per_sample[0, 2] = float("nan")   # a padded slot holding garbage
+    per_sample[1, 1] = float("inf")   # a real sample whose gradient overflowed
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    summed, _ = clipped_sum(per_sample, mask, clip=1.0)
+    assert torch.isfinite(summed).all()
+    torch.testing.assert_close(summed, torch.tensor([[1.0] * 4, [1.0] * 4]) * 2 * 0.5 / (1 + 5e-7), rtol=1e-5, atol=0)
+
+
+def test_noise_multipliers_are_never_below_plan_in_float32() -> None:
+    from decentdp.experiment import _round_up_to_float32
+
+    for sigma in [7.613769531251, 1.1, 0.51234567891, 3.0]:
+        rounded = _round_up_to_float32(sigma)
+        assert rounded >= sigma
+        assert float(np.float32(rounded)) == rounded
+
+
+def test_pld_falls_back_to_rdp_where_it_is_impractical() -> None:
+    ledger = PrivacyLedger(1, 1e9, 1e-5)
+    ledger.spend(0, np.array([0.05]), np.array([0.5]), releases=3)
+    with pytest.raises(PrivacyError, match="impractical"):
+        ledger.epsilon("pld")
+    epsilons, accountant = ledger.reported_epsilon()
+    assert accountant == "rdp" and epsilons[0] == ledger.epsilon("rdp")[0]
+
+
+def test_secure_noise_is_keyed_by_a_secret_that_stays_out_of_the_results(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from decentdp.experiment import run_experiment
+
+    raw = tiny_config(privacy={"secure_noise": True}, experiment={"rounds": 2, "eval_every": 2})
+    first = run_experiment(validate_config(raw), tmp_path / "a", progress=False)
+    second = run_experiment(validate_config(raw), tmp_path / "b", progress=False)
+    assert not torch.equal(first.state["params"], second.state["params"])
+    secret = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=True)["secret"]
+    assert len(bytes.fromhex(secret)) == 32
+    for name in ("config.toml", "summary.json", "privacy.json", "setup.json", "metrics.jsonl", "provenance.json"):
+        assert secret not in (tmp_path / "a" / name).read_text()
