@@ -230,18 +230,7 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
     last = min(rounds, stop_after) if stop_after is not None else rounds
     checkpoint_every = cfg.checkpoint_every or cfg.eval_every
     emit = log or (lambda message: tqdm.write(message))
-    report = experiment.topology.report
-    sigmas = experiment.noise_multipliers
-    emit(f"{experiment.data.n_agents} agent(s) on a {config.topology.graph if not config.pools_data else 'single'} "
-         f"graph: {report.n_edges} edges, normalized Fiedler {report.normalized_fiedler:.3f}, "
-         f"spectral gap {report.spectral_gap:.3f}; {experiment.model.dim} parameters per agent")
-    budgets = experiment.ledger.budgets
-    emit(f"privacy: epsilon {budgets.min():g}..{budgets.max():g} per agent at delta {config.privacy.delta:g}, "
-         f"sigma {float(sigmas.min()):.4g}..{float(sigmas.max()):.4g} for "
-         f"{rounds * experiment.algorithm.releases_per_round} planned releases"
-         if config.privacy.private else "privacy: none (epsilon = inf)")
-    for warning in experiment.topology.warnings:
-        emit(f"warning: {warning}")
+    _announce(experiment, emit)
     bar = tqdm(total=rounds, initial=start, disable=not progress, desc=cfg.name, unit="round", leave=False)
     clock = time.perf_counter()
 
@@ -300,6 +289,22 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
         if metrics:
             plot_metrics(metrics, out)
     return RunResult(summary, metrics, state, out)
+
+
+def _announce(experiment: Experiment, emit: Callable[[str], None]) -> None:
+    """Print what is about to run: the graph, the model size, the privacy plan, any warnings."""
+    config, report, sigmas = experiment.config, experiment.topology.report, experiment.noise_multipliers
+    graph = "single agent (pooled data)" if config.pools_data else f"graph '{config.topology.graph}'"
+    emit(f"{experiment.data.n_agents} agent(s), {graph}: {report.n_edges} edges, "
+         f"normalized Fiedler {report.normalized_fiedler:.3f}, spectral gap {report.spectral_gap:.3f}; "
+         f"{experiment.model.dim} parameters per agent")
+    budgets = experiment.ledger.budgets
+    planned = config.experiment.rounds * experiment.algorithm.releases_per_round
+    emit(f"privacy: epsilon {budgets.min():g}..{budgets.max():g} per agent at delta {config.privacy.delta:g}, "
+         f"sigma {float(sigmas.min()):.4g}..{float(sigmas.max()):.4g} for {planned} planned releases"
+         if config.privacy.private else "privacy: none (epsilon = inf)")
+    for warning in experiment.topology.warnings:
+        emit(f"warning: {warning}")
 
 
 def _summary(experiment: Experiment, metrics: list[dict[str, Any]], wall: float, finished: bool) -> dict[str, Any]:

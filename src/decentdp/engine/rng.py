@@ -23,8 +23,6 @@ class Stream(IntEnum):
 
     SAMPLING = 1
     NOISE = 2
-    INIT = 3
-    SCHEDULE = 4
 
 
 def stream_seed(seed: int, agent: int, round_index: int, stream: Stream, step: int = 0, secret: bytes = b"") -> int:
