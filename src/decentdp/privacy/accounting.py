@@ -104,6 +104,9 @@ def _quiet_absl() -> Iterator[None]:
         absl_logger.setLevel(previous)
 
 
+_RDP_ORDERS = rdp_privacy_accountant.RdpAccountant().orders  # the orders every _rdp_curve is computed at
+
+
 @lru_cache(maxsize=1024)
 def _rdp_curve(noise_multiplier: float, sample_rate: float) -> np.ndarray:
     """RDP of one sampled Gaussian release at the accountant's orders (costly for small sigma)."""
@@ -115,7 +118,7 @@ def _rdp_curve(noise_multiplier: float, sample_rate: float) -> np.ndarray:
 def _rdp_epsilon(runs: tuple[Run, ...], delta: float) -> float:
     """RDP composes additively: sum the cached per-release curves, then convert once."""
     total = sum(count * _rdp_curve(sigma, q) for sigma, q, count in runs if count > 0)
-    epsilon, _ = rdp_privacy_accountant.compute_epsilon(rdp_privacy_accountant.RdpAccountant().orders, total, delta)
+    epsilon, _ = rdp_privacy_accountant.compute_epsilon(_RDP_ORDERS, total, delta)
     return float(epsilon)
 
 
