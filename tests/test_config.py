@@ -32,7 +32,7 @@ GRAPHS = ("complete", "ring", "star", "path", "grid", "torus", "erdos-renyi", "g
           "complete-bipartite", "k-regular")
 MIXINGS = ("metropolis-hastings", "average", "max-degree")
 MODELS = ("convnet", "mlp", "lenet5", "cifar-cnn", "resnet9", "linear", "logistic")
-SECTIONS = "algorithm, data, experiment, model, privacy, topology"
+SECTIONS = "algorithm, data, engine, experiment, model, privacy, topology"
 PRIVACY_KEYS = "accountant, agent_epsilons, clip, delta, epsilon"
 ALGORITHM_KEYS = ("batch_size", "lr", "lr_final", "lr_schedule", "momentum", "name", "nesterov", "optimizer",
                   "primal_steps", "reset_optimizer_each_round", "rho", "rho_growth", "weight_decay")

@@ -83,6 +83,18 @@ class AlgorithmSection(_Section):
     reset_optimizer_each_round: bool = False
 
 
+class EngineSection(_Section):
+    """How the simulator computes, not what: none of these settings changes a run's results."""
+
+    gradients: Literal["auto", "stacked", "vmap"] = Field(
+        "auto", description="per-sample gradient engine: stacked layer rules (fast), torch.func vmap (any "
+                            "model), or auto (stacked when the model allows it)")
+    memory_limit_gb: float | None = Field(None, gt=0.0, description="peak memory to plan for; default: "
+                                                                     "what the OS reports available")
+    agents_per_pass: int | None = Field(None, ge=1, description="agents whose gradients are computed at once; "
+                                                                "default: as many as fit in memory")
+
+
 class PrivacySection(_Section):
     model_config = ConfigDict(_Section.model_config, allow_inf_nan=True)  # epsilon = inf: non-private
 
@@ -160,6 +172,7 @@ class ExperimentConfig(_Section):
     model: ModelSection = Field(default_factory=ModelSection)
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
     privacy: PrivacySection = Field(default_factory=PrivacySection)
+    engine: EngineSection = Field(default_factory=EngineSection)
 
     @property
     def pools_data(self) -> bool:

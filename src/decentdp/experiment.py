@@ -32,13 +32,15 @@ from decentdp.algorithms.base import Algorithm, State
 from decentdp.config import ExperimentConfig
 from decentdp.data.datasets import Dataset, load_dataset
 from decentdp.data.partition import class_histograms, partition
-from decentdp.engine.evaluation import Evaluator
+from decentdp.engine.evaluation import Evaluator, evaluation_chunk
 from decentdp.engine.flat_model import FlatModel
+from decentdp.engine.memory import MemoryPlan, available_memory, padded_batch, plan_memory, state_bytes
 from decentdp.engine.network import SimulatedNetwork
 from decentdp.engine.rng import AgentRandom
 from decentdp.engine.sampling import AgentData, PoissonSampler
 from decentdp.engine.schedules import Schedule
 from decentdp.engine.simulator import Simulator
+from decentdp.engine.stacked_model import gradient_model
 from decentdp.errors import ConfigError
 from decentdp.models import build_model, classification_loss, validate_for_dp
 from decentdp.privacy.accounting import calibrate_noise_multiplier
@@ -112,6 +114,22 @@ def _calibrate(budgets: list[float], rates: list[float], config: ExperimentConfi
     return sigmas
 
 
+def _plan_memory(config: ExperimentConfig, model: FlatModel, algorithm: Algorithm, data: AgentData,
+                 rates: list[float]) -> MemoryPlan:
+    """Estimate the run's peak memory and how many agents' gradients fit in one pass (or refuse)."""
+    n_agents = data.n_agents
+    state = state_bytes(algorithm.init_state(torch.empty(n_agents, model.dim, device="meta")))
+    sizes = [len(owned) for owned in data.indices]
+    width = max(padded_batch(rate * size, size) for rate, size in zip(rates, sizes, strict=True))
+    sample = data.x[data.indices[0][0]]
+    per_sample = model.activation_bytes_per_sample(sample, data.y[data.indices[0][0]])
+    batch = n_agents * width * (sample.numel() * sample.element_size() + 8 + 4)  # inputs, labels, mask
+    limit = config.engine.memory_limit_gb
+    return plan_memory(n_agents, model.dim, state, batch, per_sample, width,
+                       int(limit * 2**30) if limit is not None else available_memory(),
+                       config.engine.agents_per_pass)
+
+
 def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = None) -> Experiment:
     """Load data, build graph, model, privacy and algorithm; raises DecentDPError on bad input."""
     cfg_data, topo_cfg, algo_cfg = config.data, config.topology, config.algorithm
@@ -137,7 +155,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     private = config.privacy.private
     if private:
         validate_for_dp(module)
-    model = FlatModel(module, classification_loss)
+    model = gradient_model(module, classification_loss, config.engine.gradients)
 
     sizes = [len(p) for p in parts]
     rates = [min(1.0, algo_cfg.batch_size / n) for n in sizes]
@@ -149,11 +167,14 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     noise_multipliers = torch.tensor(sigmas, dtype=torch.float32)
     sampler = PoissonSampler(data, sample_rates, rng)
     spec = GaussianSpec(noise_multipliers, config.privacy.clip) if private else None
-    oracle = GradientOracle(model, sampler, ledger, rng, spec)
+    memory = _plan_memory(config, model, algorithm, data, rates)
+    oracle = GradientOracle(model, sampler, ledger, rng, spec, agents_per_pass=memory.agents_per_pass)
     network = SimulatedNetwork(topology)
     schedule = Schedule(algo_cfg.lr_schedule, algo_cfg.lr, algo_cfg.lr_final or algo_cfg.lr, config.experiment.rounds)
     simulator = Simulator(algorithm, network, oracle, schedule)
-    evaluator = Evaluator(model, dataset.x_test, dataset.y_test)
+    evaluator = Evaluator(model, dataset.x_test, dataset.y_test,
+                          chunk=evaluation_chunk(memory.agents_per_pass * memory.activation_bytes_per_agent,
+                                                 memory.activation_bytes_per_sample, len(parts)))
     histograms = class_histograms(labels, parts, dataset.num_classes)
     setup = {
         "n_agents": len(parts),
@@ -167,6 +188,9 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
         "class_histograms": histograms.tolist(),
         "topology": topology.report.as_dict(),
         "mixing_warnings": list(topology.warnings),
+        "gradient_engine": model.backend,
+        "gradient_engine_fallback_reason": model.fallback_reason,
+        "memory_plan": memory.as_dict(),
     }
     return Experiment(config, dataset, data, topology, model, algorithm, ledger, oracle, simulator, evaluator,
                       noise_multipliers, sample_rates, histograms, setup)

@@ -226,7 +226,7 @@ def _group_norm(channels: int) -> nn.GroupNorm:
     return nn.GroupNorm(min(32, channels), channels)
 
 
-class _Residual(nn.Module):
+class Residual(nn.Module):
     """``x + block(x)``, written out-of-place so ``vmap`` can batch it."""
 
     def __init__(self, block: nn.Module) -> None:
@@ -379,10 +379,10 @@ def resnet9(input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
     return nn.Sequential(
         _conv_norm_relu(channels, 64),
         _conv_norm_relu(64, 128, pool=True),
-        _Residual(nn.Sequential(_conv_norm_relu(128, 128), _conv_norm_relu(128, 128))),
+        Residual(nn.Sequential(_conv_norm_relu(128, 128), _conv_norm_relu(128, 128))),
         _conv_norm_relu(128, 256, pool=True),
         _conv_norm_relu(256, 512, pool=True),
-        _Residual(nn.Sequential(_conv_norm_relu(512, 512), _conv_norm_relu(512, 512))),
+        Residual(nn.Sequential(_conv_norm_relu(512, 512), _conv_norm_relu(512, 512))),
         nn.MaxPool2d((height // 8, width // 8)),
         nn.Flatten(),
         nn.Linear(512, num_classes),

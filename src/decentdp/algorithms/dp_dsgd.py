@@ -25,5 +25,5 @@ class DPDSGD(OptimizerAlgorithm):
         params = state["params"]
         grad = ctx.gradient(params, ctx.round_index, 0)      # Alg. 1 lines 7-9, at theta_i^k
         mixed = ctx.network.mix(params)                       # sum_j w_ij theta_j^k
-        params, opt = self.optimizer.step(mixed, grad, unprefixed("opt", state), ctx.lr)  # line 10
+        params, opt = self.optimizer.step(mixed, grad, unprefixed("opt", state), ctx.lr, inplace=True)  # line 10
         return {"params": params, **prefixed("opt", opt)}

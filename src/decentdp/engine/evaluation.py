@@ -38,6 +38,12 @@ def consensus_distance(params: torch.Tensor) -> float:
     return float((params - params.mean(dim=0, keepdim=True)).pow(2).sum(dim=1).mean().sqrt())
 
 
+def evaluation_chunk(activation_budget: int, activation_bytes_per_sample: int, n_agents: int) -> int:
+    """Test samples per pass such that all agents' forward activations stay within the training
+    pass's activation budget (between 64 and 4096 samples)."""
+    return int(min(4096, max(64, activation_budget // max(1, n_agents * activation_bytes_per_sample))))
+
+
 class Evaluator:
     """Evaluates stacked parameters on a fixed test set in chunks of ``chunk`` samples."""
 

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from decentdp.privacy.clipping import clipped_sum
+
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -24,7 +26,15 @@ class FlatModel:
 
     The module itself is only a template: its parameters are read once (``initial_parameters``) and
     never updated; buffers are passed through unchanged (DP models have no running statistics).
+    This class is the general gradient engine, for any module ``torch.func`` can batch; the faster
+    :class:`~decentdp.engine.stacked_model.StackedModel` overrides the gradient methods for the
+    layers it knows.
     """
+
+    #: Which gradient engine this is (reported in run logs and profiles).
+    backend = "vmap"
+    #: Why the faster stacked engine was not used, when it was tried and refused the model.
+    fallback_reason: str | None = None
 
     def __init__(self, module: nn.Module, loss: LossFn) -> None:
         self.module = module
@@ -60,6 +70,14 @@ class FlatModel:
         per_sample = vmap(grad(self._sample_loss), in_dims=(None, 0, 0))
         return vmap(per_sample, in_dims=(0, 0, 0))(params, x, y)
 
+    def clipped_gradient_sums(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
+                              clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each agent's sum of clipped per-sample gradients ``(N, d)`` and the norms before clipping ``(N, B)``.
+
+        Padding (``mask == 0``) and samples with a non-finite gradient contribute nothing.
+        """
+        return clipped_sum(self.per_sample_gradients(params, x, y), mask, clip)
+
     def batch_gradients(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                         weights: torch.Tensor) -> torch.Tensor:
         """Gradient of each agent's weighted loss sum ``sum_b w_b l(x_b)``: ``(N, d)``."""
@@ -69,7 +87,42 @@ class FlatModel:
 
         return vmap(grad(weighted_loss))(params, x, y, weights)
 
+    def activation_bytes_per_sample(self, sample: torch.Tensor, target: torch.Tensor) -> int:
+        """Bytes one training sample keeps alive while private gradients are computed.
+
+        What autograd saves for the backward pass (measured on a dry run, see
+        :func:`saved_bytes_per_sample`) plus the sample's flat per-sample gradient and its copy.
+        """
+        def run(batch: torch.Tensor, targets: torch.Tensor) -> None:
+            self.loss(self.module(batch), targets).sum()
+
+        return saved_bytes_per_sample(run, sample, target) + 2 * 4 * self.dim
+
     @torch.no_grad()
     def predict(self, params: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """Outputs of every agent's model on one shared batch: ``(N, B, outputs)``."""
         return vmap(self.forward, in_dims=(0, None))(params, inputs)
+
+
+def saved_bytes_per_sample(run: Callable[[torch.Tensor, torch.Tensor], None], sample: torch.Tensor,
+                           target: torch.Tensor) -> int:
+    """Bytes autograd saves per sample when ``run(inputs, targets)`` builds a graph.
+
+    Measured with saved-tensor hooks on batches of one and two copies of ``sample``; the
+    difference removes what does not grow with the batch (parameters).
+    """
+    def measure(batch: int) -> int:
+        saved = 0
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal saved
+            saved += tensor.numel() * tensor.element_size()
+            return tensor
+
+        inputs = sample.unsqueeze(0).expand(batch, *sample.shape).contiguous()
+        targets = target.reshape(1).expand(batch).contiguous()
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            run(inputs, targets)
+        return saved
+
+    return max(0, measure(2) - measure(1))

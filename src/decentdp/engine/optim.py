@@ -21,8 +21,11 @@ class Optimizer(Protocol):
 
     def init(self, params: torch.Tensor) -> OptimizerState: ...
 
-    def step(self, params: torch.Tensor, grad: torch.Tensor, state: OptimizerState,
-             lr: float) -> tuple[torch.Tensor, OptimizerState]: ...
+    def step(self, params: torch.Tensor, grad: torch.Tensor, state: OptimizerState, lr: float, *,
+             inplace: bool = False) -> tuple[torch.Tensor, OptimizerState]:
+        """The updated parameters and state.  With ``inplace`` the update is written into ``params``
+        (a temporary the caller owns, such as a mixing output), saving one ``(N, d)`` matrix."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -36,15 +39,19 @@ class SGD:
     def init(self, params: torch.Tensor) -> OptimizerState:
         return {"momentum": torch.zeros_like(params)} if self.momentum else {}
 
-    def step(self, params: torch.Tensor, grad: torch.Tensor, state: OptimizerState,
-             lr: float) -> tuple[torch.Tensor, OptimizerState]:
+    def step(self, params: torch.Tensor, grad: torch.Tensor, state: OptimizerState, lr: float, *,
+             inplace: bool = False) -> tuple[torch.Tensor, OptimizerState]:
+        # torch.add(a, b, alpha=) is one fused kernel and one new (N, d) tensor, not two.
         if self.weight_decay:
-            grad = grad + self.weight_decay * params
-        if not self.momentum:
-            return params - lr * grad, state
-        buffer = self.momentum * state["momentum"] + grad
-        direction = grad + self.momentum * buffer if self.nesterov else buffer
-        return params - lr * direction, {"momentum": buffer}
+            grad = torch.add(grad, params, alpha=self.weight_decay)
+        direction, new_state = grad, state
+        if self.momentum:
+            buffer = torch.add(grad, state["momentum"], alpha=self.momentum)
+            direction = torch.add(grad, buffer, alpha=self.momentum) if self.nesterov else buffer
+            new_state = {"momentum": buffer}
+        if inplace:
+            return params.add_(direction, alpha=-lr), new_state
+        return torch.add(params, direction, alpha=-lr), new_state
 
 
 @dataclass(frozen=True)
@@ -60,8 +67,8 @@ class Adam:
         return {"m": torch.zeros_like(params), "v": torch.zeros_like(params),
                 "t": torch.zeros(params.shape[0], 1, dtype=params.dtype)}
 
-    def step(self, params: torch.Tensor, grad: torch.Tensor, state: OptimizerState,
-             lr: float) -> tuple[torch.Tensor, OptimizerState]:
+    def step(self, params: torch.Tensor, grad: torch.Tensor, state: OptimizerState, lr: float, *,
+             inplace: bool = False) -> tuple[torch.Tensor, OptimizerState]:
         if self.weight_decay:
             grad = grad + self.weight_decay * params
         t = state["t"] + 1
@@ -69,7 +76,8 @@ class Adam:
         v = self.beta2 * state["v"] + (1 - self.beta2) * grad * grad
         m_hat = m / (1 - self.beta1 ** t)
         v_hat = v / (1 - self.beta2 ** t)
-        return params - lr * m_hat / (v_hat.sqrt() + self.eps), {"m": m, "v": v, "t": t}
+        update = lr * m_hat / (v_hat.sqrt() + self.eps)
+        return (params.sub_(update) if inplace else params - update), {"m": m, "v": v, "t": t}
 
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam")

@@ -1,18 +1,29 @@
-"""Per-agent random streams that make runs reproducible, resumable and independent of sharding.
+"""Keyed random streams that make runs reproducible, resumable and independent of sharding.
 
-Every random draw an agent makes is keyed by ``(run seed, agent id, round, purpose)``: a fresh
-``torch.Generator`` is seeded from a hash of that key.  Consequences:
+Every random draw is keyed by ``(run seed, agent id, round, purpose, step)``: a ``torch.Generator``
+is seeded from a SHA-256 hash of that key (and of the run's secret, if any).  Consequences:
 
 * a run is bit-for-bit reproducible on CPU for a given seed;
 * resuming from a checkpoint needs no generator state: round ``k`` draws the same numbers whether
   or not the run was interrupted before it;
 * agent ``i``'s draws do not depend on how many agents share its process, so a multi-machine
   engine holding a shard of agents reproduces the simulator exactly.
+
+Two kinds of stream exist.  *Per-agent* streams (:meth:`AgentRandom.generator`,
+:meth:`AgentRandom.normal`) are what an agent draws for itself, e.g. its privacy noise: a shard
+needs only its own agents' keys.  A *round-wide* stream (:meth:`AgentRandom.round_generator`) is
+one generator for a whole round and purpose, used where one vectorised draw over every agent is
+much cheaper than one generator per agent (Poisson sampling).  A round-wide stream stays
+independent of sharding as long as every shard draws the *whole* vector and keeps its agents'
+slices (see :class:`~decentdp.engine.sampling.PoissonSampler`); its key uses the agent placeholder
+``*``, which no per-agent key (an integer agent id) can equal, so the two kinds never collide.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from enum import IntEnum
 
 import torch
@@ -25,14 +36,28 @@ class Stream(IntEnum):
     NOISE = 2
 
 
-def stream_seed(seed: int, agent: int, round_index: int, stream: Stream, step: int = 0, secret: bytes = b"") -> int:
-    """A 63-bit seed derived from the key (and an optional secret) by SHA-256."""
+#: The agent field of round-wide keys; per-agent keys hold a decimal integer there instead.
+ROUND_WIDE = "*"
+
+
+def _key_seed(seed: int, agent: int | str, round_index: int, stream: Stream, step: int, secret: bytes) -> int:
+    """The 63-bit seed of one key: the first 8 bytes of SHA-256(secret + key), shifted to 63 bits."""
     key = f"{seed}/{agent}/{round_index}/{int(stream)}/{step}".encode()
     return int.from_bytes(hashlib.sha256(secret + key).digest()[:8], "little") >> 1
 
 
+def stream_seed(seed: int, agent: int, round_index: int, stream: Stream, step: int = 0, secret: bytes = b"") -> int:
+    """A 63-bit seed derived from the key (and an optional secret) by SHA-256."""
+    return _key_seed(seed, int(agent), round_index, stream, step, secret)
+
+
+def round_stream_seed(seed: int, round_index: int, stream: Stream, step: int = 0, secret: bytes = b"") -> int:
+    """The seed of the round-wide stream of ``(round, stream, step)``; never equal to a per-agent key."""
+    return _key_seed(seed, ROUND_WIDE, round_index, stream, step, secret)
+
+
 class AgentRandom:
-    """Factory of per-agent generators for one run; holds only its key, so it has no state.
+    """Factory of keyed generators for one run; holds only its key, so it has no state.
 
     Privacy note: noise that anyone can recompute protects nothing.  With only the public run seed
     (the default) the simulator reproduces the mechanism's *distribution* exactly, which is what a
@@ -53,12 +78,49 @@ class AgentRandom:
         generator.manual_seed(stream_seed(self.seed, agent, round_index, stream, step, self.secret))
         return generator
 
-    def normal(self, agents: list[int], dim: int, round_index: int, stream: Stream, step: int = 0,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Standard normal draws of shape ``(len(agents), dim)``, row ``r`` from agent ``agents[r]``'s stream."""
-        out = torch.empty(len(agents), dim, dtype=dtype)
-        for row, agent in enumerate(agents):
-            out[row].normal_(generator=self.generator(agent, round_index, stream, step))
+    def round_generator(self, round_index: int, stream: Stream, step: int = 0) -> torch.Generator:
+        """The round-wide generator of ``stream`` in round ``round_index`` (sub-step ``step``), shared by all agents.
+
+        Only for draws made as one vector over every agent of the run, of which each agent (or
+        shard) uses a fixed slice; see the module docstring.
+        """
+        generator = torch.Generator()
+        generator.manual_seed(round_stream_seed(self.seed, round_index, stream, step, self.secret))
+        return generator
+
+    def normal(self, agents: Sequence[int], dim: int, round_index: int, stream: Stream, step: int = 0,
+               dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
+               workers: int = 1) -> torch.Tensor:
+        """Standard normal draws of shape ``(len(agents), dim)``, row ``r`` from agent ``agents[r]``'s stream.
+
+        Row ``r`` equals ``torch.empty(dim).normal_(generator=self.generator(agents[r], ...))``,
+        so a shard holding any subset of agents draws the same rows.  One generator object is
+        re-seeded for every row instead of creating one per agent (re-seeding resets all of its
+        state, cached normal samples included), which removes most of the per-agent overhead.
+        ``out``, if given, is a ``(len(agents), dim)`` tensor that receives the draws (and is
+        returned), so that the caller can draw straight into a buffer; its dtype wins over ``dtype``.
+        ``workers > 1`` fills contiguous groups of rows in that many threads (torch's sampling
+        kernels release the GIL and are single-threaded); the draws are the same.
+        """
+        if out is None:
+            out = torch.empty(len(agents), dim, dtype=dtype)
+        elif out.shape != (len(agents), dim):
+            raise ValueError(f"out has shape {tuple(out.shape)}, expected {(len(agents), dim)}")
+        seeds = [stream_seed(self.seed, agent, round_index, stream, step, self.secret) for agent in agents]
+
+        def fill(rows: range) -> None:
+            generator = torch.Generator()
+            for row in rows:
+                generator.manual_seed(seeds[row])
+                out[row].normal_(generator=generator)
+
+        groups = min(workers, len(seeds))
+        if groups <= 1:
+            fill(range(len(seeds)))
+            return out
+        bounds = [len(seeds) * k // groups for k in range(groups + 1)]
+        with ThreadPoolExecutor(groups) as pool:
+            list(pool.map(fill, [range(bounds[k], bounds[k + 1]) for k in range(groups)]))
         return out
 
     def uniform(self, agent: int, size: int, round_index: int, stream: Stream, step: int = 0) -> torch.Tensor:

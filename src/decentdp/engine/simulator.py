@@ -9,12 +9,13 @@ Rounds are synchronous (Jacobi): every agent computes from the previous round's 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from decentdp.algorithms.base import Algorithm, RoundContext, State
 from decentdp.engine.network import Network
+from decentdp.engine.profiling import NO_TIMER, PhaseTimer
 from decentdp.engine.schedules import Schedule
 from decentdp.privacy.mechanism import GradientOracle
 
@@ -30,13 +31,16 @@ class Simulator:
     network: Network
     gradient: GradientOracle
     schedule: Schedule
+    timer: PhaseTimer = field(default=NO_TIMER)
 
     def run(self, state: State, start_round: int, rounds: int, after_round: RoundHook) -> State:
         """Run rounds ``start_round .. rounds-1``; stops early when ``after_round`` returns False."""
         with torch.no_grad():
             for k in range(start_round, rounds):
                 ctx = RoundContext(round_index=k, lr=self.schedule(k), network=self.network, gradient=self.gradient)
-                state = self.algorithm.round(state, ctx)
+                with self.timer.phase("round"):
+                    state = self.algorithm.round(state, ctx)
+                self.timer.rounds += 1
                 if not after_round(k + 1, state):
                     break
         return state

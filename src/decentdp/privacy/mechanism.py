@@ -21,10 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from decentdp.engine.flat_model import FlatModel
+from decentdp.engine.profiling import NO_TIMER, PhaseTimer
 from decentdp.engine.rng import AgentRandom, Stream
 from decentdp.engine.sampling import PoissonSampler
-from decentdp.privacy.clipping import clipped_sum
 from decentdp.privacy.ledger import PrivacyLedger
+
+#: Noise is drawn into a buffer of at most this many bytes and added block by block.
+NOISE_BLOCK_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -48,8 +51,10 @@ class GradientOracle:
     """Computes every agent's stochastic gradient at given parameters, privately if ``spec`` is set."""
 
     def __init__(self, model: FlatModel, sampler: PoissonSampler, ledger: PrivacyLedger,
-                 rng: AgentRandom, spec: GaussianSpec | None) -> None:
+                 rng: AgentRandom, spec: GaussianSpec | None, agents_per_pass: int | None = None) -> None:
         self.model = model
+        self.agents_per_pass = agents_per_pass
+        self.timer: PhaseTimer = NO_TIMER
         self.sampler = sampler
         self.ledger = ledger
         self.rng = rng
@@ -62,24 +67,53 @@ class GradientOracle:
     def n_agents(self) -> int:
         return len(self.sample_rates)
 
+    def _groups(self) -> list[slice]:
+        """Agents whose gradients are computed together (all of them unless memory says otherwise)."""
+        step = self.agents_per_pass or self.n_agents
+        return [slice(start, min(self.n_agents, start + step)) for start in range(0, self.n_agents, step)]
+
+    def _add_noise(self, sums: torch.Tensor, round_index: int, step: int) -> None:
+        """``sums_i += sigma_i C xi_i`` in place, drawn block by block into one buffer, so that the
+        noise never occupies a second ``(N, d)`` matrix."""
+        assert self.spec is not None
+        scale = self.spec.noise_multipliers * self.spec.clip
+        dim = self.model.dim
+        rows = max(1, min(self.n_agents, NOISE_BLOCK_BYTES // (4 * dim)))
+        buffer = torch.empty(rows, dim)
+        for start in range(0, self.n_agents, rows):
+            stop = min(self.n_agents, start + rows)
+            noise = self.rng.normal(range(start, stop), dim, round_index, Stream.NOISE, step,
+                                    out=buffer[: stop - start], workers=torch.get_num_threads())
+            sums[start:stop].add_(noise.mul_(scale[start:stop, None]))
+
     def __call__(self, params: torch.Tensor, round_index: int, step: int = 0) -> torch.Tensor:
         """The ``(N, d)`` gradients released in round ``round_index``, sub-step ``step``."""
         sigmas = self.spec.noise_multipliers if self.spec is not None else torch.zeros(self.n_agents)
-        authorized = torch.from_numpy(
-            self.ledger.spend(round_index, sigmas.numpy(), self.sample_rates.numpy(), releases=1))
-        batch = self.sampler.sample(round_index, step)
+        with self.timer.phase("ledger"):
+            authorized = torch.from_numpy(
+                self.ledger.spend(round_index, sigmas.numpy(), self.sample_rates.numpy(), releases=1))
+        with self.timer.phase("sampling"):
+            batch = self.sampler.sample(round_index, step)
+        grads = torch.empty_like(params)
         if self.spec is None:
-            sizes = batch.sizes.clamp(min=1.0)
-            grads = self.model.batch_gradients(params, batch.x, batch.y, batch.mask / sizes[:, None])
+            weights = batch.mask / batch.sizes.clamp(min=1.0)[:, None]
+            with self.timer.phase("gradients"):
+                for rows in self._groups():
+                    grads[rows] = self.model.batch_gradients(params[rows], batch.x[rows], batch.y[rows],
+                                                             weights[rows])
             clipped_fraction = 0.0
         else:
-            per_sample = self.model.per_sample_gradients(params, batch.x, batch.y)
-            summed, norms = clipped_sum(per_sample, batch.mask, self.spec.clip)
-            agents = list(range(self.n_agents))
-            noise = self.rng.normal(agents, self.model.dim, round_index, Stream.NOISE, step)
-            noisy = summed + noise * (self.spec.noise_multipliers * self.spec.clip)[:, None]  # Alg. 1 line 9
-            grads = noisy / self.expected_batch[:, None]
+            norms = torch.empty(batch.mask.shape, dtype=params.dtype)
+            with self.timer.phase("gradients"):
+                for rows in self._groups():
+                    grads[rows], norms[rows] = self.model.clipped_gradient_sums(
+                        params[rows], batch.x[rows], batch.y[rows], batch.mask[rows], self.spec.clip)
+            with self.timer.phase("noise"):
+                self._add_noise(grads, round_index, step)                        # Alg. 1 line 9
+                grads.div_(self.expected_batch[:, None])
             real = batch.mask.bool()
             clipped_fraction = float((norms[real] > self.spec.clip).float().mean()) if real.any() else 0.0
         self.last = ReleaseStats(batch.sizes, clipped_fraction, authorized)
-        return torch.where(authorized[:, None], grads, torch.zeros_like(grads))
+        if not bool(authorized.all()):
+            grads[~authorized] = 0.0  # refused agents release nothing
+        return grads

@@ -1,0 +1,219 @@
+"""Pieces shared by the benchmark scripts: machine facts, timing, the settings' experiments, and the
+reference implementation they are compared with (a per-agent loop of Opacus ``GradSampleModule``s)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import platform
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from opacus import GradSampleModule
+
+from decentdp.algorithms.base import RoundContext, State
+from decentdp.config import validate_config
+from decentdp.errors import DataError
+from decentdp.experiment import Experiment, build_experiment
+from decentdp.models import classification_loss
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data"
+CLIP = 10.0
+EPSILON = 1.0
+DELTA = 1e-5
+LR = 0.01
+PLANNED_ROUNDS = 1000  # horizon the noise is calibrated for; only sigma's value depends on it
+MNIST_SHAPE = {"train": 60_000, "test": 10_000}
+
+
+def experiment_config(model: str, agents: int, batch: int, epsilon: float, graph: str = "complete",
+                      partition: str = "overlap", image_size: int | None = 32,
+                      gradients: str = "auto") -> dict[str, Any]:
+    """The raw config of a benchmarked DP-DSGD setting (``epsilon = inf`` for the non-private run)."""
+    data: dict[str, Any] = {"dataset": "mnist", "partition": partition}
+    if partition == "overlap":
+        data["overlap_t"] = 1.0
+    if image_size is not None:
+        data["image_size"] = image_size
+    return {
+        "experiment": {"name": "benchmark", "rounds": PLANNED_ROUNDS, "seed": 0},
+        "data": data,
+        "topology": {"graph": graph, "agents": agents},
+        "model": {"name": model},
+        "algorithm": {"name": "dp-dsgd", "lr": LR, "batch_size": batch, "optimizer": "sgd"},
+        "privacy": {"epsilon": epsilon, "delta": DELTA, "clip": CLIP},
+        "engine": {"gradients": gradients},
+    }
+
+
+def write_synthetic_mnist(directory: Path) -> None:
+    """Random uint8 28x28 images and labels with MNIST's split sizes, as ``mnist.npz``."""
+    rng = np.random.default_rng(0)
+    arrays = {}
+    for split, size in MNIST_SHAPE.items():
+        arrays[f"x_{split}"] = rng.integers(0, 256, size=(size, 28, 28), dtype=np.uint8)
+        arrays[f"y_{split}"] = rng.integers(0, 10, size=size, dtype=np.uint8)
+    np.savez(directory / "mnist.npz", **arrays)
+
+
+class ExperimentFactory:
+    """Builds experiments on MNIST from ``data_dir``, or on synthetic data of MNIST's size if it is missing."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.synthetic = False
+        self._scratch: tempfile.TemporaryDirectory[str] | None = None
+
+    def build(self, raw: dict[str, Any]) -> Experiment:
+        config = validate_config(raw)
+        if not self.synthetic:
+            try:
+                return build_experiment(config, self.data_dir)
+            except DataError as exc:
+                print(f"MNIST not usable ({exc}); using synthetic random 28x28 data of MNIST's size instead")
+                self._scratch = tempfile.TemporaryDirectory()
+                write_synthetic_mnist(Path(self._scratch.name))
+                self.synthetic = True
+        assert self._scratch is not None
+        return build_experiment(config, Path(self._scratch.name))
+
+
+class EngineRunner:
+    """Rounds of decentdp's DP-DSGD, exactly as the simulator runs them."""
+
+    def __init__(self, experiment: Experiment) -> None:
+        self.experiment = experiment
+        self.state: State = experiment.initial_state()
+        self.round_index = 0
+
+    def round(self) -> None:
+        simulator = self.experiment.simulator
+        ctx = RoundContext(round_index=self.round_index, lr=LR, network=simulator.network,
+                           gradient=simulator.gradient)
+        with torch.no_grad():
+            self.state = self.experiment.algorithm.round(self.state, ctx)
+        self.round_index += 1
+
+
+class OpacusLoopRunner:
+    """The reference approach: one ``GradSampleModule`` per agent and Python loops over agents.
+
+    Per agent: Poisson-sample a batch (same rate as the engine), forward, backward (per-sample
+    gradients in ``p.grad_sample``), clip per-sample gradients to C in flat l2 norm across all
+    parameters, sum, add ``N(0, (sigma C)^2)`` noise (the engine's calibrated sigma), divide by the
+    expected batch; then mix, ``theta_i <- sum_j w_ij theta_j - lr g_i``, with a Python loop over
+    agents, their neighbours (the non-zero weights only) and parameter tensors.
+    """
+
+    def __init__(self, experiment: Experiment) -> None:
+        # Opacus's hooks warn on every backward because the images do not require gradients; harmless.
+        warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
+        self.x = experiment.data.x
+        self.y = experiment.data.y
+        self.indices = experiment.data.indices
+        self.rates = experiment.sample_rates.tolist()
+        self.sigmas = experiment.noise_multipliers.tolist()
+        self.expected_batch = [rate * len(owned) for rate, owned in zip(self.rates, self.indices, strict=True)]
+        mixing = experiment.topology.mixing
+        self.neighbours = [[(j, float(mixing[i, j])) for j in np.flatnonzero(mixing[i])] for i in range(len(mixing))]
+        self.models = [GradSampleModule(copy.deepcopy(experiment.model.module), loss_reduction="sum")
+                       for _ in self.indices]
+
+    def private_gradient(self, agent: int) -> list[torch.Tensor]:
+        """Agent ``agent``'s noisy clipped mean gradient, one tensor per parameter."""
+        model = self.models[agent]
+        owned = self.indices[agent]
+        batch = owned[torch.rand(len(owned)) < self.rates[agent]]
+        params = list(model.parameters())
+        model.zero_grad(set_to_none=True)
+        if len(batch) > 0:
+            loss = classification_loss(model(self.x[batch]), self.y[batch]).sum()
+            loss.backward()
+            per_sample = [p.grad_sample.reshape(len(batch), -1) for p in params]
+            norms = torch.stack([g.norm(dim=1) for g in per_sample], dim=1).norm(dim=1)
+            factors = (CLIP / (norms + 1e-6)).clamp(max=1.0)
+            sums = [torch.einsum("b,b...->...", factors, p.grad_sample) for p in params]
+        else:
+            sums = [torch.zeros_like(p) for p in params]
+        noise_std = self.sigmas[agent] * CLIP
+        return [(s + noise_std * torch.randn_like(s)) / self.expected_batch[agent] for s in sums]
+
+    def round(self) -> None:
+        grads = [self.private_gradient(agent) for agent in range(len(self.models))]
+        with torch.no_grad():
+            old = [[p.detach().clone() for p in model.parameters()] for model in self.models]
+            for i, model in enumerate(self.models):
+                for k, param in enumerate(model.parameters()):
+                    mixed = torch.zeros_like(param)
+                    for j, weight in self.neighbours[i]:
+                        mixed += weight * old[j][k]
+                    param.copy_(mixed - LR * grads[i][k])
+
+
+def summarize(seconds: list[float]) -> dict[str, float]:
+    """Median, min, max and interquartile range of per-round times."""
+    ordered = sorted(seconds)
+    quartiles = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else [ordered[0]] * 3
+    return {"median": statistics.median(ordered), "min": ordered[0], "max": ordered[-1],
+            "q1": quartiles[0], "q3": quartiles[2]}
+
+
+def time_interleaved(runners: dict[str, Callable[[], None]], warmup: int, rounds: int) -> dict[str, list[float]]:
+    """Run ``warmup`` untimed then ``rounds`` timed rounds of each runner, alternating between them,
+    so that background load on the machine hits all of them alike."""
+    for _ in range(warmup):
+        for run in runners.values():
+            run()
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, run in runners.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else what ``platform`` reports."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict[str, Any]:
+    """Where the figures were measured."""
+    import opacus
+
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_model": cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "opacus_version": opacus.__version__,
+    }
+
+
+def print_machine(machine: dict[str, Any]) -> None:
+    print(f"machine: {machine['platform']}, {machine['cpu_model']}, {machine['cpu_cores']} cores, "
+          f"torch {machine['torch_version']} ({machine['torch_threads']} threads), "
+          f"opacus {machine['opacus_version']}, python {machine['python']}")
+
+
+def print_table(stats: dict[str, dict[str, float]]) -> None:
+    print(f"  {'method':<22}{'median s':>10}{'min':>9}{'q1':>9}{'q3':>9}{'max':>9}")
+    for name, s in stats.items():
+        print(f"  {name:<22}{s['median']:>10.4f}{s['min']:>9.4f}{s['q1']:>9.4f}{s['q3']:>9.4f}{s['max']:>9.4f}")

@@ -1,0 +1,163 @@
+"""The price of privacy per round, and decentdp's speed-up over the reference per-agent Opacus loop.
+
+Every figure is a median of per-round seconds of DP-DSGD (epsilon = 1, delta = 1e-5, clip C = 10,
+noise calibrated for 1000 rounds) on MNIST, with the methods of one setting timed interleaved,
+round by round, in the same process, so that background load hits them alike.
+
+Target 1, DP overhead (``dp / nonprivate``): one private round against one non-private round
+(epsilon = inf: same sampling and mixing, ordinary backward, no clipping or noise) through the
+same engine, N = 10 agents on a complete graph with one class per agent (overlap t = 1), expected
+batch 256, for the consensus paper's ConvNet (MNIST at 32x32), LeNet-5 and the MLP (one hidden
+layer of 100).
+
+Target 2, versus the reference approach (``opacus_loop / dp``): the reference loop of
+``_common.OpacusLoopRunner`` (one ``GradSampleModule`` per agent, same model, batch, data, rates
+and sigma) against decentdp's private round, for the ConvNet at N = 10 (setting above), the MLP
+at N = 100 (ring, IID split, expected batch 64) and multinomial logistic regression (model
+``linear``, 7,850 parameters) at N = 1000 (ring, IID split: 60 records per agent, expected
+batch 16).
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/dp_overhead.py --json     # full measurement
+    .venv/bin/python benchmarks/dp_overhead.py --quick    # the same keys in under a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from _common import (
+    CLIP,
+    DEFAULT_DATA_DIR,
+    DELTA,
+    EPSILON,
+    EngineRunner,
+    ExperimentFactory,
+    OpacusLoopRunner,
+    experiment_config,
+    machine_info,
+    print_machine,
+    print_table,
+    summarize,
+    time_interleaved,
+)
+from decentdp.engine.allocator import retain_freed_memory
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One benchmarked configuration and which comparisons it takes part in."""
+
+    key: str
+    model: str
+    agents: int
+    batch: int
+    graph: str
+    partition: str
+    image_size: int | None
+    nonprivate: bool  # target 1: time a non-private round too
+    opacus: bool      # target 2: time the reference loop too
+
+
+SETTINGS = (
+    Setting("convnet_n10", "convnet", 10, 256, "complete", "overlap", 32, nonprivate=True, opacus=True),
+    Setting("lenet5_n10", "lenet5", 10, 256, "complete", "overlap", None, nonprivate=True, opacus=False),
+    Setting("mlp_n10", "mlp", 10, 256, "complete", "overlap", None, nonprivate=True, opacus=False),
+    Setting("mlp_n100", "mlp", 100, 64, "ring", "iid", None, nonprivate=False, opacus=True),
+    Setting("logistic_n1000", "linear", 1000, 16, "ring", "iid", None, nonprivate=False, opacus=True),
+)
+
+
+def measure(setting: Setting, factory: ExperimentFactory, warmup: int, rounds: int) -> dict[str, Any]:
+    """Median round seconds of each method of ``setting`` and the ratios between them."""
+    def build(epsilon: float) -> Any:
+        return factory.build(experiment_config(setting.model, setting.agents, setting.batch, epsilon, setting.graph,
+                                               setting.partition, setting.image_size))
+
+    private = build(EPSILON)
+    runners = {"dp": EngineRunner(private).round}
+    if setting.nonprivate:
+        runners["nonprivate"] = EngineRunner(build(float("inf"))).round
+    if setting.opacus:
+        runners["opacus_loop"] = OpacusLoopRunner(private).round
+    stats = {name: summarize(times) for name, times in time_interleaved(runners, warmup, rounds).items()}
+    result: dict[str, Any] = {
+        "setting": setting.__dict__, "parameters": private.model.dim, "gradient_engine": private.model.backend,
+        "sigma_range": [float(private.noise_multipliers.min()), float(private.noise_multipliers.max())],
+        "round_seconds": stats,
+    }
+    if setting.nonprivate:
+        result["dp_over_nonprivate"] = stats["dp"]["median"] / stats["nonprivate"]["median"]
+    if setting.opacus:
+        result["speedup_vs_opacus_loop"] = stats["opacus_loop"]["median"] / stats["dp"]["median"]
+    return result
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
+                        help="folder holding mnist.npz (default: ../shared/data from the repo root); "
+                             "synthetic data of MNIST's size is used if it is missing")
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds per method (default 10)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds per method first (default 3)")
+    parser.add_argument("--only", choices=[s.key for s in SETTINGS], action="append",
+                        help="measure only this setting (repeatable)")
+    parser.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed rounds per method")
+    parser.add_argument("--json", action="store_true", help="end with one line of JSON holding every figure")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.warmup = 3, 1
+    if args.rounds < 1 or args.warmup < 0:
+        parser.error("--rounds must be positive and --warmup non-negative")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    retain_freed_memory()  # as `decentdp run` does; the reference loop runs in this process too
+    machine = machine_info()
+    print_machine(machine)
+    print(f"DP-DSGD on MNIST, epsilon {EPSILON}, delta {DELTA}, C = {CLIP}; {args.rounds} timed rounds per method "
+          f"after {args.warmup} warm-up, interleaved; load average before: {os.getloadavg()[0]:.2f}")
+    factory = ExperimentFactory(args.data_dir)
+    results: dict[str, Any] = {}
+    for setting in SETTINGS:
+        if args.only and setting.key not in args.only:
+            continue
+        result = measure(setting, factory, args.warmup, args.rounds)
+        results[setting.key] = result
+        print(f"{setting.key}: {setting.model} ({result['parameters']} parameters, {result['gradient_engine']} "
+              f"engine), N = {setting.agents} {setting.graph}, {setting.partition} split, expected batch "
+              f"{setting.batch}, sigma {result['sigma_range'][0]:.3f}..{result['sigma_range'][1]:.3f}")
+        print_table(result["round_seconds"])
+        if "dp_over_nonprivate" in result:
+            print(f"  dp / nonprivate:  {result['dp_over_nonprivate']:.2f}x")
+        if "speedup_vs_opacus_loop" in result:
+            print(f"  opacus_loop / dp: {result['speedup_vs_opacus_loop']:.1f}x")
+        sys.stdout.flush()
+    load_after = os.getloadavg()[0]
+    print(f"load average after: {load_after:.2f}; data: {'synthetic' if factory.synthetic else 'MNIST'}")
+    if args.json:
+        summary: dict[str, Any] = {}
+        if "convnet_n10" in results:
+            summary["dp_over_nonprivate"] = results["convnet_n10"]["dp_over_nonprivate"]
+        for key in ("lenet5_n10", "mlp_n10"):
+            if key in results:
+                summary[f"dp_over_nonprivate_{key.removesuffix('_n10')}"] = results[key]["dp_over_nonprivate"]
+        for key in ("convnet_n10", "mlp_n100", "logistic_n1000"):
+            if key in results:
+                summary[f"speedup_vs_opacus_loop_{key}"] = results[key]["speedup_vs_opacus_loop"]
+        print(json.dumps({**summary, "settings": results, "timed_rounds": args.rounds, "warmup_rounds": args.warmup,
+                          "synthetic_data": factory.synthetic, "load_average_after": load_after, **machine},
+                         sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()

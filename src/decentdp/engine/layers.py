@@ -1,0 +1,389 @@
+"""Layers applied to all N agents at once, with per-sample gradient norms that need no per-sample gradients.
+
+DP-SGD clips each sample's gradient to norm ``C``, so it needs every sample's gradient *norm* and
+then one *weighted* sum of gradients, ``sum_b c_b grad l_b`` with ``c_b = min(1, C / ||grad l_b||)``.
+For the layers below both follow from what an ordinary backward pass already has, the layer's
+input ``a`` and the gradient ``g`` of the loss with respect to its output ("book-keeping", Bu et
+al. 2023, arXiv:2210.00038):
+
+* **linear** ``z = W a + b``: a sample's weight gradient is ``sum_t g_t a_t^T`` over its positions
+  ``t``; with one position its squared norm is ``||g||^2 ||a||^2`` (Goodfellow 2015), with T
+  positions it is ``sum_{t,t'} (g_t . g_t')(a_t . a_t')`` ("ghost norm", Li et al. 2022,
+  arXiv:2110.05679), or the materialised ``T x out x in`` product when that is cheaper (mixed
+  ghost clipping, Bu et al. 2022, arXiv:2205.10683);
+* **convolution**: the same, with ``a_t`` the input patch under output position ``t`` (unfold);
+  the materialised per-sample gradient is one grouped convolution of each sample's input with its
+  own output gradient (Rochette et al. 2019, arXiv:1912.06015), no patches needed;
+* **group norm**: the affine weight's per-sample gradient is ``sum_t g_t * a_hat_t`` per channel;
+* **embedding**: a sample's gradient has row ``v`` equal to the sum of ``g_t`` over positions
+  holding token ``v``, so its squared norm is ``sum_{t,t'} [v_t = v_t'] g_t . g_t'``.
+
+Every layer holds the parameters of all agents stacked along a leading agent dimension
+``(N, *shape)`` and maps activations ``(N, B, ...)`` to ``(N, B, ...)``; agents never see each
+other's parameters (convolutions run as one grouped convolution with ``groups = N``).  A layer can
+also take one input ``(B, ...)`` shared by all agents (evaluation on a common test set), which
+turns the first layer into one wide convolution or matrix product instead of N copies of the input.
+
+The per-sample results are checked against one-sample-at-a-time autograd in
+``tests/test_layers.py`` for every layer type, with property-based shapes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Tensor = torch.Tensor
+
+#: Temporaries of the per-sample norm computations are built this many samples at a time at most,
+#: so that they stay below this many bytes (bounded memory, and blocks the allocator can reuse).
+MAX_TEMPORARY_BYTES = 32 * 2**20
+
+
+class Unsupported(Exception):
+    """Raised while compiling a module that has no stacked rule; the message says which and why."""
+
+
+def _sample_chunks(total: int, bytes_per_sample: int) -> list[slice]:
+    """Slices of ``range(total)`` whose temporaries stay within :data:`MAX_TEMPORARY_BYTES`."""
+    step = max(1, MAX_TEMPORARY_BYTES // max(1, bytes_per_sample))
+    return [slice(start, min(total, start + step)) for start in range(0, total, step)]
+
+
+def _sq_norm(tensor: Tensor, dims: tuple[int, ...]) -> Tensor:
+    """Squared l2 norm over ``dims`` in one fused reduction (no squared temporary)."""
+    return torch.linalg.vector_norm(tensor, 2, dim=dims).square()
+
+
+def _agent_weighted_sum(weights: Tensor, per_sample: Tensor) -> Tensor:
+    """``sum_b w[n, b] * per_sample[n, b, ...]`` for every agent: ``(N, ...)``."""
+    n_agents, batch = weights.shape
+    flat = per_sample.reshape(n_agents, batch, -1)
+    return torch.bmm(weights.unsqueeze(1), flat).reshape(n_agents, *per_sample.shape[2:])
+
+
+@dataclass
+class Recorded:
+    """What a layer saw during the forward pass: its input (as the layer uses it) and its output."""
+
+    layer: ParamLayer
+    params: list[Tensor]
+    inputs: Tensor
+    output: Tensor
+
+
+class ParamLayer(ABC):
+    """A layer with trainable parameters, evaluated for all agents at once."""
+
+    #: Names of the layer's parameters inside its module (``weight``, ``bias``), in flat order.
+    param_names: tuple[str, ...]
+
+    @abstractmethod
+    def forward(self, params: Sequence[Tensor], x: Tensor, shared: bool) -> tuple[Tensor, Tensor]:
+        """``(saved input, output)`` for stacked ``params`` and input ``x``.
+
+        ``x`` is ``(N, B, ...)``, or ``(B, ...)`` when ``shared`` (the same input for every agent).
+        The saved input is what the per-sample rules need (e.g. the normalised activations of a
+        norm layer); the output is ``(N, B, ...)``.
+        """
+
+    @abstractmethod
+    def per_sample_sq_norms(self, saved: Tensor, grad_out: Tensor) -> tuple[Tensor, list[Tensor] | None]:
+        """Squared norm of each sample's gradient over this layer's parameters, ``(N, B)``.
+
+        Also returns the per-sample gradients ``[(N, B, *shape) per parameter]`` when the rule
+        materialised them anyway (then :meth:`weighted_gradients` reuses them), else ``None``.
+        """
+
+    @abstractmethod
+    def weighted_gradients(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
+                           per_sample: list[Tensor] | None) -> list[Tensor]:
+        """``sum_b weights[n, b] * grad_b`` per parameter, ``[(N, *shape)]``."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear
+# ---------------------------------------------------------------------------------------------
+
+
+class StackedLinear(ParamLayer):
+    """``nn.Linear`` over inputs ``(N, B, ..., in)``; positions are the middle dimensions."""
+
+    def __init__(self, module: nn.Linear) -> None:
+        self.bias = module.bias is not None
+        self.param_names = ("weight", "bias") if self.bias else ("weight",)
+
+    def forward(self, params: Sequence[Tensor], x: Tensor, shared: bool) -> tuple[Tensor, Tensor]:
+        weight = params[0]
+        n_agents, out_features, in_features = weight.shape
+        if shared:
+            # One product for all agents: (P, in) @ (in, N * out).
+            flat = x.reshape(-1, in_features) @ weight.reshape(n_agents * out_features, in_features).T
+            out = flat.view(-1, n_agents, out_features).transpose(0, 1)
+            out = out.reshape(n_agents, *x.shape[:-1], out_features)
+        else:
+            flat = torch.bmm(x.reshape(n_agents, -1, in_features), weight.transpose(1, 2))
+            out = flat.view(*x.shape[:-1], out_features)
+        if self.bias:
+            out = out + params[1].view(n_agents, *([1] * (out.dim() - 2)), out_features)
+        return x, out
+
+    def per_sample_sq_norms(self, saved: Tensor, grad_out: Tensor) -> tuple[Tensor, list[Tensor] | None]:
+        n_agents, batch = grad_out.shape[:2]
+        a = saved.reshape(n_agents, batch, -1, saved.shape[-1])       # (N, B, T, in)
+        g = grad_out.reshape(n_agents, batch, -1, grad_out.shape[-1])  # (N, B, T, out)
+        positions, p, q = a.shape[2], a.shape[3], g.shape[3]
+        bias_sq = _sq_norm(g.sum(dim=2), (2,)) if self.bias else 0.0
+        if positions == 1:  # ||g a^T||_F = ||g|| ||a||
+            return _sq_norm(a, (2, 3)) * _sq_norm(g, (2, 3)) + bias_sq, None
+        if positions * (p + q) < p * q:  # ghost norm: sum_{t,t'} (a_t . a_t')(g_t . g_t')
+            sq = torch.empty(n_agents, batch, dtype=g.dtype)
+            for rows in _sample_chunks(batch, n_agents * positions * positions * 8):
+                gram_a = a[:, rows] @ a[:, rows].transpose(-1, -2)
+                gram_g = g[:, rows] @ g[:, rows].transpose(-1, -2)
+                sq[:, rows] = (gram_a * gram_g).sum(dim=(-1, -2))
+            return sq + bias_sq, None
+        weight = torch.einsum("nbto,nbti->nboi", g, a)
+        per_sample = [weight, g.sum(dim=2)] if self.bias else [weight]
+        return _sq_norm(weight, (2, 3)) + bias_sq, per_sample
+
+    def weighted_gradients(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
+                           per_sample: list[Tensor] | None) -> list[Tensor]:
+        if per_sample is not None:
+            return [_agent_weighted_sum(weights, grad) for grad in per_sample]
+        n_agents, batch = weights.shape
+        scale = weights.view(n_agents, batch, *([1] * (grad_out.dim() - 2)))
+        g = (grad_out * scale).reshape(n_agents, -1, grad_out.shape[-1])
+        grads = [torch.bmm(g.transpose(1, 2), saved.reshape(n_agents, -1, saved.shape[-1]))]
+        if self.bias:
+            grads.append(g.sum(dim=1))
+        return grads
+
+
+# ---------------------------------------------------------------------------------------------
+# Convolution
+# ---------------------------------------------------------------------------------------------
+
+
+def _pair(value: int | tuple[int, ...]) -> tuple[int, int]:
+    return (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
+
+
+class StackedConv2d(ParamLayer):
+    """``nn.Conv2d`` (``groups = 1``, zero padding) as one grouped convolution over agents."""
+
+    def __init__(self, module: nn.Conv2d) -> None:
+        if module.groups != 1:
+            raise Unsupported(f"Conv2d with groups={module.groups} (only groups=1 has a stacked rule)")
+        if module.padding_mode != "zeros":
+            raise Unsupported(f"Conv2d with padding_mode={module.padding_mode!r} (only 'zeros')")
+        if isinstance(module.padding, str):
+            raise Unsupported(f"Conv2d with padding={module.padding!r} (only numeric padding)")
+        self.bias = module.bias is not None
+        self.param_names = ("weight", "bias") if self.bias else ("weight",)
+        self.stride = _pair(module.stride)
+        self.padding = _pair(module.padding)
+        self.dilation = _pair(module.dilation)
+        self.kernel = _pair(module.kernel_size)
+        self.out_channels = module.out_channels
+        self.in_channels = module.in_channels
+
+    def _conv(self, x: Tensor, weight: Tensor, bias: Tensor | None, groups: int) -> Tensor:
+        return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, groups)
+
+    def forward(self, params: Sequence[Tensor], x: Tensor, shared: bool) -> tuple[Tensor, Tensor]:
+        weight = params[0]
+        n_agents = weight.shape[0]
+        wide = weight.reshape(n_agents * self.out_channels, *weight.shape[2:])
+        bias = params[1].reshape(-1) if self.bias else None
+        if shared:  # (P, C, H, W) with N * out channels: the input is read once for all agents
+            batch = x.shape[0]
+            out = self._conv(x, wide, bias, groups=1)
+        else:  # agents side by side in the channel dimension, one group each
+            batch = x.shape[1]
+            out = self._conv(x.transpose(0, 1).reshape(batch, n_agents * self.in_channels, *x.shape[3:]),
+                             wide, bias, groups=n_agents)
+        out = out.view(batch, n_agents, self.out_channels, *out.shape[2:]).transpose(0, 1)
+        return x, out
+
+    def _cost_ghost_over_materialised(self, positions: int) -> float:
+        p = self.in_channels * self.kernel[0] * self.kernel[1]
+        return positions * (p + self.out_channels) / (p * self.out_channels)
+
+    def _per_sample_weights(self, a: Tensor, g: Tensor) -> Tensor:
+        """Each sample's weight gradient by one grouped convolution of its input with its output gradient."""
+        samples = a.shape[0]
+        inputs = a.transpose(0, 1)                                   # (C_in, S, H, W): samples as channels
+        kernels = g.reshape(samples * self.out_channels, 1, *g.shape[2:])
+        # Stride and dilation swap roles in the weight gradient of a convolution.
+        full = F.conv2d(inputs, kernels, None, self.dilation, self.padding, self.stride, groups=samples)
+        full = full[..., : self.kernel[0], : self.kernel[1]]
+        return full.reshape(self.in_channels, samples, self.out_channels, *self.kernel).permute(1, 2, 0, 3, 4)
+
+    def _ghost_sq_norms(self, a: Tensor, g: Tensor) -> Tensor:
+        patches = F.unfold(a, self.kernel, self.dilation, self.padding, self.stride)   # (S, p, T)
+        outputs = g.reshape(g.shape[0], self.out_channels, -1)                      # (S, q, T)
+        gram_a = patches.transpose(1, 2) @ patches
+        gram_g = outputs.transpose(1, 2) @ outputs
+        return (gram_a * gram_g).sum(dim=(1, 2))
+
+    def per_sample_sq_norms(self, saved: Tensor, grad_out: Tensor) -> tuple[Tensor, list[Tensor] | None]:
+        n_agents, batch = grad_out.shape[:2]
+        samples = n_agents * batch
+        a = saved.reshape(samples, *saved.shape[2:])
+        g = grad_out.reshape(samples, *grad_out.shape[2:])
+        positions = g.shape[2] * g.shape[3]
+        bias_sq = g.sum(dim=(2, 3)).pow(2).sum(dim=1).view(n_agents, batch) if self.bias else 0.0
+        sq = torch.empty(samples, dtype=g.dtype)
+        if self._cost_ghost_over_materialised(positions) < 1.0:
+            patch_bytes = 4 * positions * self.in_channels * self.kernel[0] * self.kernel[1]
+            for rows in _sample_chunks(samples, 8 * positions * positions + patch_bytes):
+                sq[rows] = self._ghost_sq_norms(a[rows], g[rows])
+            return sq.view(n_agents, batch) + bias_sq, None
+        weight = torch.empty(samples, self.out_channels, self.in_channels, *self.kernel, dtype=g.dtype)
+        for rows in _sample_chunks(samples, 8 * (weight[0].numel() + a[0].numel() + g[0].numel())):
+            weight[rows] = self._per_sample_weights(a[rows], g[rows])
+        sq = _sq_norm(weight, (1, 2, 3, 4))
+        per_sample = [weight.view(n_agents, batch, *weight.shape[1:])]
+        if self.bias:
+            per_sample.append(g.sum(dim=(2, 3)).view(n_agents, batch, self.out_channels))
+        return sq.view(n_agents, batch) + bias_sq, per_sample
+
+    def weighted_gradients(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
+                           per_sample: list[Tensor] | None) -> list[Tensor]:
+        if per_sample is not None:
+            return [_agent_weighted_sum(weights, grad) for grad in per_sample]
+        n_agents, batch = weights.shape
+        g = grad_out * weights.view(n_agents, batch, 1, 1, 1)
+        inputs = saved.transpose(0, 1).reshape(batch, n_agents * self.in_channels, *saved.shape[3:])
+        outputs = g.transpose(0, 1).reshape(batch, n_agents * self.out_channels, *g.shape[3:])
+        weight = torch.nn.grad.conv2d_weight(
+            inputs, (n_agents * self.out_channels, self.in_channels, *self.kernel), outputs,
+            self.stride, self.padding, self.dilation, groups=n_agents)
+        grads = [weight.view(n_agents, self.out_channels, self.in_channels, *self.kernel)]
+        if self.bias:
+            grads.append(g.sum(dim=(1, 3, 4)))
+        return grads
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalisation
+# ---------------------------------------------------------------------------------------------
+
+
+class StackedGroupNorm(ParamLayer):
+    """``nn.GroupNorm`` with an affine transform: normalise per sample, then scale and shift per agent."""
+
+    def __init__(self, module: nn.GroupNorm) -> None:
+        self.groups = module.num_groups
+        self.eps = module.eps
+        self.param_names = ("weight", "bias")
+
+    def forward(self, params: Sequence[Tensor], x: Tensor, shared: bool) -> tuple[Tensor, Tensor]:
+        weight, bias = params
+        n_agents, channels = weight.shape
+        leading = 1 if shared else 2
+        flat = x.reshape(-1, *x.shape[leading:])
+        normalised = F.group_norm(flat, self.groups, eps=self.eps).view(x.shape)
+        view = (n_agents, 1, channels, *([1] * (x.dim() - leading - 1)))
+        return normalised, normalised * weight.view(view) + bias.view(view)
+
+    def _per_sample(self, saved: Tensor, grad_out: Tensor) -> list[Tensor]:
+        spatial = tuple(range(3, grad_out.dim()))
+        return [(grad_out * saved).sum(dim=spatial), grad_out.sum(dim=spatial)]
+
+    def per_sample_sq_norms(self, saved: Tensor, grad_out: Tensor) -> tuple[Tensor, list[Tensor] | None]:
+        per_sample = self._per_sample(saved, grad_out)
+        return sum(grad.pow(2).sum(dim=2) for grad in per_sample), per_sample
+
+    def weighted_gradients(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
+                           per_sample: list[Tensor] | None) -> list[Tensor]:
+        grads = per_sample if per_sample is not None else self._per_sample(saved, grad_out)
+        return [_agent_weighted_sum(weights, grad) for grad in grads]
+
+
+# ---------------------------------------------------------------------------------------------
+# Embedding
+# ---------------------------------------------------------------------------------------------
+
+
+class StackedEmbedding(ParamLayer):
+    """``nn.Embedding`` (dense gradients, no ``max_norm``): one table per agent."""
+
+    def __init__(self, module: nn.Embedding) -> None:
+        if module.max_norm is not None or module.sparse:
+            raise Unsupported("Embedding with max_norm or sparse gradients")
+        self.padding_idx = module.padding_idx
+        self.vocabulary = module.num_embeddings
+        self.param_names = ("weight",)
+
+    def forward(self, params: Sequence[Tensor], x: Tensor, shared: bool) -> tuple[Tensor, Tensor]:
+        table = params[0]
+        n_agents, vocabulary, _ = table.shape
+        if shared:
+            x = x.unsqueeze(0).expand(n_agents, *x.shape)
+        offsets = torch.arange(n_agents).view(n_agents, *([1] * (x.dim() - 1))) * vocabulary
+        out = F.embedding(x + offsets, table.reshape(n_agents * vocabulary, -1))
+        if self.padding_idx is not None:  # as in nn.Embedding, the padding row gets no gradient
+            out = torch.where((x == self.padding_idx).unsqueeze(-1), out.detach(), out)
+        return x, out
+
+    def _active(self, tokens: Tensor, grad_out: Tensor) -> Tensor:
+        """Output gradients with padding positions (which train nothing) zeroed."""
+        if self.padding_idx is None:
+            return grad_out
+        return grad_out * (tokens != self.padding_idx).unsqueeze(-1).to(grad_out.dtype)
+
+    def per_sample_sq_norms(self, saved: Tensor, grad_out: Tensor) -> tuple[Tensor, list[Tensor] | None]:
+        n_agents, batch = saved.shape[:2]
+        tokens = saved.reshape(n_agents, batch, -1)
+        g = self._active(saved, grad_out).reshape(n_agents, batch, tokens.shape[2], -1)
+        positions = tokens.shape[2]
+        sq = torch.empty(n_agents, batch, dtype=g.dtype)
+        for rows in _sample_chunks(batch, n_agents * positions * positions * 8):
+            same = (tokens[:, rows, :, None] == tokens[:, rows, None, :]).to(g.dtype)
+            sq[:, rows] = (same * (g[:, rows] @ g[:, rows].transpose(-1, -2))).sum(dim=(-1, -2))
+        return sq, None
+
+    def weighted_gradients(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
+                           per_sample: list[Tensor] | None) -> list[Tensor]:
+        n_agents, batch = weights.shape
+        g = self._active(saved, grad_out) * weights.view(n_agents, batch, *([1] * (grad_out.dim() - 2)))
+        vocabulary = self.vocabulary
+        offsets = torch.arange(n_agents).view(n_agents, *([1] * (saved.dim() - 1))) * vocabulary
+        table = torch.zeros(n_agents * vocabulary, g.shape[-1], dtype=g.dtype)
+        table.index_add_(0, (saved + offsets).reshape(-1), g.reshape(-1, g.shape[-1]))
+        return [table.view(n_agents, vocabulary, -1)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------------------------
+
+
+def stacked_layer(module: nn.Module) -> ParamLayer:
+    """The stacked rule for a module with parameters; :class:`Unsupported` when there is none."""
+    if type(module) is nn.Linear:
+        return StackedLinear(module)
+    if type(module) is nn.Conv2d:
+        return StackedConv2d(module)
+    if type(module) is nn.GroupNorm and module.affine:
+        return StackedGroupNorm(module)
+    if type(module) is nn.Embedding:
+        return StackedEmbedding(module)
+    raise Unsupported(f"no stacked per-sample rule for {type(module).__name__}")
+
+
+#: Modules without parameters that act on each sample independently, so that they can be applied
+#: to ``(N * B, ...)`` activations as they are.
+PER_SAMPLE_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Identity, nn.Flatten, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
+    nn.Mish, nn.Tanh, nn.Sigmoid, nn.Softplus, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid,
+    nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
+    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
+)

@@ -1,0 +1,130 @@
+"""Peak-memory planning: before a run starts, estimate what it needs and fit it to the machine.
+
+A round of the simulator holds, at its peak,
+
+* the algorithm's state: ``(N, d)`` parameters, optimizer state, trackers, duals;
+* per-round ``(N, d)`` temporaries: the clipped-gradient sums (the noise is added in place), the
+  mixing output and the optimizer's result (:data:`ROUND_TEMPORARIES` of them);
+* the activations of one batch of the agents whose gradients are being computed: what autograd
+  saves in the forward pass plus the output gradients of the backward pass, for a padded Poisson
+  batch of each agent.
+
+Only the last term can shrink without changing the algorithm: gradients are computed for at most
+``agents_per_pass`` agents at a time.  :func:`plan_memory` picks the largest such group that fits
+the limit (by default the memory the operating system reports as available) and refuses, naming
+the setting to change, when not even the state and one agent fit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from decentdp.errors import ConfigError
+
+#: ``(N, d)`` matrices a round creates besides the state (gradient sums, mixing output, update).
+ROUND_TEMPORARIES = 3
+_GIB = 2**30
+
+
+def available_memory() -> int | None:
+    """Bytes the operating system can give this process now (Linux ``MemAvailable``), if known."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def padded_batch(expected: float, records: int) -> int:
+    """A Poisson batch width that the round's largest batch exceeds with negligible probability.
+
+    The largest of the agents' ``Binomial(|D_i|, q_i)`` batches is below ``mean + 6 sd`` except with
+    probability about 1e-9 per agent; a rare larger batch only costs that round a little more memory.
+    """
+    return int(min(records, math.ceil(expected + 6.0 * math.sqrt(max(expected, 1.0)) + 1.0)))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The estimated peak of a run and how many agents' gradients are computed at once."""
+
+    n_agents: int
+    state_bytes: int
+    round_bytes: int
+    activation_bytes_per_sample: int
+    batch_width: int
+    agents_per_pass: int
+    limit_bytes: int | None
+
+    @property
+    def activation_bytes_per_agent(self) -> int:
+        """Activations of one agent's padded batch."""
+        return self.activation_bytes_per_sample * self.batch_width
+
+    @property
+    def peak_bytes(self) -> int:
+        """Estimated peak: state and round temporaries plus one pass's activations."""
+        return self.state_bytes + self.round_bytes + self.agents_per_pass * self.activation_bytes_per_agent
+
+    def as_dict(self) -> dict[str, int | None]:
+        """The plan's figures, for ``setup.json``."""
+        return {"peak_bytes": self.peak_bytes, "state_bytes": self.state_bytes, "round_bytes": self.round_bytes,
+                "activation_bytes_per_sample": self.activation_bytes_per_sample, "batch_width": self.batch_width,
+                "agents_per_pass": self.agents_per_pass, "limit_bytes": self.limit_bytes}
+
+    def describe(self) -> str:
+        """One line for the run log."""
+        limit = f"{self.limit_bytes / _GIB:.2f} GiB" if self.limit_bytes is not None else "an unknown amount"
+        passes = math.ceil(self.n_agents / self.agents_per_pass)
+        return (f"memory: estimated peak {self.peak_bytes / _GIB:.2f} GiB (state {self.state_bytes / _GIB:.2f}, "
+                f"round temporaries {self.round_bytes / _GIB:.2f}, activations "
+                f"{self.agents_per_pass * self.activation_bytes_per_agent / _GIB:.2f}) of {limit} available; "
+                f"gradients of {self.agents_per_pass} agent(s) per pass, {passes} pass(es) per release")
+
+
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    """Bytes held by an algorithm state (works on ``meta`` tensors, which allocate nothing)."""
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def plan_memory(n_agents: int, dim: int, state: int, batch_bytes: int, activation_bytes_per_sample: int,
+                batch_width: int, limit_bytes: int | None, agents_per_pass: int | None = None) -> MemoryPlan:
+    """Choose how many agents' gradients to compute at once so that the run fits ``limit_bytes``.
+
+    ``state`` is the algorithm state's size, ``batch_bytes`` that of all agents' padded batches
+    (inputs, labels, masks), ``batch_width`` the padded batch.  ``agents_per_pass`` forces the
+    group size (it is still checked against the limit).  Raises :class:`ConfigError` when the run
+    cannot fit: the state and temporaries alone exceed the limit (too many agents or parameters),
+    or not even one agent's batch fits beside them.
+    """
+    round_bytes = ROUND_TEMPORARIES * n_agents * dim * 4 + batch_bytes
+    fixed = state + round_bytes
+    per_agent = activation_bytes_per_sample * batch_width
+    if limit_bytes is not None and fixed > limit_bytes:
+        raise ConfigError(
+            "topology.agents",
+            f"{n_agents} agents x {dim} parameters need about {fixed / _GIB:.2f} GiB for the algorithm's state, "
+            f"one round's temporaries and batches, more than the {limit_bytes / _GIB:.2f} GiB available "
+            "(engine.memory_limit_gb); use fewer agents or a smaller model")
+    fitting = n_agents if limit_bytes is None else min(n_agents, (limit_bytes - fixed) // max(1, per_agent))
+    if agents_per_pass is not None:
+        if agents_per_pass > fitting and limit_bytes is not None:
+            raise ConfigError(
+                "engine.agents_per_pass",
+                f"{agents_per_pass} agents per pass need about {(fixed + agents_per_pass * per_agent) / _GIB:.2f} "
+                f"GiB, more than the {limit_bytes / _GIB:.2f} GiB available; at most {fitting} fit")
+        fitting = agents_per_pass
+    if fitting < 1:
+        raise ConfigError(
+            "algorithm.batch_size",
+            f"one agent's batch of up to {batch_width} samples needs about {per_agent / _GIB:.2f} GiB of "
+            f"activations beside {fixed / _GIB:.2f} GiB of state, more than the "
+            f"{(limit_bytes or 0) / _GIB:.2f} GiB available; use a smaller batch or model")
+    return MemoryPlan(n_agents, state, round_bytes, activation_bytes_per_sample, batch_width,
+                      int(min(fitting, n_agents)), limit_bytes)

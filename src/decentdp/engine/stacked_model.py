@@ -1,0 +1,245 @@
+"""The fast gradient engine: a model run layer by layer for all agents at once, clipped without per-sample gradients.
+
+:class:`StackedModel` compiles an ``nn.Module`` tree (``Sequential`` chains, residual blocks, the
+parameter layers of :mod:`decentdp.engine.layers` and per-sample parameter-free modules) into a
+small program over stacked agent tensors.  A private gradient then costs one forward pass, one
+backward pass that stops at the layers' outputs (no parameter gradients), the per-sample norms
+from each layer's input and output gradient, and one weighted parameter gradient per layer::
+
+    c_{i,b} = min(1, C / ||grad l(theta_i; x_{i,b})||)          (flat clipping, DP-SGD)
+    S_i     = sum_b c_{i,b} grad l(theta_i; x_{i,b})             (the clipped sum the noise is added to)
+
+which is the book-keeping form of ghost clipping (Bu et al. 2023): the ``(N, B, d)`` per-sample
+gradients of the ``torch.func`` path are never built, except for small layers where building them
+is the cheaper way to the norm (then they also give the weighted sum).
+
+Models with a module outside this vocabulary keep the ``torch.func`` path of :class:`FlatModel`;
+:func:`gradient_model` logs the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from decentdp.engine.flat_model import FlatModel, LossFn, saved_bytes_per_sample
+from decentdp.engine.layers import PER_SAMPLE_MODULES, ParamLayer, Recorded, Unsupported, stacked_layer
+from decentdp.models import Residual
+from decentdp.privacy.clipping import clip_factors
+
+logger = logging.getLogger(__name__)
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where one parameter lives in the flat vector."""
+
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Params:
+    layer: ParamLayer
+    slots: tuple[_Slot, ...]
+
+
+@dataclass(frozen=True)
+class _PerSample:
+    module: nn.Module
+
+
+@dataclass(frozen=True)
+class _Chain:
+    nodes: tuple[_Node, ...]
+
+
+@dataclass(frozen=True)
+class _Residual:
+    body: _Node
+
+
+_Node = _Params | _PerSample | _Chain | _Residual
+
+
+def _compile(module: nn.Module, prefix: str, slots: dict[str, _Slot]) -> _Node:
+    """The program of ``module`` (named ``prefix`` inside the root); raises :class:`Unsupported`."""
+    where = prefix or "the model"
+    if type(module) is nn.Sequential:
+        return _Chain(tuple(_compile(child, f"{prefix}{name}.", slots) for name, child in module.named_children()))
+    if type(module) is Residual:
+        return _Residual(_compile(module.block, f"{prefix}block.", slots))
+    own = list(module.named_parameters(recurse=False))
+    if not own and not list(module.children()):
+        if isinstance(module, PER_SAMPLE_MODULES) or (
+                isinstance(module, nn.GroupNorm | nn.LayerNorm) and not list(module.parameters())):
+            return _PerSample(module)
+        raise Unsupported(f"{where.rstrip('.')} ({type(module).__name__}) is not known to act on each sample alone")
+    if list(module.children()):
+        raise Unsupported(f"{where.rstrip('.')} ({type(module).__name__}) is a container without a stacked rule")
+    try:
+        layer = stacked_layer(module)
+    except Unsupported as exc:
+        raise Unsupported(f"{where.rstrip('.')}: {exc}") from None
+    names = [name for name, _ in own]
+    if sorted(names) != sorted(layer.param_names):
+        raise Unsupported(f"{where.rstrip('.')} has parameters {names}, the rule expects {list(layer.param_names)}")
+    return _Params(layer, tuple(slots[prefix + name] for name in layer.param_names))
+
+
+def _param_layers(node: _Node) -> Iterator[_Params]:
+    if isinstance(node, _Params):
+        yield node
+    elif isinstance(node, _Chain):
+        for child in node.nodes:
+            yield from _param_layers(child)
+    elif isinstance(node, _Residual):
+        yield from _param_layers(node.body)
+
+
+class StackedModel(FlatModel):
+    """A :class:`FlatModel` whose gradients are computed layer by layer over stacked agents.
+
+    Raises :class:`~decentdp.engine.layers.Unsupported` when the module cannot be compiled.
+    """
+
+    backend = "stacked"
+
+    def __init__(self, module: nn.Module, loss: LossFn) -> None:
+        super().__init__(module, loss)
+        if self.buffers:
+            raise Unsupported(f"the model has buffers ({', '.join(self.buffers)}); stacked layers are stateless")
+        slots, offset = {}, 0
+        for name, numel, shape in zip(self.names, self.numels, self.shapes, strict=True):
+            slots[name] = _Slot(offset, numel, shape)
+            offset += numel
+        self.program = _compile(module, "", slots)
+        covered = sum(slot.numel for node in _param_layers(self.program) for slot in node.slots)
+        if covered != self.dim:
+            raise Unsupported("some parameters are used outside the layers the program knows")
+
+    # -- the program ------------------------------------------------------------------------
+
+    def _run(self, node: _Node, params: Tensor, x: Tensor, shared: bool,
+             tape: list[Recorded] | None) -> tuple[Tensor, bool]:
+        """Run ``node`` on ``x``; returns the output and whether it is still shared by all agents."""
+        if isinstance(node, _Chain):
+            for child in node.nodes:
+                x, shared = self._run(child, params, x, shared, tape)
+            return x, shared
+        if isinstance(node, _Residual):
+            body, body_shared = self._run(node.body, params, x, shared, tape)
+            return x + body, shared and body_shared  # a shared x broadcasts over the agent dimension
+        if isinstance(node, _PerSample):
+            if shared:
+                return node.module(x), True
+            out = node.module(x.reshape(-1, *x.shape[2:]))
+            return out.view(*x.shape[:2], *out.shape[1:]), False
+        n_agents = params.shape[0]
+        layer_params = [params[:, s.offset:s.offset + s.numel].view(n_agents, *s.shape) for s in node.slots]
+        saved, out = node.layer.forward(layer_params, x, shared)
+        if tape is not None:
+            if not out.requires_grad:  # the first layer: its output starts the graph
+                out.requires_grad_()
+            tape.append(Recorded(node.layer, layer_params, saved, out))
+        return out, False
+
+    # -- gradients ----------------------------------------------------------------------------
+
+    def clipped_gradient_sums(self, params: Tensor, x: Tensor, y: Tensor, mask: Tensor,
+                              clip: float) -> tuple[Tensor, Tensor]:
+        tape: list[Recorded] = []
+        with torch.enable_grad():
+            logits, _ = self._run(self.program, params.detach(), x, False, tape)
+            total = (self.loss(logits, y) * mask).sum()  # padding contributes no gradient
+            output_grads = list(torch.autograd.grad(total, [record.output for record in tape]))
+        layers = [(record.layer, record.inputs.detach()) for record in tape]
+        del tape, logits, total  # the layers' outputs are no longer needed
+        squared = torch.zeros(mask.shape, dtype=params.dtype)
+        materialised = []
+        for (layer, inputs), grad_out in zip(layers, output_grads, strict=True):
+            layer_sq, per_sample = layer.per_sample_sq_norms(inputs, grad_out)
+            squared += layer_sq
+            materialised.append(per_sample)
+        norms = squared.sqrt()
+        real = mask > 0
+        factors = torch.where(real, clip_factors(norms, clip), torch.zeros_like(norms))
+        # Padding rows already have zero output gradients (their loss is masked out).  A real sample
+        # with a non-finite gradient must contribute exactly nothing: its factor, output gradients
+        # and inputs are zeroed, since 0 * inf is NaN.
+        broken = real & ~torch.isfinite(norms)
+        any_broken = bool(broken.any())
+        if any_broken:
+            factors = torch.where(broken, torch.zeros_like(factors), factors)
+        sums = torch.empty_like(params)
+        slots = {id(node.layer): node.slots for node in _param_layers(self.program)}
+        for (layer, inputs), grad_out, per_sample in zip(layers, output_grads, materialised, strict=True):
+            if any_broken:
+                grad_out, inputs = _zero_rows(grad_out, ~broken), _zero_rows(inputs, ~broken)
+                per_sample = None if per_sample is None else [_zero_rows(g, ~broken) for g in per_sample]
+            grads = layer.weighted_gradients(inputs, grad_out, factors, per_sample)
+            for slot, grad in zip(slots[id(layer)], grads, strict=True):
+                sums[:, slot.offset:slot.offset + slot.numel] = grad.reshape(grad.shape[0], -1)
+        return sums, norms
+
+    def batch_gradients(self, params: Tensor, x: Tensor, y: Tensor, weights: Tensor) -> Tensor:
+        with torch.enable_grad():
+            leaf = params.detach().requires_grad_()
+            logits, _ = self._run(self.program, leaf, x, False, None)
+            total = (self.loss(logits, y) * weights).sum()
+            (grads,) = torch.autograd.grad(total, leaf)
+        return grads
+
+    @torch.no_grad()
+    def predict(self, params: Tensor, inputs: Tensor) -> Tensor:
+        outputs, shared = self._run(self.program, params, inputs, True, None)
+        return outputs.expand(params.shape[0], *outputs.shape) if shared else outputs
+
+    # -- memory -------------------------------------------------------------------------------
+
+    def activation_bytes_per_sample(self, sample: Tensor, target: Tensor) -> int:
+        """Bytes one training sample keeps alive during a private gradient: what autograd saves,
+        plus each parameter layer's output and output gradient (kept until the clip factors are known)."""
+        params = self.initial_parameters().unsqueeze(0)
+
+        def run(inputs: Tensor, targets: Tensor) -> None:
+            tape: list[Recorded] = []
+            logits, _ = self._run(self.program, params, inputs.unsqueeze(0), False, tape)
+            self.loss(logits, targets.unsqueeze(0)).sum()
+
+        with torch.no_grad():
+            records: list[Recorded] = []
+            self._run(self.program, params, sample.reshape(1, 1, *sample.shape), False, records)
+            outputs = sum(record.output.numel() * record.output.element_size() for record in records)
+        return saved_bytes_per_sample(run, sample, target) + 2 * outputs
+
+
+def _zero_rows(tensor: Tensor, keep: Tensor) -> Tensor:
+    """``tensor`` (``(N, B, ...)``) with the samples where ``keep`` is False set to zero."""
+    return torch.where(keep.view(*keep.shape, *([1] * (tensor.dim() - 2))), tensor, torch.zeros_like(tensor))
+
+
+def gradient_model(module: nn.Module, loss: LossFn, backend: str = "auto") -> FlatModel:
+    """The fastest gradient engine that supports ``module``.
+
+    ``backend`` is ``"auto"`` (stacked if the model compiles, else ``torch.func`` with a logged
+    reason), ``"stacked"`` (error if it does not compile) or ``"vmap"`` (always ``torch.func``).
+    """
+    if backend == "vmap":
+        return FlatModel(module, loss)
+    try:
+        return StackedModel(module, loss)
+    except Unsupported as exc:
+        if backend == "stacked":
+            raise
+        logger.warning("per-sample gradients use the slower torch.func path: %s", exc)
+        model = FlatModel(module, loss)
+        model.fallback_reason = str(exc)
+        return model

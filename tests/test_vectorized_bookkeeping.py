@@ -1,0 +1,316 @@
+"""The per-round bookkeeping that runs over all agents at once: Poisson sampling, noise streams, ledger.
+
+Each vectorised piece is checked against a straightforward per-agent reference written here, so
+that the tests say what the vectorisation must preserve, not how it is done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decentdp.engine.rng import AgentRandom, Stream, round_stream_seed, stream_seed
+from decentdp.engine.sampling import AgentData, Batch, PoissonSampler
+from decentdp.privacy.ledger import PrivacyLedger, ReleaseRun, _max_count
+
+# ---------------------------------------------------------------------------------------------
+# Poisson sampling
+
+
+def _labelled_data(sizes: list[int], seed: int = 0) -> AgentData:
+    """Records whose features and labels are their own ids, split in shuffled (unsorted) index lists."""
+    total = sum(sizes)
+    ids = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
+    bounds = np.cumsum([0, *sizes])
+    x = torch.arange(total, dtype=torch.float32)[:, None, None] * torch.ones(1, 2, 3)
+    return AgentData(x, torch.arange(total), tuple(ids[bounds[i]:bounds[i + 1]] for i in range(len(sizes))))
+
+
+def _reference_selection(data: AgentData, rates: torch.Tensor, rng: AgentRandom, round_index: int,
+                         step: int) -> list[torch.Tensor]:
+    """What a shard holding any agent computes: the round-wide draw, sliced at the agent's global slots."""
+    total = sum(len(idx) for idx in data.indices)
+    draws = torch.rand(total, generator=rng.round_generator(round_index, Stream.SAMPLING, step), dtype=torch.float64)
+    chosen, start = [], 0
+    for agent, owned in enumerate(data.indices):
+        mine = draws[start:start + len(owned)]
+        chosen.append(owned[mine < float(rates[agent])])
+        start += len(owned)
+    return chosen
+
+
+def _check_batch(batch: Batch, data: AgentData, chosen: list[torch.Tensor]) -> None:
+    width = max(1, max(len(c) for c in chosen))
+    assert batch.mask.shape == (data.n_agents, width) and batch.y.shape == (data.n_agents, width)
+    assert batch.x.shape == (data.n_agents, width, *data.x.shape[1:])
+    for agent, selected in enumerate(chosen):
+        k = len(selected)
+        assert batch.mask[agent, :k].eq(1.0).all() and batch.mask[agent, k:].eq(0.0).all()
+        assert torch.equal(batch.y[agent, :k], data.y[selected])  # selected records, in the agent's order
+        assert torch.equal(batch.x[agent, :k], data.x[selected])
+        padding = data.indices[agent][0]  # padding reads the agent's own first record
+        assert batch.y[agent, k:].eq(data.y[padding]).all()
+        assert torch.equal(batch.x[agent, k:], data.x[padding].expand(width - k, *data.x.shape[1:]))
+    torch.testing.assert_close(batch.sizes, torch.tensor([float(len(c)) for c in chosen]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("round_index,step", [(0, 0), (7, 0), (7, 2)])
+def test_batches_are_the_owned_records_below_their_rate_with_exact_mask_and_padding(round_index: int,
+                                                                                   step: int) -> None:
+    sizes = [5, 1, 17, 9, 30, 2]
+    data = _labelled_data(sizes)
+    rates = torch.tensor([0.5, 0.9, 0.1, 1.0, 0.3, 0.7], dtype=torch.float64)
+    rng = AgentRandom(3)
+    batch = PoissonSampler(data, rates, rng).sample(round_index, step)
+    chosen = _reference_selection(data, rates, rng, round_index, step)
+    _check_batch(batch, data, chosen)
+    assert batch.sizes[3] == 9  # q = 1 takes every record
+
+
+def test_a_round_where_nobody_is_sampled_has_width_one_and_an_all_zero_mask() -> None:
+    data = _labelled_data([4, 6, 3])
+    batch = PoissonSampler(data, torch.full((3,), 1e-12, dtype=torch.float64), AgentRandom(0)).sample(2)
+    assert batch.mask.shape == (3, 1) and not batch.mask.any()
+    assert batch.y[:, 0].tolist() == [int(idx[0]) for idx in data.indices]
+
+
+def test_mean_batch_size_matches_q_times_dataset_size() -> None:
+    """Over R rounds agent i selects Binomial(R |D_i|, q_i) records; 5 standard deviations (fixed seed)."""
+    sizes = [60, 60, 13, 200, 1, 45]
+    rates = torch.tensor([0.5, 0.05, 0.3, 0.01, 0.5, 0.99], dtype=torch.float64)
+    sampler = PoissonSampler(_labelled_data(sizes), rates, AgentRandom(123))
+    rounds = 400
+    totals = torch.zeros(len(sizes), dtype=torch.float64)
+    for k in range(rounds):
+        totals += sampler.sample(k).sizes.double()
+    n = torch.tensor(sizes, dtype=torch.float64)
+    mean, expected = totals / rounds, rates * n
+    std_of_mean = torch.sqrt(rates * (1 - rates) * n / rounds)
+    assert ((mean - expected).abs() <= 5 * std_of_mean).all(), (mean, expected, std_of_mean)
+
+
+def test_batches_are_a_deterministic_function_of_seed_round_and_step() -> None:
+    data = _labelled_data([20, 20, 20, 20])
+    rates = torch.full((4,), 0.5, dtype=torch.float64)
+
+    def sample(seed: int, round_index: int, step: int = 0, secret: bytes = b"") -> Batch:
+        return PoissonSampler(data, rates, AgentRandom(seed, secret)).sample(round_index, step)
+
+    first, again = sample(5, 3), sample(5, 3)  # a fresh sampler and a fresh AgentRandom
+    assert torch.equal(first.mask, again.mask) and torch.equal(first.y, again.y) and torch.equal(first.x, again.x)
+    for other in (sample(6, 3), sample(5, 4), sample(5, 3, step=1), sample(5, 3, secret=b"k" * 32)):
+        assert not torch.equal(first.y * first.mask, other.y * other.mask) or first.mask.shape != other.mask.shape
+    # Calling other rounds in between (as a resumed run does not) changes nothing.
+    sampler = PoissonSampler(data, rates, AgentRandom(5))
+    sampler.sample(0)
+    sampler.sample(9, 1)
+    assert torch.equal(sampler.sample(3).y, first.y)
+
+
+def test_an_agents_batch_ignores_the_other_agents_rates_and_records() -> None:
+    data = _labelled_data([10, 25, 8])
+    rates = torch.tensor([0.4, 0.4, 0.4], dtype=torch.float64)
+    base = PoissonSampler(data, rates, AgentRandom(1)).sample(4)
+    changed_rates = PoissonSampler(data, torch.tensor([0.9, 0.4, 0.05], dtype=torch.float64), AgentRandom(1)).sample(4)
+    k = int(base.sizes[1])
+    assert torch.equal(changed_rates.y[1, :k], base.y[1, :k]) and changed_rates.sizes[1] == k
+    # Same global layout (sizes), other agents' records relabelled: agent 1 still picks the same records.
+    relabelled = AgentData(data.x, data.y, (data.indices[2][:1].repeat(10), data.indices[1], data.indices[0][:8]))
+    moved = PoissonSampler(relabelled, rates, AgentRandom(1)).sample(4)
+    assert torch.equal(moved.y[1, :k], base.y[1, :k])
+
+
+def test_sampler_rejects_agents_without_records() -> None:
+    data = AgentData(torch.zeros(3, 1), torch.zeros(3), (torch.arange(3), torch.zeros(0, dtype=torch.long)))
+    with pytest.raises(ValueError, match="agent 1 owns no records"):
+        PoissonSampler(data, torch.full((2,), 0.5, dtype=torch.float64), AgentRandom(0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Keyed streams
+
+
+def test_stream_keys_keep_their_documented_format() -> None:
+    """Changing the key format would silently change the noise of runs resumed from old checkpoints."""
+    secret = b"s" * 32
+    expected = int.from_bytes(hashlib.sha256(secret + b"7/3/11/2/1").digest()[:8], "little") >> 1
+    assert stream_seed(7, 3, 11, Stream.NOISE, 1, secret) == expected
+    round_wide = int.from_bytes(hashlib.sha256(secret + b"7/*/11/1/1").digest()[:8], "little") >> 1
+    assert round_stream_seed(7, 11, Stream.SAMPLING, 1, secret) == round_wide
+
+
+def test_round_wide_streams_differ_from_every_agents_stream() -> None:
+    per_agent = {stream_seed(0, agent, 5, stream) for agent in range(2000) for stream in Stream}
+    assert all(round_stream_seed(0, 5, stream) not in per_agent for stream in Stream)
+    rng = AgentRandom(0)
+    assert not torch.equal(torch.rand(50, generator=rng.round_generator(5, Stream.SAMPLING)),
+                           torch.rand(50, generator=rng.round_generator(5, Stream.NOISE)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_normal_rows_are_each_agents_own_stream(dtype: torch.dtype) -> None:
+    rng = AgentRandom(11, b"x" * 32)
+    agents = [4, 0, 9, 4]
+    block = rng.normal(agents, 37, round_index=2, stream=Stream.NOISE, step=1, dtype=dtype)
+    for row, agent in enumerate(agents):
+        alone = torch.empty(37, dtype=dtype).normal_(generator=rng.generator(agent, 2, Stream.NOISE, 1))
+        assert torch.equal(block[row], alone)
+
+
+def test_normal_draws_into_a_given_buffer() -> None:
+    rng = AgentRandom(2)
+    buffer = torch.full((3, 50), float("nan"), dtype=torch.float64)
+    view = buffer[:, :20]  # a non-contiguous destination works too
+    assert rng.normal([1, 2, 3], 20, 4, Stream.NOISE, out=view) is view
+    assert torch.equal(view, rng.normal([1, 2, 3], 20, 4, Stream.NOISE, dtype=torch.float64))
+    assert buffer[:, 20:].isnan().all()
+    with pytest.raises(ValueError, match="expected"):
+        rng.normal([1, 2], 20, 4, Stream.NOISE, out=buffer)
+
+
+# ---------------------------------------------------------------------------------------------
+# Privacy ledger
+
+
+class _ReferenceLedger:
+    """The straightforward per-agent ledger: asks the accountant for every agent at every spend."""
+
+    def __init__(self, budgets: list[float], delta: float) -> None:
+        self.budgets, self.delta = budgets, delta
+        self.runs: list[list[ReleaseRun]] = [[] for _ in budgets]
+        self.refused = [0] * len(budgets)
+
+    def headroom(self, agent: int, sigma: float, q: float) -> int:
+        if math.isinf(self.budgets[agent]):
+            return 1 << 40
+        if sigma <= 0:
+            return 0
+        runs = self.runs[agent]
+        keys = tuple(run.key for run in runs)
+        if runs and (runs[-1].noise_multiplier, runs[-1].sample_rate) == (sigma, q):
+            prefix, done = keys[:-1], runs[-1].count
+        else:
+            prefix, done = keys, 0
+        return _max_count(prefix, sigma, q, self.delta, self.budgets[agent], "rdp") - done
+
+    def spend(self, round_index: int, sigmas: np.ndarray, rates: np.ndarray, releases: int,
+              asking: np.ndarray) -> np.ndarray:
+        allowed = np.zeros(len(self.budgets), dtype=bool)
+        for agent in np.flatnonzero(asking):
+            sigma, q = float(sigmas[agent]), float(rates[agent])
+            if self.headroom(agent, sigma, q) < releases:
+                self.refused[agent] += 1
+                continue
+            allowed[agent] = True
+            runs = self.runs[agent]
+            if runs and (runs[-1].noise_multiplier, runs[-1].sample_rate) == (sigma, q):
+                runs[-1].count += releases
+                runs[-1].last_round = round_index
+            else:
+                runs.append(ReleaseRun(sigma, q, releases, round_index, round_index))
+        return allowed
+
+    def state_dict(self) -> dict:
+        return {"budgets": [float(b) for b in self.budgets], "delta": self.delta, "budget_accountant": "rdp",
+                "refused": list(self.refused), "runs": [[asdict(run) for run in runs] for runs in self.runs]}
+
+
+# Mechanisms whose headroom ranges from none (sigma = 0, or q = 1 with little noise) to unlimited.
+_SIGMAS = [0.0, 0.6, 1.0, 2.5, 8.0]
+_RATES = [0.02, 0.3, 1.0]
+_BUDGETS = [0.3, 1.0, 4.0, math.inf]
+_mechanism = st.tuples(st.sampled_from(_SIGMAS), st.sampled_from(_RATES))
+_call = st.tuples(
+    st.lists(st.integers(0, 5), min_size=3, max_size=3),  # each agent's mechanism: an index into the palette
+    st.integers(0, 3),  # releases
+    st.one_of(st.none(), st.lists(st.booleans(), min_size=3, max_size=3)),  # which agents ask
+    st.booleans(),  # pass float32 arrays, as the gradient oracle does
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(budgets=st.lists(st.sampled_from(_BUDGETS), min_size=3, max_size=3),
+       palette=st.lists(_mechanism, min_size=1, max_size=3),
+       calls=st.lists(_call, min_size=1, max_size=30), checkpoint_at=st.integers(0, 30))
+def test_vectorised_ledger_matches_the_per_agent_reference(budgets: list[float], palette: list[tuple[float, float]],
+                                                           calls: list, checkpoint_at: int) -> None:
+    """A small palette of mechanisms per example, so that runs repeat long enough to reach the budgets."""
+    ledger, reference = PrivacyLedger(3, budgets, 1e-5), _ReferenceLedger(budgets, 1e-5)
+    for round_index, (choice, releases, asking, single) in enumerate(calls):
+        if round_index == checkpoint_at:  # a resumed run continues from the saved state
+            ledger = PrivacyLedger.from_state_dict(ledger.state_dict())
+        dtype = np.float32 if single else np.float64
+        mechanisms = [palette[c % len(palette)] for c in choice]
+        sigma_array = np.array([m[0] for m in mechanisms], dtype=dtype)
+        rate_array = np.array([m[1] for m in mechanisms], dtype=dtype)
+        mask = np.ones(3, dtype=bool) if asking is None else np.array(asking)
+        allowed = ledger.spend(round_index, sigma_array, rate_array, releases,
+                               agents=None if asking is None else mask)
+        expected = reference.spend(round_index, sigma_array, rate_array, releases, mask)
+        np.testing.assert_array_equal(allowed, expected)
+    assert ledger.state_dict() == reference.state_dict()
+    np.testing.assert_array_equal(ledger.releases(), [sum(r.count for r in runs) for runs in reference.runs])
+    for agent in range(3):
+        assert ledger.history(agent) == tuple(run.key for run in reference.runs[agent])
+    assert ledger.refused.tolist() == reference.refused
+
+
+def test_a_refused_agent_records_nothing_and_can_still_afford_a_cheaper_mechanism() -> None:
+    ledger = PrivacyLedger(2, [1.0, math.inf], 1e-5)
+    sigmas, rates = np.array([8.0, 8.0]), np.array([1.0, 1.0])
+    room = _max_count((), 8.0, 1.0, 1e-5, 1.0, "rdp")
+    assert room >= 2
+    for k in range(room):
+        assert ledger.spend(k, sigmas, rates, 1).all()
+    before = ledger.state_dict()
+    assert ledger.spend(room, sigmas, rates, 1).tolist() == [False, True]
+    assert ledger.refused.tolist() == [1, 0]
+    assert ledger.state_dict()["runs"][0] == before["runs"][0]  # nothing recorded for the refused agent
+    # A far noisier mechanism still fits the remaining budget, exactly `left` more times.
+    noisier, rates_after = np.array([50.0, 8.0]), np.array([0.01, 1.0])
+    left = _max_count(((8.0, 1.0, room),), 50.0, 0.01, 1e-5, 1.0, "rdp")
+    assert left > 1
+    assert ledger.spend(room + 1, noisier, rates_after, left + 1).tolist() == [False, True]  # all or nothing
+    assert ledger.refused.tolist() == [2, 0] and ledger.releases()[0] == room
+    assert ledger.spend(room + 2, noisier, rates_after, left - 1).all()  # opens a new run
+    assert ledger.spend(room + 3, noisier, rates_after, 1).all()  # extends it up to the budget
+    assert not ledger.spend(room + 4, noisier, rates_after, 1)[0]
+    assert ledger.history(0) == ((8.0, 1.0, room), (50.0, 0.01, left))
+    assert ledger.epsilon("rdp")[0] <= 1.0
+    assert ledger.releases().tolist() == [room + left, room + 3 + 2 * left]
+    assert ledger.refused.tolist() == [3, 0]
+
+
+def test_only_the_asking_agents_spend_or_are_refused() -> None:
+    ledger = PrivacyLedger(3, [1e-3, 1e-3, 5.0], 1e-5)
+    allowed = ledger.spend(0, np.full(3, 1.0), np.full(3, 0.1), 1, agents=np.array([True, False, True]))
+    assert allowed.tolist() == [False, False, True]
+    assert ledger.refused.tolist() == [1, 0, 0]
+    assert ledger.releases().tolist() == [0, 0, 1]
+    with pytest.raises(ValueError, match="non-negative"):
+        ledger.spend(1, np.full(3, 1.0), np.full(3, 0.1), -1)
+
+
+def test_checkpoints_in_the_existing_format_load_and_continue() -> None:
+    saved = {"budgets": [10.0, float("inf")], "delta": 1e-5, "budget_accountant": "rdp", "refused": [0, 3],
+             "runs": [[{"noise_multiplier": 1.1, "sample_rate": 0.1, "count": 4, "first_round": 0, "last_round": 1},
+                       {"noise_multiplier": 1.3, "sample_rate": 0.2, "count": 6, "first_round": 2, "last_round": 4}],
+                      []]}
+    ledger = PrivacyLedger.from_state_dict(saved)
+    assert ledger.state_dict() == saved
+    assert ledger.releases().tolist() == [10, 0]
+    assert ledger.history(0) == ((1.1, 0.1, 4), (1.3, 0.2, 6))
+    assert ledger.spend(5, np.array([1.3, 0.0]), np.array([0.2, 1.0]), releases=2).all()
+    runs = ledger.state_dict()["runs"]
+    assert runs[0][-1] == {"noise_multiplier": 1.3, "sample_rate": 0.2, "count": 8, "first_round": 2, "last_round": 5}
+    assert runs[1] == [{"noise_multiplier": 0.0, "sample_rate": 1.0, "count": 2, "first_round": 5, "last_round": 5}]
+    # The runs handed out are snapshots: editing them leaves the ledger as it was.
+    ledger.runs[0][0].count = 99
+    assert ledger.history(0)[0] == (1.1, 0.1, 4)
