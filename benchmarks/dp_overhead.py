@@ -70,7 +70,7 @@ SETTINGS = (
     Setting("convnet_n10", "convnet", 10, 256, "complete", "overlap", 32, nonprivate=True, opacus=True),
     Setting("lenet5_n10", "lenet5", 10, 256, "complete", "overlap", None, nonprivate=True, opacus=False),
     Setting("mlp_n10", "mlp", 10, 256, "complete", "overlap", None, nonprivate=True, opacus=False),
-    Setting("mlp_n100", "mlp", 100, 64, "ring", "iid", None, nonprivate=False, opacus=True),
+    Setting("mlp_n100", "mlp", 100, 256, "ring", "iid", None, nonprivate=False, opacus=True),
     Setting("logistic_n1000", "linear", 1000, 16, "ring", "iid", None, nonprivate=False, opacus=True),
 )
 

@@ -411,3 +411,18 @@ def test_console_script_entry_point(tmp_path: Path) -> None:
     assert "Traceback" not in bad.stderr
     assert bad.stderr.startswith("decentdp: error: --epsilon: ")
     assert bad.stdout == ""
+
+
+def test_run_profile_reports_phases_and_saves_them(tiny_config: Path, tmp_path: Path) -> None:
+    out = tmp_path / "profiled"
+    code, _, stderr = _call(["run", str(tiny_config), "--out", str(out), "--profile", "--no-progress"])
+    assert code == 0, stderr
+    assert "profile over" in stderr and "gradients" in stderr and "busiest torch operators" in stderr
+    report = json.loads((out / "profile.json").read_text())
+    assert set(report["phases"]) >= {"gradients", "noise", "communication", "evaluation"}
+    assert report["gradient_engine"] == "stacked"
+
+
+def test_run_announces_engine_and_memory_plan(finished_run: dict[str, Any]) -> None:
+    assert "gradients: stacked engine" in finished_run["stderr"]
+    assert "memory: estimated peak" in finished_run["stderr"]

@@ -55,12 +55,28 @@ def test_pairwise_swap_exchanges_between_neighbours_only() -> None:
         net.swap(x, torch.tensor([3, 1, 2, 0, 4, 5]))
 
 
-def test_large_networks_mix_with_a_sparse_operator() -> None:
-    net = SimulatedNetwork(build_topology("ring", 300, seed=0))
-    x = torch.randn(300, 3)
-    assert net._mixing.layout == torch.sparse_csr
+@pytest.mark.parametrize("graph,n,sparse", [("ring", 300, True), ("ring", 30, True), ("complete", 10, False),
+                                             ("complete", 300, False)])
+def test_sparse_graphs_mix_with_a_sparse_operator(graph: str, n: int, sparse: bool) -> None:
+    net = SimulatedNetwork(build_topology(graph, n, seed=0))
+    x = torch.randn(n, 3)
+    assert (net._mixing.layout == torch.sparse_csr) is sparse
     dense = torch.tensor(net.topology.mixing, dtype=torch.float32)
     torch.testing.assert_close(net.mix(x), dense @ x)
+
+
+@pytest.mark.parametrize("optimizer", [SGD(), SGD(momentum=0.9, weight_decay=1e-3), SGD(momentum=0.9, nesterov=True),
+                                       Adam(weight_decay=1e-3)])
+def test_inplace_optimizer_steps_equal_functional_ones(optimizer: SGD | Adam) -> None:
+    params, grad = torch.randn(4, 5), torch.randn(4, 5)
+    state = optimizer.init(params)
+    expected, expected_state = optimizer.step(params, grad, state, 0.1)
+    scratch = params.clone()
+    result, result_state = optimizer.step(scratch, grad, state, 0.1, inplace=True)
+    assert result.data_ptr() == scratch.data_ptr()
+    torch.testing.assert_close(result, expected)
+    for key in expected_state:
+        torch.testing.assert_close(result_state[key], expected_state[key])
 
 
 @pytest.mark.parametrize("momentum,nesterov,weight_decay", [(0.0, False, 0.0), (0.9, False, 1e-4), (0.9, True, 0.0)])

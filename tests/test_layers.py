@@ -555,6 +555,42 @@ def test_non_finite_sample_contributes_nothing_and_leaves_others_alone(name: str
         close(sums, without, "clipped sums against the bad samples masked out")
 
 
+@pytest.mark.parametrize("name", list(NON_FINITE_MODELS))
+def test_a_non_finite_padding_row_contributes_nothing(name: str) -> None:
+    """Padding re-reads one of the agent's records; if that record is broken, the release must not be NaN."""
+    build, sample = NON_FINITE_MODELS[name]
+    template = _seeded(0, build)
+    model = gradient_model(template, classification_loss, "stacked")
+    gen = torch.Generator().manual_seed(2)
+    params = model.initial_parameters() + 0.1 * torch.randn(2, model.dim, generator=gen)
+    x = _float_inputs(gen, 2, 3, *sample)
+    y = _labels(gen, 3, 2, 3)
+    mask = torch.ones(2, 3)
+    mask[0, 2] = 0.0
+    clean = x.clone()
+    x.view(2, 3, -1)[0, 2, 0] = float("inf")
+    sums, _ = model.clipped_gradient_sums(params, x, y, mask, 0.5)
+    assert torch.isfinite(sums).all()
+    expected, _ = model.clipped_gradient_sums(params, clean, y, mask, 0.5)
+    close(sums, expected, "clipped sums with a broken padding row")
+
+
+def test_group_norm_on_features_without_spatial_dimensions() -> None:
+    template = _seeded(0, lambda: nn.Sequential(nn.Linear(6, 4), nn.GroupNorm(2, 4), nn.Tanh(), nn.Linear(4, 3)))
+    gen = torch.Generator().manual_seed(3)
+    assert_matches_reference(template, _float_inputs(gen, 2, 3, 6), _labels(gen, 3, 2, 3),
+                             _float_inputs(gen, 2, 6), 0)
+
+
+def test_a_module_listed_twice_runs_twice() -> None:
+    shared_activation = nn.Tanh()
+    template = _seeded(0, lambda: nn.Sequential(nn.Linear(5, 5), shared_activation, nn.Linear(5, 5),
+                                               shared_activation, nn.Linear(5, 3)))
+    gen = torch.Generator().manual_seed(4)
+    assert_matches_reference(template, _float_inputs(gen, 2, 3, 5), _labels(gen, 3, 2, 3),
+                             _float_inputs(gen, 2, 5), 0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Unsupported modules: the vmap fallback
 # ---------------------------------------------------------------------------------------------
@@ -584,6 +620,12 @@ def _with_buffer() -> nn.Module:
     return model
 
 
+def _tied_weights() -> nn.Module:
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    second.weight = first.weight
+    return nn.Sequential(nn.Flatten(), first, nn.Tanh(), second, nn.Linear(4, 2))
+
+
 UNSUPPORTED = {
     "affine-layernorm": (lambda: nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2)),
                          "LayerNorm"),
@@ -594,6 +636,9 @@ UNSUPPORTED = {
     "embedding-max-norm": (lambda: nn.Sequential(nn.Embedding(4, 2, max_norm=1.0), nn.Flatten(), nn.Linear(2, 2)),
                            "max_norm"),
     "buffers": (_with_buffer, "offset"),
+    "inplace-activation": (lambda: nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.ReLU(inplace=True),
+                                                 nn.Linear(4, 2)), "in place"),
+    "tied-weights": (_tied_weights, "shared with another layer"),
 }
 
 

@@ -201,12 +201,21 @@ def test_padding_and_non_finite_gradients_contribute_nothing() -> None:
 
 
 def test_noise_multipliers_are_never_below_plan_in_float32() -> None:
-    from decentdp.experiment import _round_up_to_float32
+    from decentdp.privacy.mechanism import round_up_to_float32
 
-    for sigma in [7.613769531251, 1.1, 0.51234567891, 3.0]:
-        rounded = _round_up_to_float32(sigma)
-        assert rounded >= sigma
-        assert float(np.float32(rounded)) == rounded
+    planned = torch.tensor([7.613769531251, 1.1, 0.51234567891, 3.0, 1.1 * 10.0], dtype=torch.float64)
+    rounded = round_up_to_float32(planned)
+    assert rounded.dtype == torch.float32
+    assert (rounded.double() >= planned).all()
+    # The smallest such float32: one step down is below the plan wherever rounding was needed.
+    below = torch.nextafter(rounded, torch.tensor(0.0)).double()
+    assert ((below < planned) | (rounded.double() == planned)).all()
+
+
+def test_noise_standard_deviation_is_never_below_sigma_times_clip() -> None:
+    experiment = build_experiment(validate_config(tiny_config(privacy={"clip": 0.3})))
+    planned = experiment.noise_multipliers.double() * 0.3
+    assert (experiment.oracle.noise_scales.double() >= planned).all()
 
 
 def test_pld_falls_back_to_rdp_where_it_is_impractical() -> None:

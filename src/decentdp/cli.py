@@ -41,6 +41,9 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue the run whose checkpoint is in --out")
     run.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
     run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    run.add_argument("--profile", action="store_true",
+                     help="report where a round's time goes (per phase, and torch's busiest operators); "
+                          "saved as profile.json in the results folder")
 
     privacy = commands.add_parser("privacy", help="noise calibration and epsilon accounting")
     which = privacy.add_subparsers(dest="question", required=True)
@@ -73,7 +76,8 @@ def _run(args: argparse.Namespace) -> int:
     else:
         out = Path("results") / f"{config.experiment.name}-{datetime.now():%Y%m%d-%H%M%S}"
     result = run_experiment(config, out, data_dir=args.data_dir, resume=args.resume,
-                            progress=not args.no_progress, log=lambda line: print(line, file=sys.stderr))
+                            progress=not args.no_progress, log=lambda line: print(line, file=sys.stderr),
+                            profile=args.profile)
     summary = result.summary
     per_agent = ", ".join(_eps(e) for e in summary["epsilon_per_agent"])
     print(f"final test accuracy over {summary['n_agents']} agents: mean {summary['accuracy_mean']:.4f}, "

@@ -84,7 +84,7 @@ class AlgorithmSection(_Section):
 
 
 class EngineSection(_Section):
-    """How the simulator computes, not what: none of these settings changes a run's results."""
+    """How the simulator computes, not what: these settings change results only by floating-point rounding."""
 
     gradients: Literal["auto", "stacked", "vmap"] = Field(
         "auto", description="per-sample gradient engine: stacked layer rules (fast), torch.func vmap (any "

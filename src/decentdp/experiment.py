@@ -32,10 +32,12 @@ from decentdp.algorithms.base import Algorithm, State
 from decentdp.config import ExperimentConfig
 from decentdp.data.datasets import Dataset, load_dataset
 from decentdp.data.partition import class_histograms, partition
+from decentdp.engine.allocator import retain_freed_memory
 from decentdp.engine.evaluation import Evaluator, evaluation_chunk
 from decentdp.engine.flat_model import FlatModel
 from decentdp.engine.memory import MemoryPlan, available_memory, padded_batch, plan_memory, state_bytes
 from decentdp.engine.network import SimulatedNetwork
+from decentdp.engine.profiling import NO_TIMER, PhaseTimer, TimedNetwork, format_report, operator_table
 from decentdp.engine.rng import AgentRandom
 from decentdp.engine.sampling import AgentData, PoissonSampler
 from decentdp.engine.schedules import Schedule
@@ -45,12 +47,13 @@ from decentdp.errors import ConfigError
 from decentdp.models import build_model, classification_loss, validate_for_dp
 from decentdp.privacy.accounting import calibrate_noise_multiplier
 from decentdp.privacy.ledger import PrivacyLedger
-from decentdp.privacy.mechanism import GaussianSpec, GradientOracle
+from decentdp.privacy.mechanism import GaussianSpec, GradientOracle, round_up_to_float32
 from decentdp.results import (
     CHECKPOINT_FILE,
     CONFIG_FILE,
     METRICS_FILE,
     PRIVACY_FILE,
+    PROFILE_FILE,
     PROVENANCE_FILE,
     SETUP_FILE,
     SUMMARY_FILE,
@@ -81,6 +84,7 @@ class Experiment:
     noise_multipliers: torch.Tensor
     sample_rates: torch.Tensor
     histograms: np.ndarray
+    memory: MemoryPlan
     setup: dict[str, Any] = field(default_factory=dict)
 
     def initial_state(self) -> State:
@@ -94,14 +98,6 @@ def _agent_budgets(config: ExperimentConfig, n_agents: int) -> list[float]:
     return [min(budgets)] if config.pools_data else budgets
 
 
-def _round_up_to_float32(sigma: float) -> float:
-    """The smallest float32 >= sigma: the noise is drawn in float32 and must never be below the plan."""
-    single = np.float32(sigma)
-    if float(single) < sigma:
-        single = np.nextafter(single, np.float32(np.inf))
-    return float(single)
-
-
 def _calibrate(budgets: list[float], rates: list[float], config: ExperimentConfig, releases: int) -> list[float]:
     """sigma_i for each agent's planned ``rounds * releases`` releases at rate q_i (cached per pair)."""
     cache: dict[tuple[float, float], float] = {}
@@ -110,7 +106,7 @@ def _calibrate(budgets: list[float], rates: list[float], config: ExperimentConfi
         if (epsilon, rate) not in cache:
             cache[(epsilon, rate)] = calibrate_noise_multiplier(
                 epsilon, config.privacy.delta, rate, config.experiment.rounds, releases, config.privacy.accountant)
-        sigmas.append(_round_up_to_float32(cache[(epsilon, rate)]))
+        sigmas.append(float(round_up_to_float32(torch.tensor(cache[(epsilon, rate)], dtype=torch.float64))))
     return sigmas
 
 
@@ -193,7 +189,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
         "memory_plan": memory.as_dict(),
     }
     return Experiment(config, dataset, data, topology, model, algorithm, ledger, oracle, simulator, evaluator,
-                      noise_multipliers, sample_rates, histograms, setup)
+                      noise_multipliers, sample_rates, histograms, memory, setup)
 
 
 @dataclass
@@ -222,12 +218,16 @@ def _prepare_out_dir(out_dir: Path, resume: bool) -> dict[str, Any] | None:
 
 def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, *,
                    data_dir: str | Path | None = None, resume: bool = False, stop_after: int | None = None,
-                   progress: bool = True, log: Callable[[str], None] | None = None) -> RunResult:
+                   progress: bool = True, log: Callable[[str], None] | None = None,
+                   profile: bool = False) -> RunResult:
     """Build and run an experiment, writing its results folder (if ``out_dir`` is given).
 
     ``stop_after`` ends the run after that many rounds (as if killed right after a checkpoint),
     leaving a resumable folder; ``resume`` continues a run from its folder's checkpoint.
+    ``profile`` times every phase of the rounds and records torch's busiest operators over a few
+    rounds (see :mod:`decentdp.engine.profiling`); the report is logged and saved as ``profile.json``.
     """
+    retain_freed_memory()
     experiment = build_experiment(config, data_dir)
     out = Path(out_dir) if out_dir is not None else None
     checkpoint = _prepare_out_dir(out, resume) if out is not None else None
@@ -243,6 +243,9 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
         experiment.ledger = experiment.ledger.from_state_dict(checkpoint["ledger"])
         experiment.oracle.ledger = experiment.ledger
         experiment.oracle.rng.secret = bytes.fromhex(checkpoint["secret"])
+        # Same grouping of agents and test samples as before the interruption: bit-exact resumes.
+        experiment.oracle.agents_per_pass = checkpoint["passes"]["agents_per_pass"]
+        experiment.evaluator.chunk = checkpoint["passes"]["evaluation_chunk"]
     elif out is not None:
         out.mkdir(parents=True, exist_ok=True)
         write_toml(out / CONFIG_FILE, config.to_toml_dict())
@@ -255,14 +258,25 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
     checkpoint_every = cfg.checkpoint_every or cfg.eval_every
     emit = log or (lambda message: tqdm.write(message))
     _announce(experiment, emit)
+    timer = _attach_timer(experiment) if profile else NO_TIMER
+    operators = _operator_profiler(last - start) if profile else None
+    if operators is not None:
+        operators.start()
     bar = tqdm(total=rounds, initial=start, disable=not progress, desc=cfg.name, unit="round", leave=False)
     clock = time.perf_counter()
 
     def save(round_done: int, current: State) -> None:
         if out is None:
             return
+        with timer.phase("checkpoint"):
+            _save(round_done, current)
+
+    def _save(round_done: int, current: State) -> None:
+        assert out is not None
         payload = {"round": round_done, "state": current, "metrics": metrics, "config": config.to_toml_dict(),
                    "secret": experiment.oracle.rng.secret.hex(),
+                   "passes": {"agents_per_pass": experiment.oracle.agents_per_pass,
+                              "evaluation_chunk": experiment.evaluator.chunk},
                    "ledger": experiment.ledger.state_dict(), "wall_seconds": elapsed + time.perf_counter() - clock}
         tmp = out / f".{CHECKPOINT_FILE}.tmp"
         torch.save(payload, tmp)
@@ -271,9 +285,12 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
 
     def after_round(done: int, current: State) -> bool:
         bar.update(1)
+        if operators is not None:
+            operators.step()
         if done % cfg.eval_every == 0 or done == rounds:
-            row = {"round": done, "lr": experiment.simulator.schedule(done - 1),
-                   **experiment.evaluator(current["params"]).summary(),
+            with timer.phase("evaluation"):
+                evaluation = experiment.evaluator(current["params"]).summary()
+            row = {"round": done, "lr": experiment.simulator.schedule(done - 1), **evaluation,
                    "epsilon_max": float(experiment.ledger.epsilon(config.privacy.accountant).max()),
                    "epsilon_accountant": config.privacy.accountant,
                    "clipped_fraction": experiment.oracle.last.clipped_fraction if experiment.oracle.last else 0.0,
@@ -289,10 +306,21 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
 
     if checkpoint is None:
         save(0, state)  # resumable from the very start
-    if start < last:
-        state = experiment.simulator.run(state, start, rounds, after_round)
+    try:
+        if start < last:
+            state = experiment.simulator.run(state, start, rounds, after_round)
+    finally:
+        if operators is not None:
+            operators.stop()
     bar.close()
     wall = elapsed + time.perf_counter() - clock
+    if operators is not None:
+        report = {**timer.report(), "gradient_engine": experiment.model.backend,
+                  "operators": operator_table(operators)}
+        for line in format_report(report, report["operators"], experiment.model.backend):
+            emit(line)
+        if out is not None:
+            write_json(out / PROFILE_FILE, report)
     summary = _summary(experiment, metrics, wall, finished=last == rounds)
     refused = experiment.ledger.refused
     if refused.any():
@@ -315,6 +343,29 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
     return RunResult(summary, metrics, state, out)
 
 
+#: Rounds whose torch operators ``profile`` records (after one skipped and one warm-up round).
+PROFILED_ROUNDS = 3
+
+
+def _operator_profiler(rounds: int) -> torch.profiler.profile:
+    """torch's profiler over :data:`PROFILED_ROUNDS` rounds, after a skipped and a warm-up round when
+    the run is long enough (so that one-off costs stay out of the table)."""
+    wait = 1 if rounds >= PROFILED_ROUNDS + 2 else 0
+    warmup = 1 if rounds >= PROFILED_ROUNDS + 1 else 0
+    active = max(1, min(PROFILED_ROUNDS, rounds - wait - warmup))
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                  schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1))
+
+
+def _attach_timer(experiment: Experiment) -> PhaseTimer:
+    """Time the oracle's phases, the network's calls and the rounds of ``experiment``."""
+    timer = PhaseTimer()
+    experiment.oracle.timer = timer
+    experiment.simulator.timer = timer
+    experiment.simulator.network = TimedNetwork(experiment.simulator.network, timer)
+    return timer
+
+
 def _announce(experiment: Experiment, emit: Callable[[str], None]) -> None:
     """Print what is about to run: the graph, the model size, the privacy plan, any warnings."""
     config, report, sigmas = experiment.config, experiment.topology.report, experiment.noise_multipliers
@@ -327,6 +378,10 @@ def _announce(experiment: Experiment, emit: Callable[[str], None]) -> None:
     emit(f"privacy: epsilon {budgets.min():g}..{budgets.max():g} per agent at delta {config.privacy.delta:g}, "
          f"sigma {float(sigmas.min()):.4g}..{float(sigmas.max()):.4g} for {planned} planned releases"
          if config.privacy.private else "privacy: none (epsilon = inf)")
+    emit(f"gradients: {experiment.model.backend} engine" + (
+        f" (the stacked engine does not support this model: {experiment.model.fallback_reason})"
+        if experiment.model.fallback_reason else ""))
+    emit(experiment.memory.describe())
     for warning in experiment.topology.warnings:
         emit(f"warning: {warning}")
 

@@ -26,6 +26,7 @@ SUMMARY_FILE = "summary.json"
 PRIVACY_FILE = "privacy.json"
 SETUP_FILE = "setup.json"
 CHECKPOINT_FILE = "checkpoint.pt"
+PROFILE_FILE = "profile.json"
 
 _PACKAGES = ("decentdp", "torch", "numpy", "scipy", "networkx", "dp-accounting", "pydantic", "scikit-learn")
 

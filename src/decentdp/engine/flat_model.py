@@ -4,8 +4,9 @@ The simulator stores the parameters of all N agents as one ``(N, d)`` matrix.  M
 single matrix product, noise a single draw, an optimizer step a few element-wise kernels, and the
 model itself is called through ``torch.func.functional_call`` on *views* of a row, under
 ``torch.func.vmap`` over agents (and over samples for per-sample gradients).  The model's
-forward and backward passes never loop over agents in Python (batch sampling, per-agent random
-streams and ledger checks still do, at a cost that is small next to the gradients for N <= 100).
+forward and backward passes never loop over agents in Python.  This path materialises every
+per-sample gradient ``(N, B, d)``; :mod:`decentdp.engine.stacked_model` avoids that for the layers
+it knows and is the default.
 """
 
 from __future__ import annotations

@@ -60,20 +60,20 @@ def _sq_norm(tensor: Tensor, dims: tuple[int, ...]) -> Tensor:
     return torch.linalg.vector_norm(tensor, 2, dim=dims).square()
 
 
-def _agent_weighted_sum(weights: Tensor, per_sample: Tensor) -> Tensor:
-    """``sum_b w[n, b] * per_sample[n, b, ...]`` for every agent: ``(N, ...)``."""
+def _agent_weighted_sums(weights: Tensor, per_sample: Sequence[Tensor], out: Sequence[Tensor]) -> None:
+    """``out[k][n] = sum_b w[n, b] * per_sample[k][n, b, ...]`` for every agent and parameter ``k``."""
     n_agents, batch = weights.shape
-    flat = per_sample.reshape(n_agents, batch, -1)
-    return torch.bmm(weights.unsqueeze(1), flat).reshape(n_agents, *per_sample.shape[2:])
+    for grad, target in zip(per_sample, out, strict=True):
+        torch.bmm(weights.unsqueeze(1), grad.reshape(n_agents, batch, -1), out=target.view(n_agents, 1, -1))
 
 
 @dataclass
 class Recorded:
-    """What a layer saw during the forward pass: its input (as the layer uses it) and its output."""
+    """What a layer kept from the forward pass: its input as the per-sample rules need it (the
+    normalised activations for a norm layer) and its output."""
 
     layer: ParamLayer
-    params: list[Tensor]
-    inputs: Tensor
+    saved: Tensor
     output: Tensor
 
 
@@ -102,8 +102,9 @@ class ParamLayer(ABC):
 
     @abstractmethod
     def weighted_gradients(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
-                           per_sample: list[Tensor] | None) -> list[Tensor]:
-        """``sum_b weights[n, b] * grad_b`` per parameter, ``[(N, *shape)]``."""
+                           per_sample: list[Tensor] | None, out: Sequence[Tensor]) -> None:
+        """Write ``sum_b weights[n, b] * grad_b`` of each parameter into ``out`` (``(N, *shape)`` views,
+        typically of the flat ``(N, d)`` gradient matrix, so that no per-layer copy is needed)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,16 +154,16 @@ class StackedLinear(ParamLayer):
         return _sq_norm(weight, (2, 3)) + bias_sq, per_sample
 
     def weighted_gradients(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
-                           per_sample: list[Tensor] | None) -> list[Tensor]:
+                           per_sample: list[Tensor] | None, out: Sequence[Tensor]) -> None:
         if per_sample is not None:
-            return [_agent_weighted_sum(weights, grad) for grad in per_sample]
+            _agent_weighted_sums(weights, per_sample, out)
+            return
         n_agents, batch = weights.shape
         scale = weights.view(n_agents, batch, *([1] * (grad_out.dim() - 2)))
         g = (grad_out * scale).reshape(n_agents, -1, grad_out.shape[-1])
-        grads = [torch.bmm(g.transpose(1, 2), saved.reshape(n_agents, -1, saved.shape[-1]))]
+        torch.bmm(g.transpose(1, 2), saved.reshape(n_agents, -1, saved.shape[-1]), out=out[0])
         if self.bias:
-            grads.append(g.sum(dim=1))
-        return grads
+            out[1].copy_(g.sum(dim=1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,8 +240,8 @@ class StackedConv2d(ParamLayer):
         g = grad_out.reshape(samples, *grad_out.shape[2:])
         positions = g.shape[2] * g.shape[3]
         bias_sq = g.sum(dim=(2, 3)).pow(2).sum(dim=1).view(n_agents, batch) if self.bias else 0.0
-        sq = torch.empty(samples, dtype=g.dtype)
         if self._cost_ghost_over_materialised(positions) < 1.0:
+            sq = torch.empty(samples, dtype=g.dtype)
             patch_bytes = 4 * positions * self.in_channels * self.kernel[0] * self.kernel[1]
             for rows in _sample_chunks(samples, 8 * positions * positions + patch_bytes):
                 sq[rows] = self._ghost_sq_norms(a[rows], g[rows])
@@ -255,9 +256,10 @@ class StackedConv2d(ParamLayer):
         return sq.view(n_agents, batch) + bias_sq, per_sample
 
     def weighted_gradients(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
-                           per_sample: list[Tensor] | None) -> list[Tensor]:
+                           per_sample: list[Tensor] | None, out: Sequence[Tensor]) -> None:
         if per_sample is not None:
-            return [_agent_weighted_sum(weights, grad) for grad in per_sample]
+            _agent_weighted_sums(weights, per_sample, out)
+            return
         n_agents, batch = weights.shape
         g = grad_out * weights.view(n_agents, batch, 1, 1, 1)
         inputs = saved.transpose(0, 1).reshape(batch, n_agents * self.in_channels, *saved.shape[3:])
@@ -265,10 +267,9 @@ class StackedConv2d(ParamLayer):
         weight = torch.nn.grad.conv2d_weight(
             inputs, (n_agents * self.out_channels, self.in_channels, *self.kernel), outputs,
             self.stride, self.padding, self.dilation, groups=n_agents)
-        grads = [weight.view(n_agents, self.out_channels, self.in_channels, *self.kernel)]
+        out[0].copy_(weight.view(n_agents, self.out_channels, self.in_channels, *self.kernel))
         if self.bias:
-            grads.append(g.sum(dim=(1, 3, 4)))
-        return grads
+            out[1].copy_(g.sum(dim=(1, 3, 4)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,6 +296,8 @@ class StackedGroupNorm(ParamLayer):
 
     def _per_sample(self, saved: Tensor, grad_out: Tensor) -> list[Tensor]:
         spatial = tuple(range(3, grad_out.dim()))
+        if not spatial:  # (N, B, C): sum(dim=()) would reduce over everything
+            return [grad_out * saved, grad_out]
         return [(grad_out * saved).sum(dim=spatial), grad_out.sum(dim=spatial)]
 
     def per_sample_sq_norms(self, saved: Tensor, grad_out: Tensor) -> tuple[Tensor, list[Tensor] | None]:
@@ -302,9 +305,9 @@ class StackedGroupNorm(ParamLayer):
         return sum(grad.pow(2).sum(dim=2) for grad in per_sample), per_sample
 
     def weighted_gradients(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
-                           per_sample: list[Tensor] | None) -> list[Tensor]:
+                           per_sample: list[Tensor] | None, out: Sequence[Tensor]) -> None:
         grads = per_sample if per_sample is not None else self._per_sample(saved, grad_out)
-        return [_agent_weighted_sum(weights, grad) for grad in grads]
+        _agent_weighted_sums(weights, grads, out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,14 +354,14 @@ class StackedEmbedding(ParamLayer):
         return sq, None
 
     def weighted_gradients(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
-                           per_sample: list[Tensor] | None) -> list[Tensor]:
+                           per_sample: list[Tensor] | None, out: Sequence[Tensor]) -> None:
         n_agents, batch = weights.shape
         g = self._active(saved, grad_out) * weights.view(n_agents, batch, *([1] * (grad_out.dim() - 2)))
         vocabulary = self.vocabulary
         offsets = torch.arange(n_agents).view(n_agents, *([1] * (saved.dim() - 1))) * vocabulary
         table = torch.zeros(n_agents * vocabulary, g.shape[-1], dtype=g.dtype)
         table.index_add_(0, (saved + offsets).reshape(-1), g.reshape(-1, g.shape[-1]))
-        return [table.view(n_agents, vocabulary, -1)]
+        out[0].copy_(table.view(n_agents, vocabulary, -1))
 
 
 # ---------------------------------------------------------------------------------------------

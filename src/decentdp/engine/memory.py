@@ -4,7 +4,8 @@ A round of the simulator holds, at its peak,
 
 * the algorithm's state: ``(N, d)`` parameters, optimizer state, trackers, duals;
 * per-round ``(N, d)`` temporaries: the clipped-gradient sums (the noise is added in place), the
-  mixing output and the optimizer's result (:data:`ROUND_TEMPORARIES` of them);
+  mixing output and whatever else the algorithm's update creates (DSGT's tracker update, an
+  optimizer's result), budgeted as :data:`ROUND_TEMPORARIES` of them, and the round's padded batch;
 * the activations of one batch of the agents whose gradients are being computed: what autograd
   saves in the forward pass plus the output gradients of the backward pass, for a padded Poisson
   batch of each agent.
@@ -28,6 +29,11 @@ from decentdp.errors import ConfigError
 #: ``(N, d)`` matrices a round creates besides the state (gradient sums, mixing output, update).
 ROUND_TEMPORARIES = 3
 _GIB = 2**30
+
+
+def format_bytes(size: int) -> str:
+    """``size`` in MiB below one GiB, else in GiB."""
+    return f"{size / 2**20:.1f} MiB" if size < _GIB else f"{size / _GIB:.2f} GiB"
 
 
 def available_memory() -> int | None:
@@ -80,11 +86,11 @@ class MemoryPlan:
 
     def describe(self) -> str:
         """One line for the run log."""
-        limit = f"{self.limit_bytes / _GIB:.2f} GiB" if self.limit_bytes is not None else "an unknown amount"
+        limit = format_bytes(self.limit_bytes) if self.limit_bytes is not None else "an unknown amount"
         passes = math.ceil(self.n_agents / self.agents_per_pass)
-        return (f"memory: estimated peak {self.peak_bytes / _GIB:.2f} GiB (state {self.state_bytes / _GIB:.2f}, "
-                f"round temporaries {self.round_bytes / _GIB:.2f}, activations "
-                f"{self.agents_per_pass * self.activation_bytes_per_agent / _GIB:.2f}) of {limit} available; "
+        return (f"memory: estimated peak {format_bytes(self.peak_bytes)} (state {format_bytes(self.state_bytes)}, "
+                f"round temporaries {format_bytes(self.round_bytes)}, activations "
+                f"{format_bytes(self.agents_per_pass * self.activation_bytes_per_agent)}) of {limit} available; "
                 f"gradients of {self.agents_per_pass} agent(s) per pass, {passes} pass(es) per release")
 
 

@@ -28,8 +28,6 @@ OUTER_PHASES = ("evaluation", "checkpoint")
 class PhaseTimer:
     """Accumulates wall-clock seconds per named phase (phases must not nest, except in ``round``)."""
 
-    enabled = True
-
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
@@ -43,6 +41,10 @@ class PhaseTimer:
         finally:
             self.seconds[name] += time.perf_counter() - start
             self.calls[name] += 1
+
+    def count_round(self) -> None:
+        """Record that one more round has run."""
+        self.rounds += 1
 
     def report(self) -> dict[str, Any]:
         """Seconds, share of the total and seconds per round of every phase."""
@@ -60,11 +62,12 @@ class PhaseTimer:
 class _NoTimer(PhaseTimer):
     """The timer used when nobody profiles: phases cost nothing but the call."""
 
-    enabled = False
-
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         yield
+
+    def count_round(self) -> None:
+        pass
 
 
 NO_TIMER: PhaseTimer = _NoTimer()
@@ -91,7 +94,8 @@ class TimedNetwork:
 
 def operator_table(profile: torch.profiler.profile, rows: int = 12) -> list[dict[str, Any]]:
     """The operators with the most self CPU time in a torch profile."""
-    events = sorted(profile.key_averages(), key=lambda event: event.self_cpu_time_total, reverse=True)
+    events = sorted((event for event in profile.key_averages() if not event.key.startswith("ProfilerStep")),
+                    key=lambda event: event.self_cpu_time_total, reverse=True)
     total = sum(event.self_cpu_time_total for event in events) or 1.0
     return [{"operator": event.key, "calls": event.count, "self_cpu_ms": event.self_cpu_time_total / 1000,
              "share": event.self_cpu_time_total / total} for event in events[:rows]]

@@ -104,8 +104,10 @@ class AgentRandom:
         """
         if out is None:
             out = torch.empty(len(agents), dim, dtype=dtype)
-        elif out.shape != (len(agents), dim):
-            raise ValueError(f"out has shape {tuple(out.shape)}, expected {(len(agents), dim)}")
+        elif out.shape != (len(agents), dim) or (dim > 1 and out.stride(1) != 1):
+            # Rows must be contiguous: normal_ fills a strided row by another path, with other values.
+            raise ValueError(f"out: expected shape {(len(agents), dim)} with contiguous rows, "
+                             f"got shape {tuple(out.shape)} with strides {out.stride()}")
         seeds = [stream_seed(self.seed, agent, round_index, stream, step, self.secret) for agent in agents]
 
         def fill(rows: range) -> None:
@@ -122,7 +124,3 @@ class AgentRandom:
         with ThreadPoolExecutor(groups) as pool:
             list(pool.map(fill, [range(bounds[k], bounds[k + 1]) for k in range(groups)]))
         return out
-
-    def uniform(self, agent: int, size: int, round_index: int, stream: Stream, step: int = 0) -> torch.Tensor:
-        """Uniform draws on [0, 1) of length ``size`` from one agent's stream."""
-        return torch.rand(size, generator=self.generator(agent, round_index, stream, step))

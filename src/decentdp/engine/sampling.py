@@ -60,8 +60,6 @@ class PoissonSampler:
     which agents a process holds.  A shard draws the whole length-``S`` vector (``S`` uniforms
     is cheap next to one gradient) and keeps the slices of its own agents; it then selects exactly
     the records the simulator selects.
-
-    ``sample_rates`` is read at every call, so rates changed in place take effect at the next round.
     """
 
     def __init__(self, data: AgentData, sample_rates: torch.Tensor, rng: AgentRandom) -> None:

@@ -40,7 +40,7 @@ class Simulator:
                 ctx = RoundContext(round_index=k, lr=self.schedule(k), network=self.network, gradient=self.gradient)
                 with self.timer.phase("round"):
                     state = self.algorithm.round(state, ctx)
-                self.timer.rounds += 1
+                self.timer.count_round()
                 if not after_round(k + 1, state):
                     break
         return state

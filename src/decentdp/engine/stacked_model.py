@@ -73,10 +73,15 @@ def _compile(module: nn.Module, prefix: str, slots: dict[str, _Slot]) -> _Node:
     """The program of ``module`` (named ``prefix`` inside the root); raises :class:`Unsupported`."""
     where = prefix or "the model"
     if type(module) is nn.Sequential:
-        return _Chain(tuple(_compile(child, f"{prefix}{name}.", slots) for name, child in module.named_children()))
+        # _modules, not named_children(): a module listed twice runs twice.
+        return _Chain(tuple(_compile(child, f"{prefix}{name}.", slots) for name, child in module._modules.items()
+                            if child is not None))
     if type(module) is Residual:
         return _Residual(_compile(module.block, f"{prefix}block.", slots))
     own = list(module.named_parameters(recurse=False))
+    if getattr(module, "inplace", False):
+        raise Unsupported(f"{where.rstrip('.')} ({type(module).__name__}) works in place, which would overwrite "
+                          "the activations kept for the per-sample norms")
     if not own and not list(module.children()):
         if isinstance(module, PER_SAMPLE_MODULES) or (
                 isinstance(module, nn.GroupNorm | nn.LayerNorm) and not list(module.parameters())):
@@ -91,6 +96,9 @@ def _compile(module: nn.Module, prefix: str, slots: dict[str, _Slot]) -> _Node:
     names = [name for name, _ in own]
     if sorted(names) != sorted(layer.param_names):
         raise Unsupported(f"{where.rstrip('.')} has parameters {names}, the rule expects {list(layer.param_names)}")
+    missing = [prefix + name for name in layer.param_names if prefix + name not in slots]
+    if missing:  # e.g. weights tied to another layer's, which named_parameters() lists once
+        raise Unsupported(f"{where.rstrip('.')} uses parameters shared with another layer ({', '.join(missing)})")
     return _Params(layer, tuple(slots[prefix + name] for name in layer.param_names))
 
 
@@ -140,15 +148,14 @@ class StackedModel(FlatModel):
         if isinstance(node, _PerSample):
             if shared:
                 return node.module(x), True
-            out = node.module(x.reshape(-1, *x.shape[2:]))
-            return out.view(*x.shape[:2], *out.shape[1:]), False
+            return _per_sample_apply(node.module, x), False
         n_agents = params.shape[0]
         layer_params = [params[:, s.offset:s.offset + s.numel].view(n_agents, *s.shape) for s in node.slots]
         saved, out = node.layer.forward(layer_params, x, shared)
         if tape is not None:
             if not out.requires_grad:  # the first layer: its output starts the graph
                 out.requires_grad_()
-            tape.append(Recorded(node.layer, layer_params, saved, out))
+            tape.append(Recorded(node.layer, saved, out))
         return out, False
 
     # -- gradients ----------------------------------------------------------------------------
@@ -160,7 +167,7 @@ class StackedModel(FlatModel):
             logits, _ = self._run(self.program, params.detach(), x, False, tape)
             total = (self.loss(logits, y) * mask).sum()  # padding contributes no gradient
             output_grads = list(torch.autograd.grad(total, [record.output for record in tape]))
-        layers = [(record.layer, record.inputs.detach()) for record in tape]
+        layers = [(record.layer, record.saved.detach()) for record in tape]
         del tape, logits, total  # the layers' outputs are no longer needed
         squared = torch.zeros(mask.shape, dtype=params.dtype)
         materialised = []
@@ -168,25 +175,21 @@ class StackedModel(FlatModel):
             layer_sq, per_sample = layer.per_sample_sq_norms(inputs, grad_out)
             squared += layer_sq
             materialised.append(per_sample)
-        norms = squared.sqrt()
-        real = mask > 0
-        factors = torch.where(real, clip_factors(norms, clip), torch.zeros_like(norms))
-        # Padding rows already have zero output gradients (their loss is masked out).  A real sample
-        # with a non-finite gradient must contribute exactly nothing: its factor, output gradients
-        # and inputs are zeroed, since 0 * inf is NaN.
-        broken = real & ~torch.isfinite(norms)
+        norms = squared.clamp_(min=0.0).sqrt()  # rounding in a ghost norm can leave a tiny negative
+        # A row with a non-finite gradient (a real sample, or padding re-reading a bad record) must
+        # contribute exactly nothing: its factor, output gradients and inputs are zeroed, since 0 * inf
+        # and 0 * NaN are NaN.  Other padding rows have zero output gradients (their loss is masked).
+        broken = ~torch.isfinite(norms)
         any_broken = bool(broken.any())
-        if any_broken:
-            factors = torch.where(broken, torch.zeros_like(factors), factors)
-        sums = torch.empty_like(params)
+        factors = torch.where((mask > 0) & ~broken, clip_factors(norms, clip), torch.zeros_like(norms))
+        sums = torch.empty(params.shape, dtype=params.dtype)
         slots = {id(node.layer): node.slots for node in _param_layers(self.program)}
         for (layer, inputs), grad_out, per_sample in zip(layers, output_grads, materialised, strict=True):
             if any_broken:
                 grad_out, inputs = _zero_rows(grad_out, ~broken), _zero_rows(inputs, ~broken)
                 per_sample = None if per_sample is None else [_zero_rows(g, ~broken) for g in per_sample]
-            grads = layer.weighted_gradients(inputs, grad_out, factors, per_sample)
-            for slot, grad in zip(slots[id(layer)], grads, strict=True):
-                sums[:, slot.offset:slot.offset + slot.numel] = grad.reshape(grad.shape[0], -1)
+            targets = [sums[:, s.offset:s.offset + s.numel].view(len(sums), *s.shape) for s in slots[id(layer)]]
+            layer.weighted_gradients(inputs, grad_out, factors, per_sample, targets)
         return sums, norms
 
     def batch_gradients(self, params: Tensor, x: Tensor, y: Tensor, weights: Tensor) -> Tensor:
@@ -219,6 +222,21 @@ class StackedModel(FlatModel):
             self._run(self.program, params, sample.reshape(1, 1, *sample.shape), False, records)
             outputs = sum(record.output.numel() * record.output.element_size() for record in records)
         return saved_bytes_per_sample(run, sample, target) + 2 * outputs
+
+
+def _per_sample_apply(module: nn.Module, x: Tensor) -> Tensor:
+    """``module`` on activations ``(N, B, ...)`` with agents and samples merged into one batch dimension.
+
+    Any order of the merged samples will do, since the module treats them independently; so the
+    order that is free in memory is used (a convolution leaves its output sample-major), instead of
+    copying the activations into agent-major order.
+    """
+    n_agents, batch = x.shape[:2]
+    if not x.is_contiguous() and x.transpose(0, 1).is_contiguous():
+        out = module(x.transpose(0, 1).reshape(batch * n_agents, *x.shape[2:]))
+        return out.view(batch, n_agents, *out.shape[1:]).transpose(0, 1)
+    out = module(x.reshape(n_agents * batch, *x.shape[2:]))
+    return out.view(n_agents, batch, *out.shape[1:])
 
 
 def _zero_rows(tensor: Tensor, keep: Tensor) -> Tensor:

@@ -16,6 +16,7 @@ records non-private releases (``sigma = 0``, reported as infinite epsilon).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,8 @@ from decentdp.privacy.ledger import PrivacyLedger
 
 #: Noise is drawn into a buffer of at most this many bytes and added block by block.
 NOISE_BLOCK_BYTES = 64 * 2**20
+#: Blocks of at least this many draws are filled by several threads.
+PARALLEL_NOISE_ELEMENTS = 2**20
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,8 @@ class GradientOracle:
         self.spec = spec
         self.sample_rates = sampler.sample_rates
         self.expected_batch = (sampler.sample_rates.double() * sampler.data.sizes).float()
+        if spec is not None:
+            self.noise_scales = round_up_to_float32(spec.noise_multipliers.double() * spec.clip)
         self.last: ReleaseStats | None = None
 
     @property
@@ -75,15 +80,16 @@ class GradientOracle:
     def _add_noise(self, sums: torch.Tensor, round_index: int, step: int) -> None:
         """``sums_i += sigma_i C xi_i`` in place, drawn block by block into one buffer, so that the
         noise never occupies a second ``(N, d)`` matrix."""
-        assert self.spec is not None
-        scale = self.spec.noise_multipliers * self.spec.clip
+        scale = self.noise_scales
         dim = self.model.dim
         rows = max(1, min(self.n_agents, NOISE_BLOCK_BYTES // (4 * dim)))
         buffer = torch.empty(rows, dim)
+        # Threads pay off only on large blocks (starting them costs about a millisecond).
+        workers = torch.get_num_threads() if rows * dim >= PARALLEL_NOISE_ELEMENTS else 1
         for start in range(0, self.n_agents, rows):
             stop = min(self.n_agents, start + rows)
             noise = self.rng.normal(range(start, stop), dim, round_index, Stream.NOISE, step,
-                                    out=buffer[: stop - start], workers=torch.get_num_threads())
+                                    out=buffer[: stop - start], workers=workers)
             sums[start:stop].add_(noise.mul_(scale[start:stop, None]))
 
     def __call__(self, params: torch.Tensor, round_index: int, step: int = 0) -> torch.Tensor:
@@ -94,26 +100,48 @@ class GradientOracle:
                 self.ledger.spend(round_index, sigmas.numpy(), self.sample_rates.numpy(), releases=1))
         with self.timer.phase("sampling"):
             batch = self.sampler.sample(round_index, step)
-        grads = torch.empty_like(params)
+        groups = self._groups()
         if self.spec is None:
             weights = batch.mask / batch.sizes.clamp(min=1.0)[:, None]
             with self.timer.phase("gradients"):
-                for rows in self._groups():
-                    grads[rows] = self.model.batch_gradients(params[rows], batch.x[rows], batch.y[rows],
-                                                             weights[rows])
+                grads = _in_groups(groups, lambda rows: (self.model.batch_gradients(
+                    params[rows], batch.x[rows], batch.y[rows], weights[rows]),))[0]
             clipped_fraction = 0.0
         else:
-            norms = torch.empty(batch.mask.shape, dtype=params.dtype)
             with self.timer.phase("gradients"):
-                for rows in self._groups():
-                    grads[rows], norms[rows] = self.model.clipped_gradient_sums(
-                        params[rows], batch.x[rows], batch.y[rows], batch.mask[rows], self.spec.clip)
+                grads, norms = _in_groups(groups, lambda rows: self.model.clipped_gradient_sums(
+                    params[rows], batch.x[rows], batch.y[rows], batch.mask[rows], self.spec.clip))
             with self.timer.phase("noise"):
                 self._add_noise(grads, round_index, step)                        # Alg. 1 line 9
                 grads.div_(self.expected_batch[:, None])
-            real = batch.mask.bool()
+            real = batch.mask.bool() & authorized[:, None]  # refused agents released nothing
             clipped_fraction = float((norms[real] > self.spec.clip).float().mean()) if real.any() else 0.0
         self.last = ReleaseStats(batch.sizes, clipped_fraction, authorized)
         if not bool(authorized.all()):
             grads[~authorized] = 0.0  # refused agents release nothing
         return grads
+
+
+def _in_groups(groups: list[slice], compute: Callable[[slice], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """``compute`` over groups of agents, its outputs stacked along the agent dimension.
+
+    With one group the outputs are returned as they are, so that no second ``(N, d)`` matrix exists.
+    """
+    if len(groups) == 1:
+        return compute(groups[0])
+    outputs: tuple[torch.Tensor, ...] = ()
+    for rows in groups:
+        part = compute(rows)
+        if not outputs:
+            outputs = tuple(torch.empty(groups[-1].stop, *p.shape[1:], dtype=p.dtype) for p in part)
+        for output, piece in zip(outputs, part, strict=True):
+            output[rows] = piece
+    return outputs
+
+
+def round_up_to_float32(values: torch.Tensor) -> torch.Tensor:
+    """The smallest float32 values >= ``values`` (float64): the noise is drawn in float32, and neither
+    sigma nor the standard deviation ``sigma * C`` may fall below the calibrated value by rounding."""
+    single = values.float()
+    below = single.double() < values
+    return torch.where(below, torch.nextafter(single, torch.tensor(float("inf"))), single)

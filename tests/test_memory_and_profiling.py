@@ -1,0 +1,118 @@
+"""The pre-run memory plan (estimate, agent chunking, refusal) and the ``--profile`` report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from decentdp.config import validate_config
+from decentdp.engine.memory import padded_batch, plan_memory
+from decentdp.engine.profiling import PhaseTimer
+from decentdp.errors import ConfigError
+from decentdp.experiment import build_experiment, run_experiment
+
+from conftest import tiny_config
+
+MIB = 2**20
+
+
+def test_plan_uses_every_agent_when_memory_is_plentiful() -> None:
+    plan = plan_memory(10, 1000, state=40_000, batch_bytes=1000, activation_bytes_per_sample=100, batch_width=8,
+                       limit_bytes=10 * MIB)
+    assert plan.agents_per_pass == 10
+    assert plan.peak_bytes == 40_000 + 3 * 10 * 1000 * 4 + 1000 + 10 * 8 * 100
+
+
+def test_plan_chunks_agents_to_fit_the_limit() -> None:
+    # fixed part: state 1 MiB + temporaries 3 * 100 * 1000 * 4 = 1.2 MB; one agent's batch 64 * 1 KiB
+    plan = plan_memory(100, 1000, state=MIB, batch_bytes=0, activation_bytes_per_sample=1024, batch_width=64,
+                       limit_bytes=MIB + 1_200_000 + 10 * 64 * 1024)
+    assert plan.agents_per_pass == 10
+    assert plan.peak_bytes <= plan.limit_bytes
+
+
+def test_plan_refuses_when_the_state_alone_does_not_fit() -> None:
+    with pytest.raises(ConfigError) as info:
+        plan_memory(1000, 100_000, state=400 * MIB, batch_bytes=0, activation_bytes_per_sample=1, batch_width=1,
+                    limit_bytes=100 * MIB)
+    assert info.value.field == "topology.agents"
+    assert "1000 agents" in info.value.message
+
+
+def test_plan_refuses_when_one_agents_batch_does_not_fit() -> None:
+    with pytest.raises(ConfigError) as info:
+        plan_memory(2, 10, state=80, batch_bytes=0, activation_bytes_per_sample=MIB, batch_width=100,
+                    limit_bytes=10 * MIB)
+    assert info.value.field == "algorithm.batch_size"
+
+
+def test_forced_agents_per_pass_is_checked_against_the_limit() -> None:
+    kwargs = dict(state=0, batch_bytes=0, activation_bytes_per_sample=1024, batch_width=1024)
+    assert plan_memory(8, 10, limit_bytes=None, agents_per_pass=3, **kwargs).agents_per_pass == 3
+    with pytest.raises(ConfigError) as info:
+        plan_memory(8, 10, limit_bytes=2 * MIB + 1000, agents_per_pass=3, **kwargs)
+    assert info.value.field == "engine.agents_per_pass"
+
+
+def test_padded_batch_covers_poisson_tails() -> None:
+    assert padded_batch(256.0, 6000) >= 256 + 6 * 16
+    assert padded_batch(50.0, 60) == 60  # never wider than the agent's data
+
+
+def test_chunked_gradients_equal_one_pass() -> None:
+    one = build_experiment(validate_config(tiny_config(topology={"agents": 5})))
+    chunked = build_experiment(validate_config(tiny_config(topology={"agents": 5}, engine={"agents_per_pass": 2})))
+    assert chunked.memory.agents_per_pass == 2
+    params = one.initial_state()["params"]
+    torch.testing.assert_close(chunked.oracle(params, 0), one.oracle(params, 0))
+
+
+def test_a_run_that_cannot_fit_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    config = validate_config(tiny_config(engine={"memory_limit_gb": 1e-6}))
+    with pytest.raises(ConfigError) as info:
+        run_experiment(config, tmp_path / "out", progress=False, log=lambda _: None)
+    assert info.value.field in {"topology.agents", "algorithm.batch_size"}
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_estimate_and_engine_are_recorded_in_setup() -> None:
+    experiment = build_experiment(validate_config(tiny_config(model={"name": "mlp"})))
+    plan = experiment.setup["memory_plan"]
+    assert plan["agents_per_pass"] == 4 and plan["peak_bytes"] > plan["state_bytes"] > 0
+    assert experiment.setup["gradient_engine"] == "stacked"
+    assert experiment.setup["gradient_engine_fallback_reason"] is None
+
+
+def test_vmap_engine_can_be_chosen() -> None:
+    experiment = build_experiment(validate_config(tiny_config(engine={"gradients": "vmap"})))
+    assert experiment.model.backend == "vmap"
+
+
+def test_phase_timer_attributes_the_rest_of_a_round_to_the_algorithm() -> None:
+    timer = PhaseTimer()
+    with timer.phase("round"):
+        with timer.phase("gradients"):
+            sum(range(10_000))
+    timer.rounds = 1
+    report = timer.report()
+    phases = report["phases"]
+    assert phases["gradients"]["seconds"] > 0
+    assert phases["algorithm update"]["seconds"] >= 0
+    assert sum(p["share"] for p in phases.values()) == pytest.approx(1.0)
+
+
+def test_profiled_run_reports_every_phase(tmp_path: Path) -> None:
+    lines: list[str] = []
+    config = validate_config(tiny_config(experiment={"rounds": 8, "eval_every": 4}))
+    run_experiment(config, tmp_path / "out", progress=False, log=lines.append, profile=True)
+    report = json.loads((tmp_path / "out" / "profile.json").read_text())
+    assert report["rounds"] == 8
+    for phase in ("ledger", "sampling", "gradients", "noise", "communication", "algorithm update", "evaluation",
+                  "checkpoint"):
+        assert phase in report["phases"]
+    assert report["phases"]["gradients"]["seconds"] > 0 and report["phases"]["evaluation"]["seconds"] > 0
+    assert report["operators"] and all("ProfilerStep" not in op["operator"] for op in report["operators"])
+    assert any(line.startswith("profile over 8 round(s)") for line in lines)
