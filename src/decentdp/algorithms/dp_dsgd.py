@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from decentdp.algorithms.base import OptimizerAlgorithm, RoundContext, State, prefixed, unprefixed
+from decentdp.engine.optim import SGD
 
 
 class DPDSGD(OptimizerAlgorithm):
@@ -24,6 +25,9 @@ class DPDSGD(OptimizerAlgorithm):
     def round(self, state: State, ctx: RoundContext) -> State:
         params = state["params"]
         grad = ctx.gradient(params, ctx.round_index, 0)      # Alg. 1 lines 7-9, at theta_i^k
+        if isinstance(self.optimizer, SGD) and self.optimizer.plain:
+            # Line 10 exactly, written into the gradient's storage: no separate mixing output.
+            return {"params": ctx.network.mix_add(params, grad, -ctx.lr)}  # plain SGD has no state
         mixed = ctx.network.mix(params)                       # sum_j w_ij theta_j^k
         params, opt = self.optimizer.step(mixed, grad, unprefixed("opt", state), ctx.lr, inplace=True)  # line 10
         return {"params": params, **prefixed("opt", opt)}

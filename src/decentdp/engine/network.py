@@ -25,6 +25,8 @@ from decentdp.topology import Topology
 #: for x of 79,510 columns: at N = 100, CSR took 7.6 ms at 3 non-zeros per row and 12 ms at 11 (dense:
 #: 24-33 ms), but 108 ms at 31 per row; at N = 30, CSR won at 3 per row and lost at 11.
 _SPARSE_MAX_DENSITY = 0.15
+#: Rows per block of a sparse operator (see :meth:`SimulatedNetwork._apply`).
+_SPARSE_ROW_BLOCK = 64
 
 
 class Network(Protocol):
@@ -38,6 +40,11 @@ class Network(Protocol):
         """Gossip averaging ``x_i <- sum_j w_ij x_j`` with the mixing matrix W (DSGD, DSGT).
 
         Returns a new tensor that the caller owns (DSGD updates it in place)."""
+        ...
+
+    def mix_add(self, x: torch.Tensor, into: torch.Tensor, alpha: float) -> torch.Tensor:
+        """``W x + alpha * into``, computed in ``into``'s storage (a temporary the caller owns) and
+        returned: a gossip step and an update without a second ``(N, d)`` matrix."""
         ...
 
     def neighbor_sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,19 +81,39 @@ class SimulatedNetwork:
         self._adjacency = self._operator(adjacency, dtype)
         self._neighbours = {(int(s), int(d)) for s, d in self.edges.tolist()}
 
-    def _operator(self, matrix: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    def _operator(self, matrix: np.ndarray, dtype: torch.dtype) -> torch.Tensor | list[tuple[slice, torch.Tensor]]:
+        """The matrix as a dense tensor, or, when sparse enough, as CSR blocks of consecutive rows."""
         dense = torch.tensor(matrix, dtype=dtype)
         if np.count_nonzero(matrix) > _SPARSE_MAX_DENSITY * matrix.size:
             return dense
         with warnings.catch_warnings():  # "sparse CSR support is in beta": matmul with CSR is all we use
             warnings.simplefilter("ignore", UserWarning)
-            return dense.to_sparse_csr()
+            return [(slice(start, start + _SPARSE_ROW_BLOCK), dense[start:start + _SPARSE_ROW_BLOCK].to_sparse_csr())
+                    for start in range(0, self.n_agents, _SPARSE_ROW_BLOCK)]
+
+    @staticmethod
+    def _apply(operator: torch.Tensor | list[tuple[slice, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+        """``operator @ x``.  torch's CSR product builds its result in a temporary as large as the
+        result, so sparse operators are applied block by block of rows, into the output."""
+        if isinstance(operator, torch.Tensor):
+            return operator @ x
+        out = torch.empty(operator[-1][0].start + operator[-1][1].shape[0], *x.shape[1:], dtype=x.dtype)
+        for rows, block in operator:
+            out[rows] = block @ x
+        return out
 
     def mix(self, x: torch.Tensor) -> torch.Tensor:
-        return self._mixing @ x
+        return self._apply(self._mixing, x)
+
+    def mix_add(self, x: torch.Tensor, into: torch.Tensor, alpha: float) -> torch.Tensor:
+        if isinstance(self._mixing, torch.Tensor):
+            return into.addmm_(self._mixing, x, beta=alpha)
+        for rows, block in self._mixing:
+            into[rows].mul_(alpha).add_(block @ x)
+        return into
 
     def neighbor_sum(self, x: torch.Tensor) -> torch.Tensor:
-        return self._adjacency @ x
+        return self._apply(self._adjacency, x)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         return self.exchange(x[self.edges[:, 0]])

@@ -36,6 +36,11 @@ class SGD:
     weight_decay: float = 0.0
     nesterov: bool = False
 
+    @property
+    def plain(self) -> bool:
+        """No momentum and no weight decay: the step is ``theta - lr * grad`` and nothing else."""
+        return not self.momentum and not self.weight_decay
+
     def init(self, params: torch.Tensor) -> OptimizerState:
         return {"momentum": torch.zeros_like(params)} if self.momentum else {}
 

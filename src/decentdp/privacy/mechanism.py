@@ -82,7 +82,8 @@ class GradientOracle:
         noise never occupies a second ``(N, d)`` matrix."""
         scale = self.noise_scales
         dim = self.model.dim
-        rows = max(1, min(self.n_agents, NOISE_BLOCK_BYTES // (4 * dim)))
+        # At most an eighth of the agents per block, so that small runs do not hold a full second copy either.
+        rows = max(1, min(-(-self.n_agents // 8), NOISE_BLOCK_BYTES // (4 * dim)))
         buffer = torch.empty(rows, dim)
         # Threads pay off only on large blocks (starting them costs about a millisecond).
         workers = torch.get_num_threads() if rows * dim >= PARALLEL_NOISE_ELEMENTS else 1
