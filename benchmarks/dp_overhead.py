@@ -13,7 +13,7 @@ layer of 100).
 Target 2, versus the reference approach (``opacus_loop / dp``): the reference loop of
 ``_common.OpacusLoopRunner`` (one ``GradSampleModule`` per agent, same model, batch, data, rates
 and sigma) against decentdp's private round, for the ConvNet at N = 10 (setting above), the MLP
-at N = 100 (ring, IID split, expected batch 64) and multinomial logistic regression (model
+at N = 100 (ring, IID split, the paper's expected batch 256) and multinomial logistic regression (model
 ``linear``, 7,850 parameters) at N = 1000 (ring, IID split: 60 records per agent, expected
 batch 16).
 

@@ -498,6 +498,14 @@ def test_composite_models_match_one_sample_autograd(build: Any, seed: int) -> No
     assert_matches_reference(template, x, y, _float_inputs(gen, 2, *sample), seed)
 
 
+@pytest.mark.parametrize("case", [_CONV_GHOST, _CONV_MATERIALISED, _CONV_GHOST_STRIDED])
+def test_conv2d_as_one_grouped_convolution_matches_one_sample_autograd(case: dict[str, Any],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Few agents run one convolution each; many run one grouped convolution: check the grouped path too."""
+    monkeypatch.setattr(layers, "LOOP_CONV_MAX_AGENTS", 0)
+    check_conv(case)
+
+
 def test_results_do_not_depend_on_the_temporaries_chunking(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the temporary budget at one byte every chunked rule runs one sample per chunk."""
     monkeypatch.setattr(layers, "MAX_TEMPORARY_BYTES", 1)
