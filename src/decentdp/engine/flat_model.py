@@ -72,12 +72,16 @@ class FlatModel:
         return vmap(per_sample, in_dims=(0, 0, 0))(params, x, y)
 
     def clipped_gradient_sums(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
-                              clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+                              clip: float, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Each agent's sum of clipped per-sample gradients ``(N, d)`` and the norms before clipping ``(N, B)``.
 
-        Padding (``mask == 0``) and samples with a non-finite gradient contribute nothing.
+        Padding (``mask == 0``) and samples with a non-finite gradient contribute nothing.  The sums
+        are written into ``out`` (an ``(N, d)`` tensor, possibly a view) when it is given.
         """
-        return clipped_sum(self.per_sample_gradients(params, x, y), mask, clip)
+        sums, norms = clipped_sum(self.per_sample_gradients(params, x, y), mask, clip)
+        if out is None:
+            return sums, norms
+        return out.copy_(sums), norms
 
     def batch_gradients(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                         weights: torch.Tensor) -> torch.Tensor:

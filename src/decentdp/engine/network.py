@@ -26,7 +26,7 @@ from decentdp.topology import Topology
 #: 24-33 ms), but 108 ms at 31 per row; at N = 30, CSR won at 3 per row and lost at 11.
 _SPARSE_MAX_DENSITY = 0.15
 #: Rows per block of a sparse operator (see :meth:`SimulatedNetwork._apply`).
-_SPARSE_ROW_BLOCK = 64
+_SPARSE_ROW_BLOCK = 8
 
 
 class Network(Protocol):

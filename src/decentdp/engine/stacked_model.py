@@ -160,8 +160,8 @@ class StackedModel(FlatModel):
 
     # -- gradients ----------------------------------------------------------------------------
 
-    def clipped_gradient_sums(self, params: Tensor, x: Tensor, y: Tensor, mask: Tensor,
-                              clip: float) -> tuple[Tensor, Tensor]:
+    def clipped_gradient_sums(self, params: Tensor, x: Tensor, y: Tensor, mask: Tensor, clip: float,
+                              out: Tensor | None = None) -> tuple[Tensor, Tensor]:
         tape: list[Recorded] = []
         with torch.enable_grad():
             logits, _ = self._run(self.program, params.detach(), x, False, tape)
@@ -182,7 +182,7 @@ class StackedModel(FlatModel):
         broken = ~torch.isfinite(norms)
         any_broken = bool(broken.any())
         factors = torch.where((mask > 0) & ~broken, clip_factors(norms, clip), torch.zeros_like(norms))
-        sums = torch.empty(params.shape, dtype=params.dtype)
+        sums = torch.empty(params.shape, dtype=params.dtype) if out is None else out
         slots = {id(node.layer): node.slots for node in _param_layers(self.program)}
         for (layer, inputs), grad_out, per_sample in zip(layers, output_grads, materialised, strict=True):
             if any_broken:

@@ -16,7 +16,6 @@ records non-private releases (``sigma = 0``, reported as infinite epsilon).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -99,19 +98,25 @@ class GradientOracle:
         with self.timer.phase("ledger"):
             authorized = torch.from_numpy(
                 self.ledger.spend(round_index, sigmas.numpy(), self.sample_rates.numpy(), releases=1))
+        groups = self._groups()
+        # The round's largest block first, before the batch and activations take the free memory it
+        # would otherwise reuse (fewer fresh pages and less heap growth from round to round).
+        grads = torch.empty(params.shape, dtype=params.dtype)
         with self.timer.phase("sampling"):
             batch = self.sampler.sample(round_index, step)
-        groups = self._groups()
         if self.spec is None:
             weights = batch.mask / batch.sizes.clamp(min=1.0)[:, None]
             with self.timer.phase("gradients"):
-                grads = _in_groups(groups, lambda rows: (self.model.batch_gradients(
-                    params[rows], batch.x[rows], batch.y[rows], weights[rows]),))[0]
+                for rows in groups:
+                    grads[rows] = self.model.batch_gradients(params[rows], batch.x[rows], batch.y[rows],
+                                                             weights[rows])
             clipped_fraction = 0.0
         else:
+            norms = torch.empty(batch.mask.shape, dtype=params.dtype)
             with self.timer.phase("gradients"):
-                grads, norms = _in_groups(groups, lambda rows: self.model.clipped_gradient_sums(
-                    params[rows], batch.x[rows], batch.y[rows], batch.mask[rows], self.spec.clip))
+                for rows in groups:
+                    _, norms[rows] = self.model.clipped_gradient_sums(
+                        params[rows], batch.x[rows], batch.y[rows], batch.mask[rows], self.spec.clip, out=grads[rows])
             with self.timer.phase("noise"):
                 self._add_noise(grads, round_index, step)                        # Alg. 1 line 9
                 grads.div_(self.expected_batch[:, None])
@@ -121,23 +126,6 @@ class GradientOracle:
         if not bool(authorized.all()):
             grads[~authorized] = 0.0  # refused agents release nothing
         return grads
-
-
-def _in_groups(groups: list[slice], compute: Callable[[slice], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
-    """``compute`` over groups of agents, its outputs stacked along the agent dimension.
-
-    With one group the outputs are returned as they are, so that no second ``(N, d)`` matrix exists.
-    """
-    if len(groups) == 1:
-        return compute(groups[0])
-    outputs: tuple[torch.Tensor, ...] = ()
-    for rows in groups:
-        part = compute(rows)
-        if not outputs:
-            outputs = tuple(torch.empty(groups[-1].stop, *p.shape[1:], dtype=p.dtype) for p in part)
-        for output, piece in zip(outputs, part, strict=True):
-            output[rows] = piece
-    return outputs
 
 
 def round_up_to_float32(values: torch.Tensor) -> torch.Tensor:
