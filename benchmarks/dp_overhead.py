@@ -109,11 +109,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds per method first (default 3)")
     parser.add_argument("--only", choices=[s.key for s in SETTINGS], action="append",
                         help="measure only this setting (repeatable)")
-    parser.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed rounds per method")
+    parser.add_argument("--quick", action="store_true", help="1 warm-up and 2 timed rounds per method")
     parser.add_argument("--json", action="store_true", help="end with one line of JSON holding every figure")
     args = parser.parse_args(argv)
     if args.quick:
-        args.rounds, args.warmup = 3, 1
+        args.rounds, args.warmup = 2, 1
     if args.rounds < 1 or args.warmup < 0:
         parser.error("--rounds must be positive and --warmup non-negative")
     return args

@@ -1,8 +1,11 @@
-"""Slow end-to-end checks (marked ``slow``; they run in CI too): the quick start and real MNIST."""
+"""Slow end-to-end checks (marked ``slow``; they run in CI too): the quick start, real MNIST, and the
+benchmark scripts' interface."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,3 +43,20 @@ def test_dsgt_learns_real_mnist_across_a_one_class_per_agent_split(
     assert code == 0
     # Every agent sees a single digit, yet gradient tracking learns all ten within 40 rounds.
     assert summary["accuracy_min"] > 0.6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script,keys", [
+    ("dp_overhead.py", {"dp_over_nonprivate", "speedup_vs_opacus_loop_convnet_n10", "speedup_vs_opacus_loop_mlp_n100",
+                        "speedup_vs_opacus_loop_logistic_n1000"}),
+    ("scaling.py", {"time_exponent", "peak_memory_ratio"}),
+])
+def test_benchmark_scripts_keep_their_interface(script: str, keys: set[str]) -> None:
+    """The quick runs end with one JSON line holding the figures later checks read (values not judged here)."""
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--quick", "--json"],
+                            capture_output=True, text=True, check=False, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = _last_json(result.stdout)
+    assert keys <= set(figures)
+    assert all(isinstance(figures[key], float) and figures[key] > 0 for key in keys)
+    assert "machine:" in result.stdout
