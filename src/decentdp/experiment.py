@@ -123,7 +123,7 @@ def _plan_memory(config: ExperimentConfig, model: FlatModel, algorithm: Algorith
     limit = config.engine.memory_limit_gb
     return plan_memory(n_agents, model.dim, state, batch, per_sample, width,
                        int(limit * 2**30) if limit is not None else available_memory(),
-                       config.engine.agents_per_pass)
+                       config.engine.agents_per_pass, algorithm.round_temporaries)
 
 
 def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = None) -> Experiment:

@@ -48,6 +48,12 @@ class Algorithm(ABC):
         """Noisy gradient releases each agent makes per round; noise calibration plans for these."""
         return 1
 
+    @property
+    def round_temporaries(self) -> int:
+        """``(N, d)`` matrices a round allocates besides its state at its peak (gradient sums, mixing
+        outputs, updates), with some slack for the allocator; the memory plan budgets them."""
+        return 3
+
     @abstractmethod
     def init_state(self, params: torch.Tensor) -> State:
         """Initial state from the agents' initial parameters ``(N, d)`` (key ``params`` holds them)."""

@@ -22,10 +22,19 @@ class DPDSGD(OptimizerAlgorithm):
 
     name: ClassVar[str] = "dp-dsgd"
 
+    @property
+    def round_temporaries(self) -> int:
+        # Plain SGD: only the gradient sums, which become the new parameters (one more for slack).
+        return 2 if self._fused else 3
+
+    @property
+    def _fused(self) -> bool:
+        return isinstance(self.optimizer, SGD) and self.optimizer.plain
+
     def round(self, state: State, ctx: RoundContext) -> State:
         params = state["params"]
         grad = ctx.gradient(params, ctx.round_index, 0)      # Alg. 1 lines 7-9, at theta_i^k
-        if isinstance(self.optimizer, SGD) and self.optimizer.plain:
+        if self._fused:
             # Line 10 exactly, written into the gradient's storage: no separate mixing output.
             return {"params": ctx.network.mix_add(params, grad, -ctx.lr)}  # plain SGD has no state
         mixed = ctx.network.mix(params)                       # sum_j w_ij theta_j^k

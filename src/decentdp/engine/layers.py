@@ -20,7 +20,8 @@ al. 2023, arXiv:2210.00038):
 
 Every layer holds the parameters of all agents stacked along a leading agent dimension
 ``(N, *shape)`` and maps activations ``(N, B, ...)`` to ``(N, B, ...)``; agents never see each
-other's parameters (convolutions run as one grouped convolution with ``groups = N``).  A layer can
+other's parameters (a convolution runs once per agent, or for many agents as one grouped
+convolution with ``groups = N``).  A layer can
 also take one input ``(B, ...)`` shared by all agents (evaluation on a common test set), which
 turns the first layer into one wide convolution or matrix product instead of N copies of the input.
 
@@ -102,11 +103,21 @@ class ParamLayer(ABC):
         materialised them anyway (then :meth:`weighted_gradients` reuses them), else ``None``.
         """
 
-    @abstractmethod
     def weighted_gradients(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
                            per_sample: list[Tensor] | None, out: Sequence[Tensor]) -> None:
         """Write ``sum_b weights[n, b] * grad_b`` of each parameter into ``out`` (``(N, *shape)`` views,
-        typically of the flat ``(N, d)`` gradient matrix, so that no per-layer copy is needed)."""
+        typically of the flat ``(N, d)`` gradient matrix, so that no per-layer copy is needed):
+        from the per-sample gradients when :meth:`per_sample_sq_norms` built them, else from the
+        saved input and the output gradient."""
+        if per_sample is not None:
+            _agent_weighted_sums(weights, per_sample, out)
+        else:
+            self._weighted_from_activations(saved, grad_out, weights, out)
+
+    @abstractmethod
+    def _weighted_from_activations(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
+                                   out: Sequence[Tensor]) -> None:
+        """:meth:`weighted_gradients` without per-sample gradients (as an ordinary backward would)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,11 +166,8 @@ class StackedLinear(ParamLayer):
         per_sample = [weight, g.sum(dim=2)] if self.bias else [weight]
         return _sq_norm(weight, (2, 3)) + bias_sq, per_sample
 
-    def weighted_gradients(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
-                           per_sample: list[Tensor] | None, out: Sequence[Tensor]) -> None:
-        if per_sample is not None:
-            _agent_weighted_sums(weights, per_sample, out)
-            return
+    def _weighted_from_activations(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
+                                   out: Sequence[Tensor]) -> None:
         n_agents, batch = weights.shape
         scale = weights.view(n_agents, batch, *([1] * (grad_out.dim() - 2)))
         g = (grad_out * scale).reshape(n_agents, -1, grad_out.shape[-1])
@@ -178,7 +186,7 @@ def _pair(value: int | tuple[int, ...]) -> tuple[int, int]:
 
 
 class StackedConv2d(ParamLayer):
-    """``nn.Conv2d`` (``groups = 1``, zero padding) as one grouped convolution over agents."""
+    """``nn.Conv2d`` (``groups = 1``, zero padding) for all agents: once per agent, or one grouped convolution."""
 
     def __init__(self, module: nn.Conv2d) -> None:
         if module.groups != 1:
@@ -262,11 +270,8 @@ class StackedConv2d(ParamLayer):
             per_sample.append(g.sum(dim=(2, 3)).view(n_agents, batch, self.out_channels))
         return sq.view(n_agents, batch) + bias_sq, per_sample
 
-    def weighted_gradients(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
-                           per_sample: list[Tensor] | None, out: Sequence[Tensor]) -> None:
-        if per_sample is not None:
-            _agent_weighted_sums(weights, per_sample, out)
-            return
+    def _weighted_from_activations(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
+                                   out: Sequence[Tensor]) -> None:
         n_agents, batch = weights.shape
         g = grad_out * weights.view(n_agents, batch, 1, 1, 1)
         inputs = saved.transpose(0, 1).reshape(batch, n_agents * self.in_channels, *saved.shape[3:])
@@ -311,10 +316,9 @@ class StackedGroupNorm(ParamLayer):
         per_sample = self._per_sample(saved, grad_out)
         return sum(grad.pow(2).sum(dim=2) for grad in per_sample), per_sample
 
-    def weighted_gradients(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
-                           per_sample: list[Tensor] | None, out: Sequence[Tensor]) -> None:
-        grads = per_sample if per_sample is not None else self._per_sample(saved, grad_out)
-        _agent_weighted_sums(weights, grads, out)
+    def _weighted_from_activations(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
+                                   out: Sequence[Tensor]) -> None:
+        _agent_weighted_sums(weights, self._per_sample(saved, grad_out), out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,8 +364,8 @@ class StackedEmbedding(ParamLayer):
             sq[:, rows] = (same * (g[:, rows] @ g[:, rows].transpose(-1, -2))).sum(dim=(-1, -2))
         return sq, None
 
-    def weighted_gradients(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
-                           per_sample: list[Tensor] | None, out: Sequence[Tensor]) -> None:
+    def _weighted_from_activations(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
+                                   out: Sequence[Tensor]) -> None:
         n_agents, batch = weights.shape
         g = self._active(saved, grad_out) * weights.view(n_agents, batch, *([1] * (grad_out.dim() - 2)))
         vocabulary = self.vocabulary

@@ -5,7 +5,7 @@ A round of the simulator holds, at its peak,
 * the algorithm's state: ``(N, d)`` parameters, optimizer state, trackers, duals;
 * per-round ``(N, d)`` temporaries: the clipped-gradient sums (the noise is added in place), the
   mixing output and whatever else the algorithm's update creates (DSGT's tracker update, an
-  optimizer's result), budgeted as :data:`ROUND_TEMPORARIES` of them, and the round's padded batch;
+  optimizer's result): ``Algorithm.round_temporaries`` of them, and the round's padded batch;
 * the activations of one batch of the agents whose gradients are being computed: what autograd
   saves in the forward pass plus the output gradients of the backward pass, for a padded Poisson
   batch of each agent.
@@ -26,8 +26,6 @@ import torch
 
 from decentdp.errors import ConfigError
 
-#: ``(N, d)`` matrices a round creates besides the state (gradient sums, mixing output, update).
-ROUND_TEMPORARIES = 3
 _GIB = 2**30
 
 
@@ -100,16 +98,18 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
 
 
 def plan_memory(n_agents: int, dim: int, state: int, batch_bytes: int, activation_bytes_per_sample: int,
-                batch_width: int, limit_bytes: int | None, agents_per_pass: int | None = None) -> MemoryPlan:
+                batch_width: int, limit_bytes: int | None, agents_per_pass: int | None = None,
+                temporaries: int = 3) -> MemoryPlan:
     """Choose how many agents' gradients to compute at once so that the run fits ``limit_bytes``.
 
     ``state`` is the algorithm state's size, ``batch_bytes`` that of all agents' padded batches
-    (inputs, labels, masks), ``batch_width`` the padded batch.  ``agents_per_pass`` forces the
+    (inputs, labels, masks), ``batch_width`` the padded batch, ``temporaries`` the number of
+    ``(N, d)`` matrices a round allocates besides the state.  ``agents_per_pass`` forces the
     group size (it is still checked against the limit).  Raises :class:`ConfigError` when the run
     cannot fit: the state and temporaries alone exceed the limit (too many agents or parameters),
     or not even one agent's batch fits beside them.
     """
-    round_bytes = ROUND_TEMPORARIES * n_agents * dim * 4 + batch_bytes
+    round_bytes = temporaries * n_agents * dim * 4 + batch_bytes
     fixed = state + round_bytes
     per_agent = activation_bytes_per_sample * batch_width
     if limit_bytes is not None and fixed > limit_bytes:
