@@ -243,9 +243,11 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
         experiment.ledger = experiment.ledger.from_state_dict(checkpoint["ledger"])
         experiment.oracle.ledger = experiment.ledger
         experiment.oracle.rng.secret = bytes.fromhex(checkpoint["secret"])
-        # Same grouping of agents and test samples as before the interruption: bit-exact resumes.
-        experiment.oracle.agents_per_pass = checkpoint["passes"]["agents_per_pass"]
-        experiment.evaluator.chunk = checkpoint["passes"]["evaluation_chunk"]
+        # Same grouping of agents and test samples as before the interruption: bit-exact resumes
+        # (checkpoints written before the memory plan existed have none to restore).
+        if "passes" in checkpoint:
+            experiment.oracle.agents_per_pass = checkpoint["passes"]["agents_per_pass"]
+            experiment.evaluator.chunk = checkpoint["passes"]["evaluation_chunk"]
     elif out is not None:
         out.mkdir(parents=True, exist_ok=True)
         write_toml(out / CONFIG_FILE, config.to_toml_dict())
