@@ -48,7 +48,7 @@ from _common import (
     summarize,
     time_interleaved,
 )
-from decentdp.engine.allocator import retain_freed_memory
+from decentdp.util.allocator import retain_freed_memory
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ algorithm state and times rounds.  Reported per point:
 * the *need*: parameters and optimizer state (the algorithm's state), the clipped-gradient sums
   (one ``(N, d)`` matrix) and one batch of activations (every agent's padded batch of inputs
   plus what the engine keeps per sample, measured with autograd's saved-tensor hooks);
-* the engine's own estimate of its peak (:mod:`decentdp.engine.memory`).
+* the engine's own estimate of its peak (:mod:`decentdp.gradients.memory`).
 
 Summary figures: ``time_exponent``, the slope of log(seconds per round) against log(N * B)
 fitted over all N (the largest over the graphs); ``peak_memory_ratio``, the largest
@@ -54,8 +54,8 @@ from _common import (
     machine_info,
     print_machine,
 )
-from decentdp.engine.allocator import retain_freed_memory
-from decentdp.engine.memory import state_bytes
+from decentdp.util.allocator import retain_freed_memory
+from decentdp.gradients.memory import state_bytes
 
 BATCH = 32
 FULL_AGENTS = (10, 32, 100, 316, 1000)

@@ -13,10 +13,10 @@ from decentdp.algorithms.dp_dinno import DPDiNNO
 from decentdp.algorithms.dp_dsgd import DPDSGD
 from decentdp.algorithms.dp_dsgt import DPDSGT
 from decentdp.config import validate_config
-from decentdp.engine.network import SimulatedNetwork
-from decentdp.engine.optim import SGD, Adam
-from decentdp.engine.rng import AgentRandom, Stream
-from decentdp.engine.schedules import Schedule
+from decentdp.runtime.network import SimulatedNetwork
+from decentdp.algorithms.optim import SGD, Adam
+from decentdp.runtime.rng import AgentRandom, Stream
+from decentdp.runtime.schedules import Schedule
 from decentdp.experiment import build_experiment
 from decentdp.topology import build_topology
 

@@ -1,8 +1,8 @@
 """The stacked gradient engine against plain autograd, one sample at a time.
 
-:class:`~decentdp.engine.stacked_model.StackedModel` never builds per-sample gradients for most
+:class:`~decentdp.gradients.stacked_model.StackedModel` never builds per-sample gradients for most
 layers: it derives each sample's gradient norm from the layer input and output gradient (outer
-product, ghost norm, grouped-convolution or equality-mask rules in :mod:`decentdp.engine.layers`)
+product, ghost norm, grouped-convolution or equality-mask rules in :mod:`decentdp.gradients.layers`)
 and then takes one weighted gradient per layer.  Every one of those rules is an identity that can
 silently go wrong (a transposed stride, a missing bias term, a padding token that trains), and a
 wrong norm is a wrong clip factor, i.e. a broken privacy guarantee.  So every fast path is checked
@@ -46,16 +46,16 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn.utils import vector_to_parameters
 
-from decentdp.engine import layers
-from decentdp.engine.flat_model import FlatModel
-from decentdp.engine.layers import StackedConv2d, StackedLinear, Unsupported
-from decentdp.engine.stacked_model import StackedModel, gradient_model
+from decentdp.gradients import layers
+from decentdp.gradients.flat_model import FlatModel
+from decentdp.gradients.layers import StackedConv2d, StackedLinear, Unsupported
+from decentdp.gradients.stacked_model import StackedModel, gradient_model
 from decentdp.models import Residual, build_model, classification_loss
 from decentdp.privacy.clipping import clip_factors
 
 RTOL, ATOL = 1e-4, 1e-5
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-LOGGER = "decentdp.engine.stacked_model"
+LOGGER = "decentdp.gradients.stacked_model"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from decentdp.config import validate_config
-from decentdp.engine.memory import padded_batch, plan_memory
-from decentdp.engine.profiling import PhaseTimer
+from decentdp.gradients.memory import padded_batch, plan_memory
+from decentdp.util.profiling import PhaseTimer
 from decentdp.errors import ConfigError
 from decentdp.experiment import build_experiment, run_experiment
 

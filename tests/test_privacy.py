@@ -12,9 +12,9 @@ from opacus.accountants.utils import get_noise_multiplier
 from scipy import stats
 
 from decentdp.config import validate_config
-from decentdp.engine.flat_model import FlatModel
-from decentdp.engine.rng import AgentRandom
-from decentdp.engine.sampling import AgentData, PoissonSampler
+from decentdp.gradients.flat_model import FlatModel
+from decentdp.runtime.rng import AgentRandom
+from decentdp.runtime.sampling import AgentData, PoissonSampler
 from decentdp.errors import ConfigError, PrivacyError
 from decentdp.experiment import build_experiment
 from decentdp.models import build_model, classification_loss

@@ -16,8 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decentdp.engine.rng import AgentRandom, Stream, round_stream_seed, stream_seed
-from decentdp.engine.sampling import AgentData, Batch, PoissonSampler
+from decentdp.runtime.rng import AgentRandom, Stream, round_stream_seed, stream_seed
+from decentdp.runtime.sampling import AgentData, Batch, PoissonSampler
 from decentdp.privacy.ledger import PrivacyLedger, ReleaseRun, _max_count
 
 # ---------------------------------------------------------------------------------------------

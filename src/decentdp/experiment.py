@@ -32,17 +32,17 @@ from decentdp.algorithms.base import Algorithm, State
 from decentdp.config import ExperimentConfig
 from decentdp.data.datasets import Dataset, load_dataset
 from decentdp.data.partition import class_histograms, partition
-from decentdp.engine.allocator import retain_freed_memory
-from decentdp.engine.evaluation import Evaluator, evaluation_chunk
-from decentdp.engine.flat_model import FlatModel
-from decentdp.engine.memory import MemoryPlan, available_memory, padded_batch, plan_memory, state_bytes
-from decentdp.engine.network import SimulatedNetwork
-from decentdp.engine.profiling import NO_TIMER, PhaseTimer, TimedNetwork, format_report, operator_table
-from decentdp.engine.rng import AgentRandom
-from decentdp.engine.sampling import AgentData, PoissonSampler
-from decentdp.engine.schedules import Schedule
-from decentdp.engine.simulator import Simulator
-from decentdp.engine.stacked_model import gradient_model
+from decentdp.util.allocator import retain_freed_memory
+from decentdp.runtime.evaluation import Evaluator, evaluation_chunk
+from decentdp.gradients.flat_model import FlatModel
+from decentdp.gradients.memory import MemoryPlan, available_memory, padded_batch, plan_memory, state_bytes
+from decentdp.runtime.network import SimulatedNetwork
+from decentdp.util.profiling import NO_TIMER, PhaseTimer, TimedNetwork, format_report, operator_table
+from decentdp.runtime.rng import AgentRandom
+from decentdp.runtime.sampling import AgentData, PoissonSampler
+from decentdp.runtime.schedules import Schedule
+from decentdp.runtime.simulator import Simulator
+from decentdp.gradients.stacked_model import gradient_model
 from decentdp.errors import ConfigError
 from decentdp.models import build_model, classification_loss, validate_for_dp
 from decentdp.privacy.accounting import calibrate_noise_multiplier
@@ -225,7 +225,7 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
     ``stop_after`` ends the run after that many rounds (as if killed right after a checkpoint),
     leaving a resumable folder; ``resume`` continues a run from its folder's checkpoint.
     ``profile`` times every phase of the rounds and records torch's busiest operators over a few
-    rounds (see :mod:`decentdp.engine.profiling`); the report is logged and saved as ``profile.json``.
+    rounds (see :mod:`decentdp.util.profiling`); the report is logged and saved as ``profile.json``.
     """
     retain_freed_memory()
     experiment = build_experiment(config, data_dir)

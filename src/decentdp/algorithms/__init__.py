@@ -10,7 +10,7 @@ from decentdp.algorithms.dp_dinno import DPDiNNO
 from decentdp.algorithms.dp_dsgd import DPDSGD
 from decentdp.algorithms.dp_dsgt import DPDSGT
 from decentdp.algorithms.local import LocalTraining
-from decentdp.engine.optim import make_optimizer
+from decentdp.algorithms.optim import make_optimizer
 
 if TYPE_CHECKING:
     from decentdp.config import ExperimentConfig

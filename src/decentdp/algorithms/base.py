@@ -2,7 +2,7 @@
 
 An algorithm is a pure round function over stacked agent state: it receives the state of all the
 agents an engine holds (``(N, d)`` tensors), a :class:`RoundContext` with the only two ways to
-reach the outside world (the :class:`~decentdp.engine.network.Network` for messages and the
+reach the outside world (the :class:`~decentdp.runtime.network.Network` for messages and the
 gradient oracle for data), and returns the next state.  It never indexes other agents' rows,
 never touches data directly and never draws random numbers: the oracle does sampling, clipping,
 noise and privacy accounting, the network does communication.  So the same code runs in the
@@ -18,8 +18,8 @@ from typing import ClassVar
 
 import torch
 
-from decentdp.engine.network import Network
-from decentdp.engine.optim import Optimizer
+from decentdp.runtime.network import Network
+from decentdp.algorithms.optim import Optimizer
 
 State = dict[str, torch.Tensor]
 GradientFn = Callable[[torch.Tensor, int, int], torch.Tensor]

@@ -25,7 +25,7 @@ from typing import ClassVar
 import torch
 
 from decentdp.algorithms.base import OptimizerAlgorithm, RoundContext, State, prefixed, unprefixed
-from decentdp.engine.optim import Optimizer
+from decentdp.algorithms.optim import Optimizer
 
 
 class DPDiNNO(OptimizerAlgorithm):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from decentdp.algorithms.base import OptimizerAlgorithm, RoundContext, State, prefixed, unprefixed
-from decentdp.engine.optim import SGD
+from decentdp.algorithms.optim import SGD
 
 
 class DPDSGD(OptimizerAlgorithm):

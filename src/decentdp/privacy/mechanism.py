@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from decentdp.engine.flat_model import FlatModel
-from decentdp.engine.profiling import NO_TIMER, PhaseTimer
-from decentdp.engine.rng import AgentRandom, Stream
-from decentdp.engine.sampling import PoissonSampler
+from decentdp.gradients.flat_model import FlatModel
+from decentdp.util.profiling import NO_TIMER, PhaseTimer
+from decentdp.runtime.rng import AgentRandom, Stream
+from decentdp.runtime.sampling import PoissonSampler
 from decentdp.privacy.ledger import PrivacyLedger
 
 #: Noise is drawn into a buffer of at most this many bytes and added block by block.

@@ -5,7 +5,7 @@ single matrix product, noise a single draw, an optimizer step a few element-wise
 model itself is called through ``torch.func.functional_call`` on *views* of a row, under
 ``torch.func.vmap`` over agents (and over samples for per-sample gradients).  The model's
 forward and backward passes never loop over agents in Python.  This path materialises every
-per-sample gradient ``(N, B, d)``; :mod:`decentdp.engine.stacked_model` avoids that for the layers
+per-sample gradient ``(N, B, d)``; :mod:`decentdp.gradients.stacked_model` avoids that for the layers
 it knows and is the default.
 """
 
@@ -28,7 +28,7 @@ class FlatModel:
     The module itself is only a template: its parameters are read once (``initial_parameters``) and
     never updated; buffers are passed through unchanged (DP models have no running statistics).
     This class is the general gradient engine, for any module ``torch.func`` can batch; the faster
-    :class:`~decentdp.engine.stacked_model.StackedModel` overrides the gradient methods for the
+    :class:`~decentdp.gradients.stacked_model.StackedModel` overrides the gradient methods for the
     layers it knows.
     """
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from decentdp.algorithms.base import Algorithm, RoundContext, State
-from decentdp.engine.network import Network
-from decentdp.engine.profiling import NO_TIMER, PhaseTimer
-from decentdp.engine.schedules import Schedule
+from decentdp.runtime.network import Network
+from decentdp.util.profiling import NO_TIMER, PhaseTimer
+from decentdp.runtime.schedules import Schedule
 from decentdp.privacy.mechanism import GradientOracle
 
 RoundHook = Callable[[int, State], bool]

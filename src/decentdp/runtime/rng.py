@@ -15,7 +15,7 @@ needs only its own agents' keys.  A *round-wide* stream (:meth:`AgentRandom.roun
 one generator for a whole round and purpose, used where one vectorised draw over every agent is
 much cheaper than one generator per agent (Poisson sampling).  A round-wide stream stays
 independent of sharding as long as every shard draws the *whole* vector and keeps its agents'
-slices (see :class:`~decentdp.engine.sampling.PoissonSampler`); its key uses the agent placeholder
+slices (see :class:`~decentdp.runtime.sampling.PoissonSampler`); its key uses the agent placeholder
 ``*``, which no per-agent key (an integer agent id) can equal, so the two kinds never collide.
 """
 

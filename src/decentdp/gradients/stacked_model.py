@@ -1,7 +1,7 @@
 """The fast gradient engine: a model run layer by layer for all agents at once, clipped without per-sample gradients.
 
 :class:`StackedModel` compiles an ``nn.Module`` tree (``Sequential`` chains, residual blocks, the
-parameter layers of :mod:`decentdp.engine.layers` and per-sample parameter-free modules) into a
+parameter layers of :mod:`decentdp.gradients.layers` and per-sample parameter-free modules) into a
 small program over stacked agent tensors.  A private gradient then costs one forward pass, one
 backward pass that stops at the layers' outputs (no parameter gradients), the per-sample norms
 from each layer's input and output gradient, and one weighted parameter gradient per layer::
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from decentdp.engine.flat_model import FlatModel, LossFn, saved_bytes_per_sample
-from decentdp.engine.layers import PER_SAMPLE_MODULES, ParamLayer, Recorded, Unsupported, stacked_layer
+from decentdp.gradients.flat_model import FlatModel, LossFn, saved_bytes_per_sample
+from decentdp.gradients.layers import PER_SAMPLE_MODULES, ParamLayer, Recorded, Unsupported, stacked_layer
 from decentdp.models import Residual
 from decentdp.privacy.clipping import clip_factors
 
@@ -115,7 +115,7 @@ def _param_layers(node: _Node) -> Iterator[_Params]:
 class StackedModel(FlatModel):
     """A :class:`FlatModel` whose gradients are computed layer by layer over stacked agents.
 
-    Raises :class:`~decentdp.engine.layers.Unsupported` when the module cannot be compiled.
+    Raises :class:`~decentdp.gradients.layers.Unsupported` when the module cannot be compiled.
     """
 
     backend = "stacked"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decentdp.engine.flat_model import FlatModel
+from decentdp.gradients.flat_model import FlatModel
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from decentdp.engine.network import Network
+from decentdp.runtime.network import Network
 
 #: Phases in report order; "algorithm update" is a round's time outside the other in-round phases.
 ROUND_PHASES = ("ledger", "sampling", "gradients", "noise", "communication", "algorithm update")

@@ -1,0 +1,1 @@
+"""Process-level utilities: the glibc allocator setting and the phase profiler."""
