@@ -68,7 +68,7 @@ def _eps(value: float | str) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     from decentdp.config import load_config
-    from decentdp.experiment import run_experiment, summary_line
+    from decentdp.run.loop import run_experiment, summary_line
 
     config = load_config(args.config, args.overrides)
     if args.out:

@@ -13,11 +13,12 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from decentdp.algorithms import algorithm_class, algorithm_names
+from decentdp.algorithms.base import AlgorithmSettings
 from decentdp.errors import ConfigError
 
-AlgorithmName = Literal["central-dpsgd", "local", "dp-dsgd", "dp-dsgt", "dp-dinno"]
 DatasetName = Literal["digits", "mnist", "fashion-mnist", "cifar10", "cifar100"]
 PartitionName = Literal["iid", "overlap", "dirichlet", "unequal"]
 GraphName = Literal["complete", "ring", "star", "path", "grid", "torus", "erdos-renyi", "geometric", "fiedler",
@@ -60,6 +61,8 @@ class TopologySection(_Section):
     fiedler: float | None = Field(None, gt=0.0, le=1.0, description="target normalized Fiedler value")
     fiedler_tol: float = Field(0.01, gt=0.0)
     rows: int | None = Field(None, ge=1)
+    redraw_every: int = Field(0, ge=0, description="redraw a random graph every this many rounds (0: a fixed "
+                                                  "graph); each draw depends only on the seed and the epoch")
 
 
 class ModelSection(_Section):
@@ -68,19 +71,73 @@ class ModelSection(_Section):
 
 
 class AlgorithmSection(_Section):
-    name: AlgorithmName = "dp-dsgt"
+    """The algorithm, its learning rate and batch, and its own settings (validated by its registry entry)."""
+
+    model_config = ConfigDict(_Section.model_config, extra="allow")
+
+    name: str = "dp-dsgt"
     lr: float = Field(0.1, gt=0.0)
     lr_final: float | None = Field(None, gt=0.0)
     lr_schedule: Literal["constant", "logspace", "cosine"] = "constant"
     batch_size: int = Field(64, ge=1, description="expected Poisson batch size L; q_i = L / |D_i|")
-    optimizer: Literal["sgd", "adam"] = "sgd"
-    momentum: float = Field(0.0, ge=0.0, lt=1.0)
-    nesterov: bool = False
-    weight_decay: float = Field(0.0, ge=0.0)
-    rho: float = Field(0.5, gt=0.0, description="DiNNO penalty rho_0")
-    rho_growth: float = Field(1.0, ge=1.0, description="DiNNO: rho in round k (from 0) is rho * rho_growth^(k+1)")
-    primal_steps: int = Field(1, ge=1, description="DiNNO: T noisy primal steps per round")
-    reset_optimizer_each_round: bool = False
+    _settings: AlgorithmSettings | None = PrivateAttr(default=None)
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        if value not in algorithm_names():
+            allowed = ", ".join(repr(name) for name in algorithm_names())
+            raise ValueError(f"{value!r} is not one of the allowed values: {allowed}")
+        return value
+
+    @model_validator(mode="after")
+    def _own_settings(self) -> AlgorithmSection:
+        settings_cls = algorithm_class(self.name).Settings
+        own = settings_cls.model_fields
+        extras = self.__pydantic_extra__ or {}
+        for key in [key for key in extras if key not in own]:
+            if _default_of_another_algorithm(key, extras[key]):
+                del extras[key]  # resolved configs list every setting at its default; it changes nothing
+                continue
+            allowed = ", ".join(sorted(own)) or "none"
+            raise _FieldError(f"algorithm.{key}", f"is not used by algorithm '{self.name}'; remove it (its own "
+                                                  f"settings: {allowed})")
+        try:
+            self._settings = settings_cls.model_validate(dict(extras))
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            field = ".".join(str(part) for part in error["loc"])
+            message = error["msg"].removeprefix("Value error, ")
+            if ": " in message and not field:  # a settings-level check names its own field
+                field, _, message = message.partition(": ")
+            raise _FieldError(f"algorithm.{field}" if field else "algorithm", message) from None
+        return self
+
+    @property
+    def settings(self) -> AlgorithmSettings:
+        """The algorithm's own validated settings."""
+        assert self._settings is not None
+        return self._settings
+
+
+def _default_of_another_algorithm(key: str, value: Any) -> bool:
+    """Whether ``key = value`` is some other registered algorithm's setting at its default."""
+    for name in algorithm_names():
+        field = algorithm_class(name).Settings.model_fields.get(key)
+        if field is not None and field.default == value and type(field.default) is type(value):
+            return True
+    return False
+
+
+class ScheduleSection(_Section):
+    """Which agents take part in each round (see :mod:`decentdp.runtime.scheduler`)."""
+
+    kind: Literal["auto", "synchronous", "pairing", "poisson-clocks", "sampled"] = Field(
+        "auto", description="auto: the algorithm's own protocol")
+    offline_probability: float = Field(0.0, ge=0.0, lt=1.0, description="each agent is offline in a round with "
+                                                                        "this probability")
+    participation: float = Field(1.0, gt=0.0, le=1.0, description="sampled: probability that an online agent "
+                                                                  "takes part")
 
 
 class EngineSection(_Section):
@@ -136,26 +193,6 @@ class PrivacySection(_Section):
         return any(math.isfinite(b) for b in budgets)
 
 
-_DINNO_ONLY = ("rho", "rho_growth", "primal_steps", "reset_optimizer_each_round")
-
-
-def _reject_unused_settings(algo: AlgorithmSection) -> None:
-    """A setting the chosen algorithm ignores is almost always a mistake: say so instead of ignoring it."""
-    fields = AlgorithmSection.model_fields
-    given = {key for key in fields if getattr(algo, key) != fields[key].default}  # resolved configs list all keys
-    unused = []
-    if algo.name != "dp-dinno":
-        unused += [key for key in _DINNO_ONLY if key in given]
-    if algo.name == "dp-dsgt":  # plain update x <- W(x - lr y) (Alg. 2): no optimizer
-        unused += [key for key in ("optimizer", "momentum", "nesterov") if key in given]
-    if algo.optimizer == "adam":
-        unused += [key for key in ("momentum", "nesterov") if key in given]
-    if unused:
-        raise _FieldError(f"algorithm.{unused[0]}",
-                          f"is not used by algorithm '{algo.name}' with optimizer '{algo.optimizer}'; "
-                          f"remove {', '.join(unused)}")
-
-
 def _parse_infinity(value: Any) -> Any:
     """TOML has ``inf`` but users write ``"inf"``; both mean no budget (non-private)."""
     if isinstance(value, str) and value.strip().lower() in {"inf", "infinity", "none", "non-private"}:
@@ -172,21 +209,35 @@ class ExperimentConfig(_Section):
     model: ModelSection = Field(default_factory=ModelSection)
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
     privacy: PrivacySection = Field(default_factory=PrivacySection)
+    schedule: ScheduleSection = Field(default_factory=ScheduleSection)
     engine: EngineSection = Field(default_factory=EngineSection)
 
     @property
     def pools_data(self) -> bool:
         """Whether the algorithm trains one model on all agents' data (central baselines)."""
-        from decentdp.algorithms import algorithm_class
-
         return algorithm_class(self.algorithm.name).pools_data
+
+    @property
+    def schedule_kind(self) -> str:
+        """The round schedule that runs: the configured one, or the algorithm's own protocol."""
+        kind = self.schedule.kind
+        return algorithm_class(self.algorithm.name).schedules[0] if kind == "auto" else kind
 
     @model_validator(mode="after")
     def _cross_field(self) -> ExperimentConfig:
         algo, topo, privacy = self.algorithm, self.topology, self.privacy
         if algo.lr_schedule != "constant" and algo.lr_final is None:
             raise _FieldError("algorithm.lr_final", f"is required by lr_schedule = '{algo.lr_schedule}'")
-        _reject_unused_settings(algo)
+        supported = algorithm_class(algo.name).schedules
+        if self.schedule_kind not in supported:
+            raise _FieldError("schedule.kind", f"'{self.schedule_kind}' is not supported by algorithm '{algo.name}' "
+                                               f"(supported: {', '.join(supported)})")
+        if self.schedule_kind == "poisson-clocks" and self.schedule.offline_probability:
+            raise _FieldError("schedule.offline_probability", "does not apply to poisson-clocks (agents sleep "
+                                                               "between wake-ups by design)")
+        if topo.redraw_every and topo.graph not in _RANDOM_GRAPHS:
+            raise _FieldError("topology.redraw_every", f"redraws a random graph; graph = '{topo.graph}' is fixed "
+                                                       f"(random graphs: {', '.join(_RANDOM_GRAPHS)})")
         if privacy.agent_epsilons is not None and not self.pools_data \
                 and len(privacy.agent_epsilons) != topo.agents:
             raise _FieldError("privacy.agent_epsilons",
@@ -198,8 +249,14 @@ class ExperimentConfig(_Section):
         return self
 
     def to_toml_dict(self) -> dict[str, Any]:
-        """The resolved config as TOML-writable data ('inf' for infinity, no None values)."""
-        return _toml_ready(self.model_dump())
+        """The resolved config as TOML-writable data ('inf' for infinity, no None values), with the
+        algorithm's own settings (defaults included) inside ``[algorithm]``."""
+        data = self.model_dump()
+        data["algorithm"].update(self.algorithm.settings.model_dump())
+        return _toml_ready(data)
+
+
+_RANDOM_GRAPHS = ("erdos-renyi", "geometric", "fiedler", "k-regular")
 
 
 class _FieldError(ValueError):

@@ -1,52 +1,162 @@
-"""What every decentralized learning algorithm provides to the engine.
+"""What every decentralized learning algorithm sees of the world, and what it provides to the runtime.
 
 An algorithm is a pure round function over stacked agent state: it receives the state of all the
-agents an engine holds (``(N, d)`` tensors), a :class:`RoundContext` with the only two ways to
-reach the outside world (the :class:`~decentdp.runtime.network.Network` for messages and the
-gradient oracle for data), and returns the next state.  It never indexes other agents' rows,
-never touches data directly and never draws random numbers: the oracle does sampling, clipping,
-noise and privacy accounting, the network does communication.  So the same code runs in the
-simulator and in a sharded multi-machine engine.
+agents an engine holds (``(N, d)`` tensors, row ``r`` for global agent ``network.agent_ids[r]``)
+and a :class:`RoundContext` with the only ways to reach the outside world:
+
+* ``ctx.oracle`` (:class:`~decentdp.privacy.oracle.DataOracle`): private data, clipping and noisy
+  releases, charged to the ledger of the agent that released;
+* ``ctx.network`` (:class:`Network`): messages to neighbours, which must be releases or
+  post-processing of releases;
+* ``ctx.plan`` (:class:`RoundPlan`): who is active this round and who pairs with whom;
+* ``ctx.public_generator``: public randomness (choices that need no secrecy).
+
+It never indexes other agents' rows, never touches data and never draws private randomness, so the
+same code runs in the simulator and in a sharded multi-machine engine.  The runtime implements the
+protocols declared here; imports only point down (runtime -> algorithms -> privacy).
+
+An algorithm is one file: a subclass of :class:`Algorithm` decorated with
+:func:`~decentdp.algorithms.registry.register`, with its typed :class:`AlgorithmSettings`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
-from decentdp.runtime.network import Network
-from decentdp.algorithms.optim import Optimizer
+from decentdp.privacy.oracle import SETUP_ROUND, DataOracle
+from decentdp.rng import AgentRandom, Stream
 
 State = dict[str, torch.Tensor]
-GradientFn = Callable[[torch.Tensor, int, int], torch.Tensor]
-"""``gradient(params (N, d), round_index, step) -> (N, d)``: one (private) release per agent."""
+
+
+class Network(Protocol):
+    """Message passing among the agents an engine holds (message -> aggregate, as PyG's ``MessagePassing``).
+
+    Rows are local (``agent_ids[r]`` is row ``r``'s global id); edges are directed ``(src, dst)``
+    pairs of *global* ids, each undirected link appearing twice.  Messages are built in the order of
+    ``out_edges`` (edges leaving local agents) and arrive in the order of ``in_edges`` (edges
+    entering local agents); in one process both are the same list.
+    """
+
+    n_agents: int              # local agents (rows)
+    n_total: int               # agents in the whole run
+    agent_ids: torch.Tensor    # (n_agents,) global ids of the local rows
+    out_edges: torch.Tensor    # (E_out, 2) global (src, dst), src held here
+    in_edges: torch.Tensor     # (E_in, 2) global (src, dst), dst held here
+    in_weights: torch.Tensor   # (E_in,) mixing weight w_dst,src of each in-edge
+    degrees: torch.Tensor      # (n_agents,) neighbours, excluding self
+
+    def rows(self, agent_ids: torch.Tensor) -> torch.Tensor:
+        """Local rows of global ids held here."""
+        ...
+
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
+        """Gossip averaging ``x_i <- sum_j w_ij x_j`` with the mixing matrix W (a new tensor the caller owns)."""
+        ...
+
+    def mix_add(self, x: torch.Tensor, into: torch.Tensor, alpha: float) -> torch.Tensor:
+        """``W x + alpha * into``, computed in ``into``'s storage (a temporary the caller owns) and returned."""
+        ...
+
+    def neighbor_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``sum_{j in N(i)} x_j`` over neighbours, excluding ``i`` itself."""
+        ...
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Each agent sends its row to all neighbours: ``(E_in, ...)`` as received."""
+        ...
+
+    def exchange(self, messages: torch.Tensor) -> torch.Tensor:
+        """Deliver per-edge messages ``(E_out, ...)`` built by each edge's sender: ``(E_in, ...)`` as received."""
+        ...
+
+    def aggregate(self, received: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum (weighted by ``(E_in,)`` weights if given) what each local agent received: ``(n_agents, ...)``."""
+        ...
+
+    def swap(self, x: torch.Tensor, partner: torch.Tensor) -> torch.Tensor:
+        """Pairwise exchange: row ``i`` gets the row of global agent ``partner[i]`` (``partner[i]`` = own id: idle)."""
+        ...
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """Who takes part in a round: ``active`` agents (a boolean mask over local rows) and, for pairwise
+    protocols, ``partner`` (global ids; an agent's own id when it is unpaired)."""
+
+    active: torch.Tensor
+    partner: torch.Tensor | None = None
+
+    @property
+    def everyone(self) -> bool:
+        return bool(self.active.all())
 
 
 @dataclass(frozen=True)
 class RoundContext:
-    """Everything a round may use besides the algorithm's own state."""
+    """Everything a round may use besides the algorithm's own state.
+
+    ``plan`` is ``None`` for a synchronous round where every agent is active; ``rng`` gives public
+    randomness (absent in unit tests that need none).
+    """
 
     round_index: int
     lr: float
     network: Network
-    gradient: GradientFn
+    oracle: DataOracle
+    plan: RoundPlan | None = None
+    rng: AgentRandom | None = None
+
+    @property
+    def is_setup(self) -> bool:
+        """Whether this is the setup phase before round 0 (e.g. a private warm start)."""
+        return self.round_index == SETUP_ROUND
+
+    def public_generator(self, step: int = 0) -> torch.Generator:
+        """A generator of public random choices for this round, keyed by (seed, round, step); it carries
+        no secret, so nothing drawn from it may protect privacy."""
+        if self.rng is None:
+            raise RuntimeError("this context has no random streams")
+        return self.rng.round_generator(self.round_index, Stream.PUBLIC, step)
+
+
+class AlgorithmSettings(BaseModel):
+    """An algorithm's own settings (fields of the config's ``[algorithm]`` section besides the common
+    ones); subclasses add typed, ranged fields, validated like every other config section."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
 
 class Algorithm(ABC):
     """A decentralized learning algorithm as a round function over stacked agent state."""
 
     name: ClassVar[str]
+    #: The typed settings this algorithm reads from ``[algorithm]``.
+    Settings: ClassVar[type[AlgorithmSettings]] = AlgorithmSettings
     #: True when all agents' data are pooled into one agent (central training baselines).
     pools_data: ClassVar[bool] = False
+    #: Round schedules the algorithm supports (``schedule.kind``); the first is its default.
+    schedules: ClassVar[tuple[str, ...]] = ("synchronous",)
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Algorithm:
+        """Build the algorithm from its validated settings (default: no settings)."""
+        return cls()
 
     @property
     def releases_per_round(self) -> int:
-        """Noisy gradient releases each agent makes per round; noise calibration plans for these."""
+        """Noisy gradient releases each active agent makes per round; noise calibration plans for these."""
         return 1
+
+    @property
+    def setup_releases(self) -> int:
+        """Noisy gradient releases each agent makes in the setup phase; calibration plans for them too."""
+        return 0
 
     @property
     def round_temporaries(self) -> int:
@@ -58,19 +168,13 @@ class Algorithm(ABC):
     def init_state(self, params: torch.Tensor) -> State:
         """Initial state from the agents' initial parameters ``(N, d)`` (key ``params`` holds them)."""
 
+    def setup(self, state: State, ctx: RoundContext) -> State:
+        """The setup phase before round 0 (``ctx.is_setup``), with releases of its own; default: none."""
+        return state
+
     @abstractmethod
     def round(self, state: State, ctx: RoundContext) -> State:
-        """One synchronous round: every agent computes from the previous round's values (Jacobi)."""
-
-
-class OptimizerAlgorithm(Algorithm):
-    """An algorithm whose only state besides the parameters is its optimizer's (under ``opt.``)."""
-
-    def __init__(self, optimizer: Optimizer) -> None:
-        self.optimizer = optimizer
-
-    def init_state(self, params: torch.Tensor) -> State:
-        return {"params": params, **prefixed("opt", self.optimizer.init(params))}
+        """One round: every active agent computes from the previous round's values (Jacobi)."""
 
 
 def prefixed(prefix: str, state: State) -> State:

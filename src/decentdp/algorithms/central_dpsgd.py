@@ -10,8 +10,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 from decentdp.algorithms.local import LocalTraining
+from decentdp.algorithms.registry import register
 
 
+@register
 class CentralDPSGD(LocalTraining):
     """DP-SGD on pooled data: a single agent, no communication."""
 

@@ -23,15 +23,29 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+from pydantic import Field
 
-from decentdp.algorithms.base import OptimizerAlgorithm, RoundContext, State, prefixed, unprefixed
-from decentdp.algorithms.optim import Optimizer
+from decentdp.algorithms.base import RoundContext, State, prefixed, unprefixed
+from decentdp.algorithms.optim import Optimizer, OptimizerAlgorithm, OptimizerSettings
+from decentdp.algorithms.registry import register
 
 
+class DiNNOSettings(OptimizerSettings):
+    """DiNNO's penalty schedule and inexact primal solver."""
+
+    rho: float = Field(0.5, gt=0.0, description="penalty rho_0")
+    rho_growth: float = Field(1.0, ge=1.0, description="rho in round k (from 0) is rho * rho_growth^(k+1)")
+    primal_steps: int = Field(1, ge=1, description="T noisy primal steps per round")
+    reset_optimizer_each_round: bool = Field(False, description="re-create the optimizer every round, as the "
+                                                                "paper code does")
+
+
+@register
 class DPDiNNO(OptimizerAlgorithm):
     """Consensus ADMM with an inexact, private primal solver."""
 
     name: ClassVar[str] = "dp-dinno"
+    Settings = DiNNOSettings
 
     def __init__(self, optimizer: Optimizer, rho: float, rho_growth: float = 1.0, primal_steps: int = 1,
                  reset_each_round: bool = False) -> None:
@@ -40,6 +54,11 @@ class DPDiNNO(OptimizerAlgorithm):
         self.rho_growth = rho_growth
         self.primal_steps = primal_steps
         self.reset_each_round = reset_each_round
+
+    @classmethod
+    def from_settings(cls, settings: DiNNOSettings) -> DPDiNNO:
+        return cls(settings.build(), rho=settings.rho, rho_growth=settings.rho_growth,
+                   primal_steps=settings.primal_steps, reset_each_round=settings.reset_optimizer_each_round)
 
     @property
     def releases_per_round(self) -> int:
@@ -58,8 +77,8 @@ class DPDiNNO(OptimizerAlgorithm):
         anchor = (degrees * theta + neighbours) / 2                               # sum_j (theta_i + theta_j) / 2
         opt = self.optimizer.init(theta) if self.reset_each_round else unprefixed("opt", state)
         psi = theta                                                               # line 9
-        for step in range(self.primal_steps):                                     # line 10
-            private = ctx.gradient(psi, ctx.round_index, step)                    # lines 11-13
+        for _ in range(self.primal_steps):                                        # line 10
+            private = ctx.oracle.gradient(psi)                                    # lines 11-13 (a fresh batch)
             grad = private + dual + 2 * rho * (degrees * psi - anchor)            # line 14
             psi, opt = self.optimizer.step(psi, grad, opt, ctx.lr)                # line 15
         return {"params": psi, "dual": dual, **prefixed("opt", opt)}              # line 16

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from decentdp.algorithms.base import OptimizerAlgorithm, RoundContext, State, prefixed, unprefixed
-from decentdp.algorithms.optim import SGD
+from decentdp.algorithms.base import RoundContext, State, prefixed, unprefixed
+from decentdp.algorithms.optim import SGD, OptimizerAlgorithm
+from decentdp.algorithms.registry import register
 
 
+@register
 class DPDSGD(OptimizerAlgorithm):
     """Decentralized SGD with private gradients and synchronous gossip."""
 
@@ -33,7 +35,7 @@ class DPDSGD(OptimizerAlgorithm):
 
     def round(self, state: State, ctx: RoundContext) -> State:
         params = state["params"]
-        grad = ctx.gradient(params, ctx.round_index, 0)      # Alg. 1 lines 7-9, at theta_i^k
+        grad = ctx.oracle.gradient(params)                   # Alg. 1 lines 7-9, at theta_i^k
         if self._fused:
             # Line 10 exactly, written into the gradient's storage: no separate mixing output.
             return {"params": ctx.network.mix_add(params, grad, -ctx.lr)}  # plain SGD has no state

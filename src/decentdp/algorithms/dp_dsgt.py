@@ -17,17 +17,31 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+from pydantic import Field
 
-from decentdp.algorithms.base import Algorithm, RoundContext, State
+from decentdp.algorithms.base import Algorithm, AlgorithmSettings, RoundContext, State
+from decentdp.algorithms.registry import register
 
 
+class DSGTSettings(AlgorithmSettings):
+    """DSGT takes plain steps ``theta <- W(theta - lr y)`` (Alg. 2): no optimizer, only weight decay."""
+
+    weight_decay: float = Field(0.0, ge=0.0)
+
+
+@register
 class DPDSGT(Algorithm):
     """Distributed stochastic gradient tracking with private gradients."""
 
     name: ClassVar[str] = "dp-dsgt"
+    Settings = DSGTSettings
 
     def __init__(self, weight_decay: float = 0.0) -> None:
         self.weight_decay = weight_decay
+
+    @classmethod
+    def from_settings(cls, settings: DSGTSettings) -> DPDSGT:
+        return cls(settings.weight_decay)
 
     def init_state(self, params: torch.Tensor) -> State:
         return {"params": params, "tracker": torch.zeros_like(params), "last_grad": torch.zeros_like(params)}
@@ -35,7 +49,7 @@ class DPDSGT(Algorithm):
     def round(self, state: State, ctx: RoundContext) -> State:
         net = ctx.network
         params = net.mix(state["params"] - ctx.lr * state["tracker"])       # (4), Alg. 2 line 8
-        grad = ctx.gradient(params, ctx.round_index, 0)                      # lines 9-11
+        grad = ctx.oracle.gradient(params)                                   # lines 9-11
         if self.weight_decay:
             grad = grad + self.weight_decay * params
         tracker = grad + net.mix(state["tracker"]) - state["last_grad"]      # (5), line 12

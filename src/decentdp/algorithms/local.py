@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from decentdp.algorithms.base import OptimizerAlgorithm, RoundContext, State, prefixed, unprefixed
+from decentdp.algorithms.base import RoundContext, State, prefixed, unprefixed
+from decentdp.algorithms.optim import OptimizerAlgorithm
+from decentdp.algorithms.registry import register
 
 
+@register
 class LocalTraining(OptimizerAlgorithm):
     """``theta_i <- optimizer_step(theta_i, G_i(theta_i))`` with no messages."""
 
@@ -17,6 +20,6 @@ class LocalTraining(OptimizerAlgorithm):
 
     def round(self, state: State, ctx: RoundContext) -> State:
         params = state["params"]
-        grad = ctx.gradient(params, ctx.round_index, 0)
+        grad = ctx.oracle.gradient(params)
         params, opt = self.optimizer.step(params, grad, unprefixed("opt", state), ctx.lr)
         return {"params": params, **prefixed("opt", opt)}

@@ -9,9 +9,12 @@ Weight decay is added to the gradient (L2 regularisation), as in ``torch.optim.S
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
+from pydantic import Field, model_validator
+
+from decentdp.algorithms.base import Algorithm, AlgorithmSettings, State, prefixed
 
 OptimizerState = dict[str, torch.Tensor]
 
@@ -70,7 +73,7 @@ class Adam:
 
     def init(self, params: torch.Tensor) -> OptimizerState:
         return {"m": torch.zeros_like(params), "v": torch.zeros_like(params),
-                "t": torch.zeros(params.shape[0], 1, dtype=params.dtype)}
+                "t": torch.zeros(params.shape[0], 1, dtype=params.dtype, device=params.device)}
 
     def step(self, params: torch.Tensor, grad: torch.Tensor, state: OptimizerState, lr: float, *,
              inplace: bool = False) -> tuple[torch.Tensor, OptimizerState]:
@@ -86,6 +89,44 @@ class Adam:
 
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam")
+
+
+class OptimizerSettings(AlgorithmSettings):
+    """The settings of an algorithm whose local step is taken by an optimizer."""
+
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    momentum: float = Field(0.0, ge=0.0, lt=1.0)
+    nesterov: bool = False
+    weight_decay: float = Field(0.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _adam_has_no_momentum(self) -> OptimizerSettings:
+        if self.optimizer == "adam":
+            fields = type(self).model_fields
+            unused = [key for key in ("momentum", "nesterov") if getattr(self, key) != fields[key].default]
+            if unused:
+                raise ValueError(f"{unused[0]}: is not used with optimizer 'adam'; remove {', '.join(unused)}")
+        return self
+
+    def build(self) -> Optimizer:
+        return make_optimizer(self.optimizer, momentum=self.momentum, weight_decay=self.weight_decay,
+                              nesterov=self.nesterov)
+
+
+class OptimizerAlgorithm(Algorithm):
+    """An algorithm whose only state besides the parameters is its optimizer's (under ``opt.``)."""
+
+    Settings = OptimizerSettings
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.optimizer = optimizer
+
+    @classmethod
+    def from_settings(cls, settings: OptimizerSettings) -> Algorithm:
+        return cls(settings.build())
+
+    def init_state(self, params: torch.Tensor) -> State:
+        return {"params": params, **prefixed("opt", self.optimizer.init(params))}
 
 
 def make_optimizer(name: str, *, momentum: float = 0.0, weight_decay: float = 0.0,

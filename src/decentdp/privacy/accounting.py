@@ -1,11 +1,13 @@
-"""Privacy accounting: the events our mechanisms release, and the accountants that price them.
+"""Privacy accounting: accountants that price the events mechanisms release, and noise calibration.
 
-Every noisy release in decentdp is the *sampled Gaussian mechanism* (Mironov et al. 2019): a
-Poisson-subsampled batch (rate ``q``), per-sample gradients clipped to norm ``C``, summed, plus
-``N(0, sigma^2 C^2)`` noise.  We describe such a release with Google's ``dp_accounting`` events
-(``PoissonSampledDpEvent(q, GaussianDpEvent(sigma))``) and let its accountants price them:
+A release is described by a ``dp_accounting`` event (:mod:`decentdp.privacy.events`): most often the
+sampled Gaussian mechanism (Mironov et al. 2019), a Poisson-subsampled batch of rate ``q``, per-sample
+gradients clipped to norm ``C`` and summed, plus ``N(0, sigma^2 C^2)`` noise; also Laplace releases
+and joint releases of several sums on one batch.  A *history* is a sequence of ``(event, count)``
+runs, and its epsilon comes from one of dp_accounting's accountants:
 
-* RDP (Rényi DP, Mironov 2017) is fast and is what we calibrate noise with, as Opacus and the
+* RDP (Rényi DP, Mironov 2017) is fast and composes additively, so a ledger can keep a running
+  total per agent; it is what we calibrate noise and enforce budgets with, as Opacus and the
   consensus paper's code do;
 * PLD (privacy loss distributions, Koskela et al.; Doroshenko et al. 2022) is tight, and is the
   epsilon we report.
@@ -20,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from typing import Literal
 
@@ -28,14 +30,13 @@ import dp_accounting
 import numpy as np
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
+from dp_accounting.rdp.rdp_privacy_accountant import _laplace_rdp
 
 from decentdp.errors import ConfigError, PrivacyError
+from decentdp.privacy.events import gaussian_event
 
 AccountantName = Literal["rdp", "pld"]
 ACCOUNTANTS: tuple[str, ...] = ("rdp", "pld")
-
-#: One run of identical releases: (noise multiplier sigma, sampling rate q, number of releases).
-Run = tuple[float, float, int]
 
 _MAX_NOISE_MULTIPLIER = 1e6
 #: Below this sigma a PLD's support explodes (minutes and gigabytes); such mechanisms give
@@ -63,21 +64,13 @@ def check_sampling(sample_rate: float, steps: int, releases_per_step: int = 1) -
         raise ConfigError("--releases-per-step", f"must be a positive integer, got {releases_per_step!r}")
 
 
-def sampled_gaussian_event(noise_multiplier: float, sample_rate: float) -> dp_accounting.DpEvent:
-    """One release of the sampled Gaussian mechanism (no sampling event when ``q == 1``)."""
-    gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
-    if sample_rate >= 1.0:
-        return gaussian
-    return dp_accounting.PoissonSampledDpEvent(sample_rate, gaussian)
+History = tuple[tuple[dp_accounting.DpEvent, int], ...]
+"""A release history: ``(event, count)`` runs of identical releases, oldest first."""
 
 
-def runs_event(runs: Sequence[Run]) -> dp_accounting.DpEvent:
-    """The composition of runs of identical releases, as one ``dp_accounting`` event."""
-    parts = [
-        dp_accounting.SelfComposedDpEvent(sampled_gaussian_event(sigma, q), count)
-        for sigma, q, count in runs
-        if count > 0
-    ]
+def history_event(history: History) -> dp_accounting.DpEvent:
+    """The composition of a history, as one ``dp_accounting`` event."""
+    parts = [dp_accounting.SelfComposedDpEvent(event, count) for event, count in history if count > 0]
     if not parts:
         return dp_accounting.NoOpDpEvent()
     return parts[0] if len(parts) == 1 else dp_accounting.ComposedDpEvent(parts)
@@ -104,39 +97,72 @@ def _quiet_absl() -> Iterator[None]:
         absl_logger.setLevel(previous)
 
 
-_RDP_ORDERS = rdp_privacy_accountant.RdpAccountant().orders  # the orders every _rdp_curve is computed at
+RDP_ORDERS = np.asarray(rdp_privacy_accountant.RdpAccountant().orders, dtype=np.float64)
+"""The orders every RDP curve is computed at (dp_accounting's defaults)."""
 
 
-@lru_cache(maxsize=1024)
-def _rdp_curve(noise_multiplier: float, sample_rate: float) -> np.ndarray:
-    """RDP of one sampled Gaussian release at the accountant's orders (costly for small sigma)."""
-    with _quiet_absl():
-        return rdp_privacy_accountant.RdpAccountant().compose(
-            sampled_gaussian_event(noise_multiplier, sample_rate)).rdp.copy()
+@lru_cache(maxsize=2**17)
+def rdp_curve(event: dp_accounting.DpEvent) -> np.ndarray:
+    """RDP of one release of ``event`` at :data:`RDP_ORDERS` (read-only; cached per distinct event).
+
+    Unsampled Gaussian and Laplace events use the closed forms dp_accounting itself evaluates
+    (``alpha / (2 sigma^2)``; Mironov 2017, Prop. 6), without building an accountant per event, so
+    that a ledger of 10^5 releases with distinct noise stays fast; every other event is priced by
+    dp_accounting's ``RdpAccountant``.
+    """
+    if isinstance(event, dp_accounting.NonPrivateDpEvent):
+        curve = np.full(len(RDP_ORDERS), np.inf)
+    elif isinstance(event, dp_accounting.GaussianDpEvent):
+        curve = RDP_ORDERS / (2 * event.noise_multiplier**2)
+    elif isinstance(event, dp_accounting.LaplaceDpEvent):
+        epsilon = 1 / event.noise_multiplier
+        curve = np.array([_laplace_rdp(epsilon, order) for order in RDP_ORDERS])
+    else:
+        with _quiet_absl():
+            accountant = rdp_privacy_accountant.RdpAccountant()
+            if not accountant.supports(event):
+                raise PrivacyError(f"the RDP accountant cannot price {type(event).__name__}; use privacy.accountant "
+                                   "= 'pld'")
+            curve = accountant.compose(event).rdp.copy()
+    curve.setflags(write=False)
+    return curve
 
 
-def _rdp_epsilon(runs: tuple[Run, ...], delta: float) -> float:
-    """RDP composes additively: sum the cached per-release curves, then convert once."""
-    total = sum(count * _rdp_curve(sigma, q) for sigma, q, count in runs if count > 0)
-    epsilon, _ = rdp_privacy_accountant.compute_epsilon(_RDP_ORDERS, total, delta)
+def rdp_epsilon(total: np.ndarray, delta: float) -> float:
+    """Epsilon at ``delta`` of a composed RDP curve (dp_accounting's conversion; infinite orders are skipped)."""
+    epsilon, _ = rdp_privacy_accountant.compute_epsilon(RDP_ORDERS, total, delta)
     return float(epsilon)
 
 
+def rdp_total(history: History) -> np.ndarray | int:
+    """RDP composes additively: the sum of ``count`` times each event's curve, oldest first."""
+    return sum(count * rdp_curve(event) for event, count in history if count > 0)
+
+
 @lru_cache(maxsize=4096)
-def epsilon_of_runs(runs: tuple[Run, ...], delta: float, accountant: str = "pld") -> float:
+def epsilon_of_history(history: History, delta: float, accountant: str = "pld") -> float:
     """Epsilon spent at ``delta`` by a history of releases; cached because agents share histories."""
-    if not runs or all(count == 0 for _, _, count in runs):
+    history = tuple((event, count) for event, count in history if count > 0)
+    if not history:
         return 0.0
-    if any(sigma == 0 for sigma, _, count in runs if count > 0):
+    if any(isinstance(event, dp_accounting.NonPrivateDpEvent) for event, _ in history):
         return math.inf
     if accountant == "rdp":
-        return _rdp_epsilon(runs, delta)
-    smallest = min(sigma for sigma, _, count in runs if count > 0)
+        return rdp_epsilon(np.asarray(rdp_total(history)), delta)
+    smallest = min((multiplier for event, _ in history if (multiplier := _gaussian_multiplier(event)) is not None),
+                   default=math.inf)
     if accountant == "pld" and smallest < PLD_MIN_NOISE_MULTIPLIER:
         raise PrivacyError(f"PLD accounting is impractical for sigma = {smallest:g} < {PLD_MIN_NOISE_MULTIPLIER}; "
                            "use the RDP accountant")
     with _quiet_absl():
-        return float(make_accountant(accountant).compose(runs_event(runs)).get_epsilon(delta))
+        return float(make_accountant(accountant).compose(history_event(history)).get_epsilon(delta))
+
+
+def _gaussian_multiplier(event: dp_accounting.DpEvent) -> float | None:
+    """The noise multiplier of a (sampled) Gaussian event, else None."""
+    if isinstance(event, dp_accounting.PoissonSampledDpEvent):
+        event = event.event
+    return event.noise_multiplier if isinstance(event, dp_accounting.GaussianDpEvent) else None
 
 
 def epsilon_spent(
@@ -151,8 +177,8 @@ def epsilon_spent(
     check_sampling(sample_rate, steps, releases_per_step)
     if not 0 <= noise_multiplier <= _MAX_NOISE_MULTIPLIER:
         raise ConfigError("--sigma", f"must lie in [0, {_MAX_NOISE_MULTIPLIER:g}], got {noise_multiplier!r}")
-    return epsilon_of_runs(((float(noise_multiplier), float(sample_rate), int(steps * releases_per_step)),),
-                           float(delta), accountant)
+    event = gaussian_event(float(noise_multiplier), float(sample_rate))
+    return epsilon_of_history(((event, int(steps * releases_per_step)),), float(delta), accountant)
 
 
 def calibrate_noise_multiplier(
@@ -177,9 +203,25 @@ def calibrate_noise_multiplier(
     if math.isinf(target_epsilon):
         return 0.0
     count = int(steps * releases_per_step)
+    return calibrate_scale(lambda sigma: gaussian_event(sigma, float(sample_rate)), count, target_epsilon, delta,
+                           accountant, tolerance,
+                           describe=f"sample rate {sample_rate} over {count} releases")
 
-    def eps(sigma: float) -> float:
-        return epsilon_of_runs(((sigma, float(sample_rate), count),), float(delta), accountant)
+
+def calibrate_scale(event_of: Callable[[float], dp_accounting.DpEvent], count: int, target_epsilon: float,
+                    delta: float, accountant: str = "rdp", tolerance: float = 1e-4, describe: str = "") -> float:
+    """Smallest noise multiplier ``s`` such that ``count`` releases of ``event_of(s)`` stay within
+    (target_epsilon, delta): the calibration of any mechanism whose event grows more private with ``s``.
+
+    A bisection that always returns the *safe* end of its bracket, so the result never overshoots
+    the target under the same accountant (budget enforcement relies on this); within ``tolerance``
+    (relative) of the exact root.
+    """
+    if math.isinf(target_epsilon):
+        return 0.0
+
+    def eps(scale: float) -> float:
+        return epsilon_of_history(((event_of(scale), count),), float(delta), accountant)
 
     low, high = 0.0, 1.0
     while eps(high) > target_epsilon:
@@ -187,7 +229,7 @@ def calibrate_noise_multiplier(
         if high > _MAX_NOISE_MULTIPLIER:
             raise PrivacyError(
                 f"no noise multiplier up to {_MAX_NOISE_MULTIPLIER:g} reaches epsilon={target_epsilon} at "
-                f"delta={delta} with sample rate {sample_rate} over {count} releases; raise epsilon or delta"
+                f"delta={delta} with {describe or f'{count} releases'}; raise epsilon or delta"
             )
     while high - low > tolerance * high:
         middle = (low + high) / 2

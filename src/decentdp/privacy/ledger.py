@@ -1,64 +1,189 @@
-"""Per-agent privacy ledgers: what each agent actually released, and a budget it cannot exceed.
+"""Privacy ledgers: every event each agent released, who observed it, and a budget it cannot exceed.
 
-Following ``dp_accounting``'s design, the ledger stores *events* (what was released), never a
-formula computed beforehand; the epsilon we report is computed from those events afterwards.  Each
-agent's history is run-length encoded as runs of identical sampled Gaussian releases, which keeps
-a 2000-round history a handful of numbers and makes it serialisable into checkpoints.
+Following ``dp_accounting``'s design, the ledger stores *events* (immutable descriptions of what was
+released, :mod:`decentdp.privacy.events`), never a formula computed beforehand; every epsilon we
+report is computed from them afterwards.  Mechanisms write the events themselves
+(:mod:`decentdp.privacy.mechanisms`), so the ledger holds exactly what ran.
 
-Budget enforcement (``spend``) uses the same accountant as noise calibration (RDP by default),
-so that an agent whose noise was calibrated for its planned releases can make exactly those
-releases and no more.  Because epsilon grows monotonically with the number of identical releases,
-the check reduces to comparing a count with a cached maximum, which keeps it off the hot path.
+Three views, each a set of *accounts* (one release history each):
+
+* the **agent** view, account ``i``: everything agent ``i`` released, as seen by all observers
+  together (colluding neighbours, or the whole network).  Budgets are enforced on this view, and
+  its epsilon is the per-agent epsilon every run reports.
+* the **broadcast** view: what agent ``i`` released to *everyone*;
+* the **pair** view, account ``(i, j)``: what agent ``i`` released to receiver ``j`` alone (a
+  per-edge message, e.g. TOP-DP's per-receiver noise or a cross-gradient).
+
+What receiver ``j`` learned about ``i`` is the composition of ``i``'s broadcast and pair accounts:
+:meth:`PrivacyLedger.pairwise_epsilon`.  A release sent to one receiver charges the sender's agent
+account with the event the mechanism names for all observers together (which may be weaker than
+the per-receiver event, as when a receiver's protection relies on noise it does not know) and the
+pair account with the event that receiver observed.  The broadcast view is materialised only at the
+first per-receiver release (until then it equals the agent view).
+
+Storage keeps a run long enough for a million releases a handful of numbers, and
+:meth:`PrivacyLedger.charge` a few array operations over the accounts: each account's history is
+run-length encoded as runs of one event (closed runs in a list, the current run in arrays), with a
+running RDP total of its closed runs, so that composition stays linear in the number of releases
+whatever the events.  Beside it sits each account's *headroom*: how many more releases of one
+event fit in the budget, consulted again only when the agent's event changes.  With the RDP
+accountant the headroom has a closed form over the orders (checked against dp_accounting's
+conversion); with PLD it is a bisection over cached compositions.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any
 
+import dp_accounting
 import numpy as np
 
 from decentdp.errors import PrivacyError
-from decentdp.privacy.accounting import Run, check_epsilon_delta, epsilon_of_runs
+from decentdp.privacy.accounting import (
+    RDP_ORDERS,
+    History,
+    check_epsilon_delta,
+    epsilon_of_history,
+    rdp_curve,
+    rdp_epsilon,
+)
+from decentdp.privacy.events import EventTable
 
-_UNLIMITED = 1 << 40
+UNLIMITED = 1 << 40
+"""Headroom of an agent without a budget."""
+
+_NO_EVENT = -1
 
 
-@dataclass
-class ReleaseRun:
-    """Consecutive identical releases of one agent: ``count`` sampled Gaussian mechanisms."""
+class _Accounts:
+    """Run-length encoded release histories of a growing number of accounts (event ids of one table)."""
 
-    noise_multiplier: float
-    sample_rate: float
-    count: int
-    first_round: int
-    last_round: int
+    def __init__(self, size: int = 0) -> None:
+        self.closed: list[list[list[int]]] = []  # per account: closed runs [event, count, first_round, last_round]
+        self.closed_count = np.zeros(0, dtype=np.int64)
+        self.closed_rdp = np.zeros((0, len(RDP_ORDERS)))  # running RDP total of the closed runs, oldest first
+        self.event = np.zeros(0, dtype=np.int64)           # the current run (event id, or _NO_EVENT)
+        self.count = np.zeros(0, dtype=np.int64)
+        self.first = np.zeros(0, dtype=np.int64)
+        self.last = np.zeros(0, dtype=np.int64)
+        self.grow(size)
 
-    @property
-    def key(self) -> Run:
-        return (self.noise_multiplier, self.sample_rate, self.count)
+    def __len__(self) -> int:
+        return len(self.closed)
+
+    def grow(self, extra: int) -> None:
+        """Append ``extra`` empty accounts."""
+        self.closed.extend([] for _ in range(extra))
+        self.closed_count = np.concatenate([self.closed_count, np.zeros(extra, dtype=np.int64)])
+        self.closed_rdp = np.concatenate([self.closed_rdp, np.zeros((extra, len(RDP_ORDERS)))])
+        self.event = np.concatenate([self.event, np.full(extra, _NO_EVENT, dtype=np.int64)])
+        for name in ("count", "first", "last"):
+            setattr(self, name, np.concatenate([getattr(self, name), np.zeros(extra, dtype=np.int64)]))
+
+    def copy(self) -> _Accounts:
+        other = _Accounts()
+        other.closed = [[list(run) for run in runs] for runs in self.closed]
+        for name in ("closed_count", "closed_rdp", "event", "count", "first", "last"):
+            setattr(other, name, getattr(self, name).copy())
+        return other
+
+    def runs(self, account: int) -> list[list[int]]:
+        """The account's runs ``[event, count, first_round, last_round]``, oldest first (copies)."""
+        current = [[int(self.event[account]), int(self.count[account]), int(self.first[account]),
+                    int(self.last[account])]] if self.event[account] != _NO_EVENT else []
+        return [list(run) for run in self.closed[account]] + current
+
+    def history(self, account: int, table: EventTable) -> History:
+        return tuple((table[event], count) for event, count, _, _ in self.runs(account))
+
+    def releases(self) -> np.ndarray:
+        return self.closed_count + np.where(self.event != _NO_EVENT, self.count, 0)
+
+    def rdp(self, account: int, table: EventTable) -> np.ndarray:
+        """The account's RDP total, composed in the order :func:`~decentdp.privacy.accounting.rdp_total` uses."""
+        if self.event[account] == _NO_EVENT:
+            return self.closed_rdp[account]
+        return self.closed_rdp[account] + self.count[account] * rdp_curve(table[int(self.event[account])])
+
+    def record(self, round_index: int, accounts: np.ndarray, events: np.ndarray, count: int,
+               table: EventTable) -> None:
+        """Append ``count`` releases of ``events[k]`` to ``accounts[k]`` (distinct accounts)."""
+        extends = self.event[accounts] == events
+        for k in np.flatnonzero(~extends):  # a new run: close the current one (only when the event changes)
+            account = int(accounts[k])
+            if self.event[account] != _NO_EVENT:
+                event = int(self.event[account])
+                self.closed[account].append([event, int(self.count[account]), int(self.first[account]),
+                                             int(self.last[account])])
+                self.closed_count[account] += self.count[account]
+                self.closed_rdp[account] = self.closed_rdp[account] + self.count[account] * rdp_curve(table[event])
+        starts = accounts[~extends]
+        self.event[starts] = events[~extends]
+        self.count[starts] = 0
+        self.first[starts] = round_index
+        self.count[accounts] += count
+        self.last[accounts] = round_index
+
+    def state(self) -> list[list[list[int]]]:
+        return [self.runs(account) for account in range(len(self))]
+
+    @classmethod
+    def from_state(cls, saved: list[list[list[int]]], table: EventTable) -> _Accounts:
+        accounts = cls(len(saved))
+        for account, runs in enumerate(saved):
+            for event, count, first, last in runs:
+                accounts.record(first, np.array([account]), np.array([event]), count, table)
+                accounts.last[account] = last
+        return accounts
+
+
+def _fits(prefix_rdp: np.ndarray, history: History, event: dp_accounting.DpEvent, total: int, budget: float,
+          delta: float, accountant: str) -> bool:
+    """Whether ``history`` (whose closed part has RDP ``prefix_rdp``) followed by ``total`` releases of
+    ``event`` stays within ``budget``."""
+    if accountant == "rdp":  # (no releases: the prefix alone; 0 * an infinite order would be NaN)
+        return rdp_epsilon(prefix_rdp + total * rdp_curve(event) if total else prefix_rdp, delta) <= budget
+    return epsilon_of_history((*history, (event, total)), delta, accountant) <= budget
+
+
+def _rdp_guess(prefix_rdp: np.ndarray, event: dp_accounting.DpEvent, budget: float, delta: float) -> int:
+    """The largest total count ``c`` with RDP epsilon of ``prefix + c * curve`` within budget, solved per
+    order from dp_accounting's conversion ``eps = r + log1p(-1/a) - log(delta a) / (a - 1)``."""
+    curve = rdp_curve(event)
+    orders = RDP_ORDERS
+    usable = orders > 1.01
+    limit = budget - np.log1p(-1 / orders[usable]) + np.log(delta * orders[usable]) / (orders[usable] - 1)
+    room = (limit - prefix_rdp[usable]) / curve[usable]
+    room = room[np.isfinite(room)]
+    return int(min(UNLIMITED, max(-1.0, float(np.floor(room.max()))) if len(room) else -1))
 
 
 @lru_cache(maxsize=4096)
-def _max_count(prefix: tuple[Run, ...], sigma: float, q: float, delta: float, epsilon: float,
-               accountant: str) -> int:
-    """Largest ``c`` such that ``prefix`` followed by ``c`` releases ``(sigma, q)`` stays within epsilon."""
+def _max_count_pld(history: History, event: dp_accounting.DpEvent, budget: float, delta: float,
+                   accountant: str) -> int:
+    return _search(lambda total: _fits(np.zeros(0), history, event, total, budget, delta, accountant), 0)
 
-    def fits(count: int) -> bool:
-        return epsilon_of_runs((*prefix, (sigma, q, count)), delta, accountant) <= epsilon
 
+def _search(fits: Any, guess: int) -> int:
+    """Largest ``c >= 0`` with ``fits(c)`` (``-1`` if none), for monotone ``fits``, starting from ``guess``."""
     if not fits(0):
         return -1
-    high = 1
-    while fits(high):
-        if high >= _UNLIMITED:
-            return _UNLIMITED
-        high *= 2
-    low = high // 2  # fits(low) holds, fits(high) does not
-    while high - low > 1:
+    low = max(0, guess)
+    if not fits(low):
+        high = low
+        low = 0
+    else:
+        step = 1
+        high = low + step
+        while fits(high):  # usually one check: the guess is exact
+            if high >= UNLIMITED:
+                return UNLIMITED
+            low, step = high, step * 2
+            high = low + step
+    while high - low > 1:  # fits(low), not fits(high)
         middle = (low + high) // 2
         if fits(middle):
             low = middle
@@ -68,142 +193,144 @@ def _max_count(prefix: tuple[Run, ...], sigma: float, q: float, delta: float, ep
 
 
 class PrivacyLedger:
-    """The release history and (epsilon, delta) budget of every agent.
+    """The release histories and (epsilon, delta) budgets of the agents an engine holds.
 
     Parameters
     ----------
-    n_agents:
-        Number of agents the ledger covers (global agent ids ``0..n_agents-1``).
+    agent_ids:
+        Global ids of the agents this ledger covers, in the order of their local rows (a shard of a
+        multi-machine run holds only its own agents'; the simulator holds ``0..N-1``).  An int ``n``
+        means ``range(n)``.
     epsilon:
-        Budget per agent: one number for all, or one per agent; ``math.inf`` means no budget
-        (non-private runs record their releases as ``sigma = 0`` and report infinite epsilon).
+        Budget per agent (one number for all, or one per agent); ``math.inf`` means no budget.
     delta:
         The delta at which budgets are enforced and epsilon is reported.
     budget_accountant:
-        Accountant used to enforce the budget; it should be the one that calibrated the noise.
-
-    Storage, laid out so that :meth:`spend` is a handful of array operations over all agents:
-    each agent's *closed* runs (all but the last) are ``ReleaseRun`` objects, and its *current*
-    (last) run lives in per-agent arrays (``sigma``, ``q``, ``count``, first and last round).
-    Next to it sits a cache of the agent's *headroom*: how many more releases of one ``(sigma, q)``
-    fit in its budget after everything recorded so far.  Recording ``r`` releases of that same
-    ``(sigma, q)`` lowers the headroom by exactly ``r`` (they extend the current run, or start a new
-    one after the same history), so the accountant is consulted only when an agent asks for a
-    ``(sigma, q)`` other than the cached one: at its first release, and when its noise or rate
-    changes.
+        Accountant used to enforce budgets; it should be the one that calibrated the noise, so that
+        an agent can make exactly its planned releases and no more.
     """
 
-    def __init__(self, n_agents: int, epsilon: float | Sequence[float], delta: float,
+    def __init__(self, agent_ids: int | Sequence[int], epsilon: float | Sequence[float], delta: float,
                  budget_accountant: str = "rdp") -> None:
-        budgets = np.broadcast_to(np.asarray(epsilon, dtype=np.float64), (n_agents,)).copy()
+        ids = np.arange(agent_ids) if isinstance(agent_ids, int | np.integer) else np.asarray(agent_ids)
+        n = len(ids)
+        budgets = np.broadcast_to(np.asarray(epsilon, dtype=np.float64), (n,)).copy()
         for value in budgets:
             check_epsilon_delta(float(value), delta)
-        self.n_agents = n_agents
+        self.agent_ids = ids.astype(np.int64)
         self.budgets = budgets
         self.delta = float(delta)
         self.budget_accountant = budget_accountant
-        self.refused = np.zeros(n_agents, dtype=np.int64)
-        self._closed: list[list[ReleaseRun]] = [[] for _ in range(n_agents)]
-        self._closed_releases = np.zeros(n_agents, dtype=np.int64)  # total count of the closed runs
-        self._has_run = np.zeros(n_agents, dtype=bool)  # whether the current-run arrays hold a run
-        self._sigma = np.zeros(n_agents, dtype=np.float64)
-        self._q = np.zeros(n_agents, dtype=np.float64)
-        self._count = np.zeros(n_agents, dtype=np.int64)
-        self._first_round = np.zeros(n_agents, dtype=np.int64)
-        self._last_round = np.zeros(n_agents, dtype=np.int64)
-        # Headroom cache: `_room` more releases of (`_room_sigma`, `_room_q`) fit; NaN keys never match.
-        self._room_sigma = np.full(n_agents, np.nan)
-        self._room_q = np.full(n_agents, np.nan)
-        self._room = np.zeros(n_agents, dtype=np.int64)
-
-    def _current(self, agent: int) -> ReleaseRun:
-        """The agent's current (last) run as a new ``ReleaseRun``; only valid where ``_has_run``."""
-        return ReleaseRun(float(self._sigma[agent]), float(self._q[agent]), int(self._count[agent]),
-                          int(self._first_round[agent]), int(self._last_round[agent]))
-
-    def agent_runs(self, agent: int) -> list[ReleaseRun]:
-        """The agent's release runs, oldest first (new objects: editing them does not edit the ledger)."""
-        closed = [ReleaseRun(**asdict(run)) for run in self._closed[agent]]
-        return [*closed, self._current(agent)] if self._has_run[agent] else closed
+        self.refused = np.zeros(n, dtype=np.int64)
+        self.events = EventTable()
+        self._agents = _Accounts(n)
+        self._broadcast: _Accounts | None = None  # materialised at the first per-receiver release
+        self._pairs = _Accounts()
+        self._pair_index: dict[tuple[int, int], int] = {}  # (local row, receiver id) -> pair account
+        self._room_event = np.full(n, _NO_EVENT, dtype=np.int64)  # headroom cache: `_room` more releases
+        self._room = np.zeros(n, dtype=np.int64)                 # of event `_room_event` fit
 
     @property
-    def runs(self) -> list[list[ReleaseRun]]:
-        """Every agent's release runs (a snapshot; see :meth:`agent_runs`)."""
-        return [self.agent_runs(agent) for agent in range(self.n_agents)]
+    def n_agents(self) -> int:
+        return len(self.agent_ids)
 
-    def history(self, agent: int) -> tuple[Run, ...]:
-        """The agent's releases as ``(sigma, q, count)`` runs, the input of the accountants."""
-        closed = tuple(run.key for run in self._closed[agent])
-        return (*closed, self._current(agent).key) if self._has_run[agent] else closed
+    def intern(self, event: dp_accounting.DpEvent) -> int:
+        """The id under which this ledger stores ``event``."""
+        return self.events.intern(event)
 
     def releases(self) -> np.ndarray:
-        """Total number of noisy releases per agent."""
-        return self._closed_releases + np.where(self._has_run, self._count, 0)
+        """Number of releases per agent (agent view)."""
+        return self._agents.releases()
 
-    def _headroom(self, agent: int, sigma: float, q: float) -> int:
-        """How many more ``(sigma, q)`` releases the agent may make within its budget (from the accountant)."""
+    def history(self, agent: int) -> History:
+        """Agent ``agent``'s (local row) releases in the agent view, as ``(event, count)`` runs."""
+        return self._agents.history(agent, self.events)
+
+    # -- charging ------------------------------------------------------------------------------------------
+    def _headroom(self, agent: int, event_id: int) -> int:
+        """How many more releases of ``event_id`` agent ``agent`` may make within its budget."""
         budget = float(self.budgets[agent])
         if math.isinf(budget):
-            return _UNLIMITED
-        if sigma <= 0:
+            return UNLIMITED
+        event = self.events[event_id]
+        if isinstance(event, dp_accounting.NonPrivateDpEvent):
             return 0
+        accounts = self._agents
+        extends = accounts.event[agent] == event_id
+        done = int(accounts.count[agent]) if extends else 0
+        prefix = accounts.closed_rdp[agent] if extends else accounts.rdp(agent, self.events)
         history = self.history(agent)
-        if self._has_run[agent] and (float(self._sigma[agent]), float(self._q[agent])) == (sigma, q):
-            prefix, done = history[:-1], int(self._count[agent])
-        else:
-            prefix, done = history, 0
-        return _max_count(prefix, sigma, q, self.delta, budget, self.budget_accountant) - done
+        history = history[:-1] if extends else history
+        if self.budget_accountant == "rdp":
+            def fits(total: int) -> bool:
+                return _fits(prefix, history, event, total, budget, self.delta, "rdp")
 
-    def spend(self, round_index: int, noise_multipliers: np.ndarray, sample_rates: np.ndarray,
-              releases: int, agents: np.ndarray | None = None) -> np.ndarray:
-        """Record ``releases`` sampled Gaussian releases for every agent whose budget allows them.
+            return _search(fits, _rdp_guess(prefix, event, budget, self.delta)) - done
+        return _max_count_pld(history, event, budget, self.delta, self.budget_accountant) - done
 
-        Returns a boolean mask of the agents that were authorised (and recorded).  The caller must
-        discard the data-dependent output of every agent not in the mask: such an agent has not
-        released anything this round, and its refusal is counted in ``refused``.  ``agents`` (a
-        boolean mask) restricts the request to a subset (e.g. the agents awake in an asynchronous
-        round); by default all agents ask.
+    def charge(self, round_index: int, events: np.ndarray, *, agents: np.ndarray | None = None, count: int = 1,
+               senders: np.ndarray | None = None, receivers: np.ndarray | None = None,
+               receiver_events: np.ndarray | None = None) -> np.ndarray:
+        """Record ``count`` releases of ``events[i]`` (event ids) by every asking agent whose budget allows them.
 
-        Array operations over all agents, except for agents whose cached headroom is for another
-        ``(sigma, q)`` (the accountant is asked) and agents that start a new run after an old one
-        (the old run is stored as a ``ReleaseRun``); both happen only when an agent's mechanism
-        changes, never in a steady state.
+        ``agents`` (a boolean mask over local rows) says who asks; by default all.  Returns the mask of
+        agents authorised (and recorded): the caller must discard the data-dependent output of every
+        other agent, which has released nothing; its refusal is counted in ``refused``.
+
+        Without ``receivers`` the release is a broadcast: every observer sees ``events[i]``.  With
+        them, it is a set of per-receiver messages: message ``m`` goes from local row ``senders[m]``
+        to global id ``receivers[m]``, which observes ``receiver_events[m]``, while ``events[i]``
+        describes what all of ``i``'s receivers learn together (the budgeted agent view).
         """
         n = self.n_agents
-        asking = np.ones(n, dtype=bool) if agents is None else np.asarray(agents, dtype=bool)
-        sigma = np.asarray(noise_multipliers, dtype=np.float64).reshape(n)
-        q = np.asarray(sample_rates, dtype=np.float64).reshape(n)
-        releases = int(releases)
-        if releases < 0:
-            raise ValueError(f"releases must be non-negative, got {releases}")
-
-        stale = asking & ~((sigma == self._room_sigma) & (q == self._room_q))
+        asking = np.ones(n, dtype=bool) if agents is None else np.asarray(agents, dtype=bool).reshape(n)
+        events = np.asarray(events, dtype=np.int64).reshape(n)
+        if count < 0:
+            raise ValueError(f"count must be non-negative, got {count}")
+        stale = asking & (events != self._room_event)
         for agent in np.flatnonzero(stale):
-            self._room[agent] = self._headroom(agent, float(sigma[agent]), float(q[agent]))
-            self._room_sigma[agent], self._room_q[agent] = sigma[agent], q[agent]
-
-        allowed = asking & (self._room >= releases)
+            self._room[agent] = self._headroom(int(agent), int(events[agent]))
+            self._room_event[agent] = events[agent]
+        allowed = asking & (self._room >= count)
         self.refused[asking & ~allowed] += 1
-
-        extends = allowed & self._has_run & (self._sigma == sigma) & (self._q == q)
-        starts = allowed & ~extends
-        for agent in np.flatnonzero(starts & self._has_run):
-            self._closed[agent].append(self._current(agent))
-        self._closed_releases[starts] += np.where(self._has_run, self._count, 0)[starts]
-        self._has_run[starts] = True
-        self._sigma[starts], self._q[starts] = sigma[starts], q[starts]
-        self._count[starts] = 0
-        self._first_round[starts] = round_index
-
-        self._count[allowed] += releases
-        self._last_round[allowed] = round_index
-        self._room[allowed & np.isfinite(self.budgets)] -= releases  # an infinite budget stays _UNLIMITED
+        rows = np.flatnonzero(allowed)
+        if receivers is None:
+            self._agents.record(round_index, rows, events[rows], count, self.events)
+            if self._broadcast is not None:
+                self._broadcast.record(round_index, rows, events[rows], count, self.events)
+        else:
+            if self._broadcast is None:
+                self._broadcast = self._agents.copy()  # everything so far was broadcast
+            self._agents.record(round_index, rows, events[rows], count, self.events)
+            self._charge_pairs(round_index, allowed, senders, receivers, receiver_events, count)
+        self._room[allowed & np.isfinite(self.budgets)] -= count  # an infinite budget stays UNLIMITED
         return allowed
 
+    def _charge_pairs(self, round_index: int, allowed: np.ndarray, senders: np.ndarray | None,
+                      receivers: np.ndarray, receiver_events: np.ndarray | None, count: int) -> None:
+        if senders is None or receiver_events is None:
+            raise ValueError("a per-receiver release needs senders, receivers and receiver_events")
+        senders = np.asarray(senders, dtype=np.int64)
+        receivers = np.asarray(receivers, dtype=np.int64)
+        receiver_events = np.asarray(receiver_events, dtype=np.int64)
+        keep = allowed[senders]
+        pairs = list(zip(senders[keep].tolist(), receivers[keep].tolist(), strict=True))
+        if len(set(pairs)) != len(pairs):
+            raise ValueError("a per-receiver release sends at most one message per (sender, receiver) pair")
+        new = [pair for pair in pairs if pair not in self._pair_index]
+        for pair in new:
+            self._pair_index[pair] = len(self._pair_index)
+        self._pairs.grow(len(new))
+        accounts = np.array([self._pair_index[pair] for pair in pairs], dtype=np.int64)
+        self._pairs.record(round_index, accounts, receiver_events[keep], count, self.events)
+
+    # -- reporting -----------------------------------------------------------------------------------------
     def epsilon(self, accountant: str = "pld", delta: float | None = None) -> np.ndarray:
-        """Epsilon each agent has spent so far, from its recorded releases."""
+        """Epsilon each agent has spent so far against all observers together (agent view)."""
         at = self.delta if delta is None else float(delta)
-        return np.array([epsilon_of_runs(self.history(agent), at, accountant) for agent in range(self.n_agents)])
+        if accountant == "rdp":
+            return np.array([rdp_epsilon(self._agents.rdp(agent, self.events), at) for agent in range(self.n_agents)])
+        return np.array([epsilon_of_history(self.history(agent), at, accountant) for agent in range(self.n_agents)])
 
     def reported_epsilon(self) -> tuple[np.ndarray, str]:
         """Epsilon per agent by PLD (tight), or by RDP where PLD is impractical; with the accountant's name."""
@@ -212,30 +339,57 @@ class PrivacyLedger:
         except PrivacyError:
             return self.epsilon("rdp"), "rdp"
 
+    @property
+    def has_receiver_releases(self) -> bool:
+        """Whether any release went to a single receiver (else the pairwise view equals the agent view)."""
+        return self._broadcast is not None
+
+    def pairwise_epsilon(self, accountant: str = "rdp", n_total: int | None = None,
+                         delta: float | None = None) -> np.ndarray:
+        """``(n_local, n_total)``: entry ``(i, j)`` is the epsilon of what global agent ``j`` observed of
+        local agent ``i`` (its broadcasts and the messages sent to ``j`` alone); 0 on the diagonal."""
+        at = self.delta if delta is None else float(delta)
+        width = int(n_total if n_total is not None else self.agent_ids.max() + 1)
+        broadcast = self._broadcast if self._broadcast is not None else self._agents
+        table = self.events
+
+        def epsilon(history: History, rdp: np.ndarray) -> float:
+            return rdp_epsilon(rdp, at) if accountant == "rdp" else epsilon_of_history(history, at, accountant)
+
+        out = np.empty((self.n_agents, width))
+        for agent in range(self.n_agents):
+            out[agent] = epsilon(broadcast.history(agent, table), broadcast.rdp(agent, table))
+        for (agent, receiver), account in self._pair_index.items():
+            out[agent, receiver] = epsilon((*broadcast.history(agent, table), *self._pairs.history(account, table)),
+                                           broadcast.rdp(agent, table) + self._pairs.rdp(account, table))
+        out[np.arange(self.n_agents), self.agent_ids] = 0.0
+        return out
+
+    # -- persistence ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """A JSON-serialisable snapshot (for checkpoints and the results folder)."""
         return {
+            "agent_ids": self.agent_ids.tolist(),
             "budgets": [float(b) for b in self.budgets],
             "delta": self.delta,
             "budget_accountant": self.budget_accountant,
             "refused": self.refused.tolist(),
-            "runs": [[asdict(run) for run in self.agent_runs(agent)] for agent in range(self.n_agents)],
+            "events": self.events.to_json(),
+            "agent_runs": self._agents.state(),
+            "broadcast_runs": self._broadcast.state() if self._broadcast is not None else None,
+            "pairs": [[agent, receiver, self._pairs.runs(account)]
+                      for (agent, receiver), account in self._pair_index.items()],
         }
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> PrivacyLedger:
         """Rebuild a ledger saved with :meth:`state_dict` (the headroom cache is rebuilt on first use)."""
-        ledger = cls(len(state["budgets"]), state["budgets"], state["delta"], state["budget_accountant"])
+        ledger = cls(state["agent_ids"], state["budgets"], state["delta"], state["budget_accountant"])
         ledger.refused = np.asarray(state["refused"], dtype=np.int64).reshape(ledger.n_agents).copy()
-        for agent, saved in enumerate(state["runs"]):
-            runs = [ReleaseRun(**run) for run in saved]
-            if not runs:
-                continue
-            *closed, current = runs
-            ledger._closed[agent] = closed
-            ledger._closed_releases[agent] = sum(run.count for run in closed)
-            ledger._has_run[agent] = True
-            ledger._sigma[agent], ledger._q[agent] = current.noise_multiplier, current.sample_rate
-            ledger._count[agent] = current.count
-            ledger._first_round[agent], ledger._last_round[agent] = current.first_round, current.last_round
+        ledger.events = EventTable.from_json(state["events"])
+        ledger._agents = _Accounts.from_state(state["agent_runs"], ledger.events)
+        if state["broadcast_runs"] is not None:
+            ledger._broadcast = _Accounts.from_state(state["broadcast_runs"], ledger.events)
+        ledger._pair_index = {(int(agent), int(receiver)): k for k, (agent, receiver, _) in enumerate(state["pairs"])}
+        ledger._pairs = _Accounts.from_state([runs for _, _, runs in state["pairs"]], ledger.events)
         return ledger

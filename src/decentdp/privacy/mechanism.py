@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from decentdp.gradients.flat_model import FlatModel
-from decentdp.util.profiling import NO_TIMER, PhaseTimer
-from decentdp.runtime.rng import AgentRandom, Stream
-from decentdp.runtime.sampling import PoissonSampler
 from decentdp.privacy.ledger import PrivacyLedger
+from decentdp.privacy.sampling import PoissonSampler
+from decentdp.rng import AgentRandom, Stream
+from decentdp.util.profiling import NO_TIMER, PhaseTimer
 
 #: Noise is drawn into a buffer of at most this many bytes and added block by block.
 NOISE_BLOCK_BYTES = 64 * 2**20

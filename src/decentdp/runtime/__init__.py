@@ -1,1 +1,1 @@
-"""The runtime that runs algorithms: the round loop, the scheduler, message passing, keyed randomness, Poisson sampling, evaluation."""
+"""The runtime that runs algorithms: the round loop, the scheduler, message passing, evaluation."""

@@ -1,20 +1,17 @@
-"""The one interface through which agents exchange messages.
+"""The in-process implementation of the message-passing protocol, and graphs that change per round.
 
-Algorithms never index another agent's rows directly: everything that crosses an edge goes
-through a :class:`Network` (message -> aggregate, as in PyTorch Geometric's ``MessagePassing``).
-That keeps the privacy boundary visible (what crosses an edge must already be a private release
-or a post-processing of one) and lets engines change underneath: the in-process
-:class:`SimulatedNetwork` implements it with matrix products over all ``N`` agents, a
-multi-machine engine implements the same methods over the shard of agents a process holds.
-
-Conventions: tensors are indexed by agent along dimension 0; an edge ``e = (src, dst)`` is
-directed, and every undirected link of the graph appears as two directed edges.
+:class:`~decentdp.algorithms.base.Network` (declared beside the algorithms that use it) is the one
+interface through which agents exchange messages.  :class:`SimulatedNetwork` implements it with
+matrix products over all ``N`` agents of one process: agent ids equal rows, out-edges equal
+in-edges, and ``exchange`` delivers every message unchanged.  A multi-machine engine implements the
+same methods over the shard of agents a process holds.  :class:`GraphSequence` gives each round its
+network: the same one throughout, or a graph redrawn every few rounds (Muffliato).
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Protocol
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -29,61 +26,33 @@ _SPARSE_MAX_DENSITY = 0.15
 _SPARSE_ROW_BLOCK = 8
 
 
-class Network(Protocol):
-    """Message passing among the agents an engine holds."""
-
-    n_agents: int
-    edges: torch.Tensor    # (E, 2) directed edges (src, dst)
-    degrees: torch.Tensor  # (N,) number of neighbours, excluding self
-
-    def mix(self, x: torch.Tensor) -> torch.Tensor:
-        """Gossip averaging ``x_i <- sum_j w_ij x_j`` with the mixing matrix W (DSGD, DSGT).
-
-        Returns a new tensor that the caller owns (DSGD updates it in place)."""
-        ...
-
-    def mix_add(self, x: torch.Tensor, into: torch.Tensor, alpha: float) -> torch.Tensor:
-        """``W x + alpha * into``, computed in ``into``'s storage (a temporary the caller owns) and
-        returned: a gossip step and an update without a second ``(N, d)`` matrix."""
-        ...
-
-    def neighbor_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """``sum_{j in N(i)} x_j`` over neighbours, excluding ``i`` itself (DiNNO's penalties)."""
-        ...
-
-    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
-        """Each agent sends the same value to all neighbours: the ``(E, ...)`` messages as received."""
-        ...
-
-    def exchange(self, messages: torch.Tensor) -> torch.Tensor:
-        """Deliver per-edge messages ``(E, ...)`` computed by each edge's sender; returns them as received."""
-        ...
-
-    def aggregate(self, received: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        """Sum (optionally weighted by ``weights`` (E,)) the messages each agent received: ``(N, ...)``."""
-        ...
-
-    def swap(self, x: torch.Tensor, partner: torch.Tensor) -> torch.Tensor:
-        """Pairwise exchange: row ``i`` of the result is ``x[partner[i]]`` (``partner[i] == i``: idle)."""
-        ...
-
-
 class SimulatedNetwork:
     """All agents in one process: every exchange is a tensor operation, messages arrive unchanged."""
 
-    def __init__(self, topology: Topology, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, topology: Topology, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         self.topology = topology
+        self.device = torch.device(device)
         self.n_agents = topology.n_agents
-        self.edges = torch.tensor(topology.edges(), dtype=torch.long).reshape(-1, 2)
+        self.n_total = topology.n_agents
+        self.agent_ids = torch.arange(self.n_agents, device=self.device)
+        edges = torch.tensor(topology.edges(), dtype=torch.long, device=self.device).reshape(-1, 2)
+        self.out_edges = edges  # one process: every edge leaves and arrives here, in one order
+        self.in_edges = edges
         adjacency = topology.adjacency()
-        self.degrees = torch.tensor(adjacency.sum(axis=1), dtype=dtype)
+        self.degrees = torch.tensor(adjacency.sum(axis=1), dtype=dtype, device=self.device)
         self._mixing = self._operator(topology.mixing, dtype)
         self._adjacency = self._operator(adjacency, dtype)
-        self._neighbours = {(int(s), int(d)) for s, d in self.edges.tolist()}
+        self.in_weights = torch.tensor(topology.mixing[edges[:, 1].cpu().numpy(), edges[:, 0].cpu().numpy()],
+                                       dtype=dtype, device=self.device)
+        self._neighbours = {(int(s), int(d)) for s, d in edges.tolist()}
+
+    def rows(self, agent_ids: torch.Tensor) -> torch.Tensor:
+        return agent_ids
 
     def _operator(self, matrix: np.ndarray, dtype: torch.dtype) -> torch.Tensor | list[tuple[slice, torch.Tensor]]:
         """The matrix as a dense tensor, or, when sparse enough, as CSR blocks of consecutive rows."""
-        dense = torch.tensor(matrix, dtype=dtype)
+        dense = torch.tensor(matrix, dtype=dtype, device=self.device)
         if np.count_nonzero(matrix) > _SPARSE_MAX_DENSITY * matrix.size:
             return dense
         with warnings.catch_warnings():  # "sparse CSR support is in beta": matmul with CSR is all we use
@@ -97,7 +66,8 @@ class SimulatedNetwork:
         result, so sparse operators are applied block by block of rows, into the output."""
         if isinstance(operator, torch.Tensor):
             return operator @ x
-        out = torch.empty(operator[-1][0].start + operator[-1][1].shape[0], *x.shape[1:], dtype=x.dtype)
+        out = torch.empty(operator[-1][0].start + operator[-1][1].shape[0], *x.shape[1:], dtype=x.dtype,
+                          device=x.device)
         for rows, block in operator:
             out[rows] = block @ x
         return out
@@ -116,7 +86,7 @@ class SimulatedNetwork:
         return self._apply(self._adjacency, x)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
-        return self.exchange(x[self.edges[:, 0]])
+        return self.exchange(x[self.out_edges[:, 0]])
 
     def exchange(self, messages: torch.Tensor) -> torch.Tensor:
         return messages
@@ -124,11 +94,39 @@ class SimulatedNetwork:
     def aggregate(self, received: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         if weights is not None:
             received = received * weights.reshape(-1, *([1] * (received.dim() - 1)))
-        out = torch.zeros(self.n_agents, *received.shape[1:], dtype=received.dtype)
-        return out.index_add_(0, self.edges[:, 1], received)
+        out = torch.zeros(self.n_agents, *received.shape[1:], dtype=received.dtype, device=received.device)
+        return out.index_add_(0, self.in_edges[:, 1], received)
 
     def swap(self, x: torch.Tensor, partner: torch.Tensor) -> torch.Tensor:
-        for agent, other in enumerate(partner.tolist()):
-            if other != agent and ((agent, other) not in self._neighbours or int(partner[other]) != agent):
-                raise ValueError(f"agents {agent} and {other} are not a pair of neighbours in this round")
+        check_pairs(partner.tolist(), self._neighbours)
         return x[partner]
+
+
+def check_pairs(partner: list[int], neighbours: set[tuple[int, int]]) -> None:
+    """``partner[i] == j`` must mean that ``i`` and ``j`` are neighbours and ``partner[j] == i`` (``j == i``: idle)."""
+    for agent, other in enumerate(partner):
+        if other != agent and ((agent, other) not in neighbours or partner[other] != agent):
+            raise ValueError(f"agents {agent} and {other} are not a pair of neighbours in this round")
+
+
+class GraphSequence:
+    """The network of each round: fixed, or redrawn every ``redraw_every`` rounds by ``build(epoch)``.
+
+    A redrawn graph depends only on its epoch (``round // redraw_every``), so runs stay reproducible
+    and resumable; the current epoch's network is kept, not rebuilt every round."""
+
+    def __init__(self, first: SimulatedNetwork, build: Callable[[int], SimulatedNetwork] | None = None,
+                 redraw_every: int = 0) -> None:
+        if (build is None) != (redraw_every == 0):
+            raise ValueError("a redrawn graph needs both a builder and redraw_every > 0")
+        self._build = build
+        self.redraw_every = redraw_every
+        self._epoch, self._network = 0, first
+
+    def at(self, round_index: int) -> SimulatedNetwork:
+        if self._build is None or round_index < 0:
+            return self._network
+        epoch = round_index // self.redraw_every
+        if epoch != self._epoch:
+            self._epoch, self._network = epoch, self._build(epoch)
+        return self._network

@@ -1,9 +1,11 @@
 """The in-process simulator: N agents stacked in tensors, one round a handful of batched kernels.
 
-The simulator owns the round loop and nothing else: it hands the algorithm a
-:class:`~decentdp.algorithms.base.RoundContext` (learning rate, network, gradient oracle) and
-calls back after each round, so that the experiment runner can evaluate, log and checkpoint.
-Rounds are synchronous (Jacobi): every agent computes from the previous round's values.
+The simulator owns the round loop and nothing else.  For each round it takes the round's network
+(fixed or redrawn, :class:`~decentdp.runtime.network.GraphSequence`), asks the scheduler who is
+active, opens the round at the oracle (which then samples, computes and charges only those agents),
+hands the algorithm a :class:`~decentdp.algorithms.base.RoundContext`, and calls back after the
+round so that the runner can evaluate, log and checkpoint.  A run may start with a setup phase
+(:data:`~decentdp.privacy.oracle.SETUP_ROUND`), e.g. a private warm start, with releases of its own.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decentdp.algorithms.base import Algorithm, RoundContext, State
-from decentdp.runtime.network import Network
-from decentdp.util.profiling import NO_TIMER, PhaseTimer
+from decentdp.algorithms.base import Algorithm, RoundContext, RoundPlan, State
+from decentdp.privacy.oracle import SETUP_ROUND, DataOracle
+from decentdp.rng import AgentRandom
+from decentdp.runtime.network import GraphSequence
+from decentdp.runtime.scheduler import Scheduler
 from decentdp.runtime.schedules import Schedule
-from decentdp.privacy.mechanism import GradientOracle
+from decentdp.util.profiling import NO_TIMER, PhaseTimer
 
 RoundHook = Callable[[int, State], bool]
 """Called after round ``k`` (1-based count of completed rounds) with the new state; return False to stop."""
@@ -28,16 +32,35 @@ class Simulator:
     """Runs an algorithm's rounds over all agents held in this process."""
 
     algorithm: Algorithm
-    network: Network
-    gradient: GradientOracle
+    graphs: GraphSequence
+    oracle: DataOracle
+    scheduler: Scheduler
     schedule: Schedule
+    rng: AgentRandom
     timer: PhaseTimer = field(default=NO_TIMER)
+    #: Wraps each round's network (the profiler times its calls as communication).
+    wrap_network: Callable[[object], object] = field(default=lambda network: network)
+
+    def context(self, round_index: int) -> RoundContext:
+        """Open ``round_index`` (or the setup phase) and build the algorithm's view of it."""
+        network = self.graphs.at(round_index)
+        plan: RoundPlan | None = None
+        if round_index != SETUP_ROUND and not self.scheduler.everyone_always:
+            plan = self.scheduler.plan(round_index, network)
+        self.oracle.begin(round_index, None if plan is None else plan.active)
+        lr = self.schedule(max(round_index, 0))
+        return RoundContext(round_index, lr, self.wrap_network(network), self.oracle, plan, self.rng)
+
+    def setup(self, state: State) -> State:
+        """The algorithm's setup phase (before round 0)."""
+        with torch.no_grad():
+            return self.algorithm.setup(state, self.context(SETUP_ROUND))
 
     def run(self, state: State, start_round: int, rounds: int, after_round: RoundHook) -> State:
         """Run rounds ``start_round .. rounds-1``; stops early when ``after_round`` returns False."""
         with torch.no_grad():
             for k in range(start_round, rounds):
-                ctx = RoundContext(round_index=k, lr=self.schedule(k), network=self.network, gradient=self.gradient)
+                ctx = self.context(k)
                 with self.timer.phase("round"):
                     state = self.algorithm.round(state, ctx)
                 self.timer.count_round()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decentdp.runtime.rng import AgentRandom, Stream
+from decentdp.rng import AgentRandom, Stream
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ needs only its own agents' keys.  A *round-wide* stream (:meth:`AgentRandom.roun
 one generator for a whole round and purpose, used where one vectorised draw over every agent is
 much cheaper than one generator per agent (Poisson sampling).  A round-wide stream stays
 independent of sharding as long as every shard draws the *whole* vector and keeps its agents'
-slices (see :class:`~decentdp.runtime.sampling.PoissonSampler`); its key uses the agent placeholder
+slices (see :class:`~decentdp.privacy.sampling.PoissonSampler`); its key uses the agent placeholder
 ``*``, which no per-agent key (an integer agent id) can equal, so the two kinds never collide.
 """
 
@@ -34,21 +34,28 @@ class Stream(IntEnum):
 
     SAMPLING = 1
     NOISE = 2
+    SCHEDULE = 3  #: public choices of the scheduler (who is online, who pairs with whom)
+    PUBLIC = 4    #: public choices of an algorithm (e.g. a random neighbour)
 
 
 #: The agent field of round-wide keys; per-agent keys hold a decimal integer there instead.
 ROUND_WIDE = "*"
 
 
-def _key_seed(seed: int, agent: int | str, round_index: int, stream: Stream, step: int, secret: bytes) -> int:
-    """The 63-bit seed of one key: the first 8 bytes of SHA-256(secret + key), shifted to 63 bits."""
-    key = f"{seed}/{agent}/{round_index}/{int(stream)}/{step}".encode()
-    return int.from_bytes(hashlib.sha256(secret + key).digest()[:8], "little") >> 1
+def _key_seed(seed: int, agent: int | str, round_index: int, stream: Stream, step: int, secret: bytes,
+              slot: int | None = None) -> int:
+    """The 63-bit seed of one key: the first 8 bytes of SHA-256(secret + key), shifted to 63 bits.
+
+    ``slot`` (e.g. the receiver of a per-edge message) extends the key only when given, so keys
+    without one are those of earlier versions and runs stay reproducible across versions."""
+    key = f"{seed}/{agent}/{round_index}/{int(stream)}/{step}" + ("" if slot is None else f"/{slot}")
+    return int.from_bytes(hashlib.sha256(secret + key.encode()).digest()[:8], "little") >> 1
 
 
-def stream_seed(seed: int, agent: int, round_index: int, stream: Stream, step: int = 0, secret: bytes = b"") -> int:
+def stream_seed(seed: int, agent: int, round_index: int, stream: Stream, step: int = 0, secret: bytes = b"",
+                slot: int | None = None) -> int:
     """A 63-bit seed derived from the key (and an optional secret) by SHA-256."""
-    return _key_seed(seed, int(agent), round_index, stream, step, secret)
+    return _key_seed(seed, int(agent), round_index, stream, step, secret, slot)
 
 
 def round_stream_seed(seed: int, round_index: int, stream: Stream, step: int = 0, secret: bytes = b"") -> int:
@@ -68,13 +75,14 @@ class AgentRandom:
     deployment should draw its noise from a vetted source.
     """
 
-    def __init__(self, seed: int, secret: bytes = b"") -> None:
+    def __init__(self, seed: int, secret: bytes = b"", device: torch.device | str = "cpu") -> None:
         self.seed = int(seed)
         self.secret = secret
+        self.device = torch.device(device)
 
     def generator(self, agent: int, round_index: int, stream: Stream, step: int = 0) -> torch.Generator:
         """The generator agent ``agent`` uses for ``stream`` in round ``round_index`` (sub-step ``step``)."""
-        generator = torch.Generator()
+        generator = torch.Generator(self.device)
         generator.manual_seed(stream_seed(self.seed, agent, round_index, stream, step, self.secret))
         return generator
 
@@ -84,13 +92,13 @@ class AgentRandom:
         Only for draws made as one vector over every agent of the run, of which each agent (or
         shard) uses a fixed slice; see the module docstring.
         """
-        generator = torch.Generator()
+        generator = torch.Generator(self.device)
         generator.manual_seed(round_stream_seed(self.seed, round_index, stream, step, self.secret))
         return generator
 
     def normal(self, agents: Sequence[int], dim: int, round_index: int, stream: Stream, step: int = 0,
                dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
-               workers: int = 1) -> torch.Tensor:
+               workers: int = 1, slots: Sequence[int] | None = None, uniform: bool = False) -> torch.Tensor:
         """Standard normal draws of shape ``(len(agents), dim)``, row ``r`` from agent ``agents[r]``'s stream.
 
         Row ``r`` equals ``torch.empty(dim).normal_(generator=self.generator(agents[r], ...))``,
@@ -100,21 +108,28 @@ class AgentRandom:
         ``out``, if given, is a ``(len(agents), dim)`` tensor that receives the draws (and is
         returned), so that the caller can draw straight into a buffer; its dtype wins over ``dtype``.
         ``workers > 1`` fills contiguous groups of rows in that many threads (torch's sampling
-        kernels release the GIL and are single-threaded); the draws are the same.
+        kernels release the GIL and are single-threaded); the draws are the same.  ``slots[r]``, if
+        given, extends row ``r``'s key (per-edge noise: one stream per (sender, receiver)).
+        ``uniform`` draws from U[0, 1) instead (the source of Laplace noise).
         """
         if out is None:
-            out = torch.empty(len(agents), dim, dtype=dtype)
+            out = torch.empty(len(agents), dim, dtype=dtype, device=self.device)
         elif out.shape != (len(agents), dim) or (dim > 1 and out.stride(1) != 1):
             # Rows must be contiguous: normal_ fills a strided row by another path, with other values.
             raise ValueError(f"out: expected shape {(len(agents), dim)} with contiguous rows, "
                              f"got shape {tuple(out.shape)} with strides {out.stride()}")
-        seeds = [stream_seed(self.seed, agent, round_index, stream, step, self.secret) for agent in agents]
+        keys = [None] * len(agents) if slots is None else list(slots)
+        seeds = [stream_seed(self.seed, agent, round_index, stream, step, self.secret, slot)
+                 for agent, slot in zip(agents, keys, strict=True)]
 
         def fill(rows: range) -> None:
-            generator = torch.Generator()
+            generator = torch.Generator(out.device)
             for row in rows:
                 generator.manual_seed(seeds[row])
-                out[row].normal_(generator=generator)
+                if uniform:
+                    out[row].uniform_(generator=generator)
+                else:
+                    out[row].normal_(generator=generator)
 
         groups = min(workers, len(seeds))
         if groups <= 1:

@@ -1,0 +1,179 @@
+"""Noise mechanisms: each adds its noise *and* names the ``dp_accounting`` event of exactly what it released.
+
+A mechanism is the one place where a noise distribution and its accounting meet (the ``DPQuery``
+pattern of TensorFlow Privacy): :meth:`Mechanism.perturb` adds noise to the rows being released,
+and :meth:`Mechanism.agent_event` / :meth:`Mechanism.receiver_event` describe the release for the
+ledger.  The oracle (:mod:`decentdp.privacy.oracle`) calls both, so no noise can be added without
+its event being charged, nor an event charged for noise that was not added.
+
+Noise comes from :class:`NoiseDraw`, a single-use key issued by the oracle for one release: every
+row's stream is keyed by (seed, agent, round, NOISE, release index[, slot]) and each row may draw
+under a key once, so two releases can never share a noise vector by mistake.
+
+Mechanisms here: the Gaussian mechanism (DP-SGD's ``sigma_i C``, optionally sampled and joint over
+``k`` sums on one batch) and the Laplace mechanism (Li et al. 2018; Bellet et al. 2018).  Later
+variants (TOP-DP's per-receiver residual noise) implement the same protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import dp_accounting
+import torch
+
+from decentdp.privacy.events import gaussian_event, joint_gaussian_event, laplace_event
+from decentdp.rng import AgentRandom, Stream
+
+#: Noise is drawn into a buffer of at most this many bytes and added block by block.
+NOISE_BLOCK_BYTES = 64 * 2**20
+#: Blocks of at least this many draws are filled by several threads.
+PARALLEL_NOISE_ELEMENTS = 2**20
+
+
+class NoiseReuseError(RuntimeError):
+    """A noise key (or a batch) was used a second time: that would release the same noise twice."""
+
+
+class NoiseDraw:
+    """The noise streams of one release: row ``r`` draws from its agent's stream under this key, once.
+
+    ``agent_ids[r]`` is the global id of the agent that owns local row ``r``; ``slots`` (optional,
+    one per drawn row) extend the keys of releases with several rows per agent (per-edge messages,
+    joint releases).  Drawing twice for the same (row, slot) raises :class:`NoiseReuseError`.
+    """
+
+    def __init__(self, rng: AgentRandom, agent_ids: torch.Tensor, round_index: int, release: int) -> None:
+        self.rng = rng
+        self.agent_ids = agent_ids
+        self.round_index = round_index
+        self.release = release
+        self._used: set[tuple[int, int | None]] = set()
+
+    def _claim(self, rows: Sequence[int], slots: Sequence[int] | None) -> list[int]:
+        keys = list(zip(rows, slots if slots is not None else [None] * len(rows), strict=True))
+        if len(set(keys)) != len(keys) or not self._used.isdisjoint(keys):
+            raise NoiseReuseError(f"noise key (round {self.round_index}, release {self.release}) drawn twice for "
+                                  "one row: every release needs fresh noise")
+        self._used.update(keys)
+        return [int(self.agent_ids[row]) for row in rows]
+
+    def normal(self, rows: Sequence[int], out: torch.Tensor, slots: Sequence[int] | None = None,
+               workers: int = 1) -> torch.Tensor:
+        """Standard normal draws into ``out`` (``(len(rows), d)``), row by row from each agent's stream."""
+        agents = self._claim(rows, slots)
+        return self.rng.normal(agents, out.shape[1], self.round_index, Stream.NOISE, self.release, out=out,
+                               workers=workers, slots=slots)
+
+    def laplace(self, rows: Sequence[int], out: torch.Tensor, slots: Sequence[int] | None = None) -> torch.Tensor:
+        """Standard Laplace draws (scale 1) into ``out``, by inverting the CDF of float64 uniforms."""
+        agents = self._claim(rows, slots)
+        uniform = torch.empty(out.shape, dtype=torch.float64, device=out.device)
+        self.rng.normal(agents, out.shape[1], self.round_index, Stream.NOISE, self.release, out=uniform,
+                        slots=slots, uniform=True)
+        centred = uniform - 0.5  # in [-1/2, 1/2): |centred| = 1/2 only for a draw of exactly 0
+        magnitude = -torch.log1p(-2 * centred.abs().clamp(max=0.5 - 2**-54))
+        return out.copy_(torch.sign(centred) * magnitude)
+
+
+class Mechanism(Protocol):
+    """A noise distribution together with the privacy event of each release it makes."""
+
+    def perturb(self, values: torch.Tensor, owners: torch.Tensor, noise: NoiseDraw,
+                slots: Sequence[int] | None = None) -> None:
+        """Add noise in place to ``values`` (``(R, d)``), row ``r`` released by local agent ``owners[r]``."""
+        ...
+
+    def agent_event(self, owner: int, sample_rate: float, rows: int) -> dp_accounting.DpEvent:
+        """What all observers together learn from the ``rows`` sums agent ``owner`` released on one batch."""
+        ...
+
+    def receiver_event(self, owner: int, sample_rate: float) -> dp_accounting.DpEvent:
+        """What a receiver of one of the agent's rows (a per-edge message) learns from it alone."""
+        ...
+
+
+def round_up_to_float32(values: torch.Tensor) -> torch.Tensor:
+    """The smallest float32 values >= ``values`` (float64): the noise is drawn in float32, and neither
+    sigma nor the standard deviation ``sigma * C`` may fall below the calibrated value by rounding."""
+    single = values.float()
+    below = single.double() < values
+    return torch.where(below, torch.nextafter(single, torch.tensor(float("inf"), device=single.device)), single)
+
+
+class _ScaledNoise:
+    """Shared by the Gaussian and Laplace mechanisms: per-agent noise multipliers times a sensitivity."""
+
+    def __init__(self, noise_multipliers: torch.Tensor, sensitivity: float) -> None:
+        self.noise_multipliers = noise_multipliers
+        self.sensitivity = float(sensitivity)
+        self.scales = round_up_to_float32(noise_multipliers.double() * self.sensitivity)
+
+    def multiplier(self, owner: int) -> float:
+        return float(self.noise_multipliers[owner])
+
+
+class GaussianMechanism(_ScaledNoise):
+    """``N(0, (sigma_i C)^2)`` per coordinate, for sums with l2 sensitivity ``C`` (DP-SGD; Alg. 1 line 9).
+
+    Released on a Poisson batch of rate ``q``, one sum is ``PoissonSampled(q, Gaussian(sigma))``;
+    ``k`` sums of one agent on one batch are one Gaussian of sensitivity ``sqrt(k) C``
+    (:func:`~decentdp.privacy.events.joint_gaussian_event`).  The noise is drawn block by block into
+    one buffer and added in place, so that it never occupies a second ``(N, d)`` matrix.
+    """
+
+    def perturb(self, values: torch.Tensor, owners: torch.Tensor, noise: NoiseDraw,
+                slots: Sequence[int] | None = None) -> None:
+        count, dim = values.shape
+        scale = self.scales.to(values.device)[owners]
+        owner_rows = owners.tolist()
+        # At most an eighth of the rows per block, so that small runs do not hold a full second copy either.
+        rows = max(1, min(-(-count // 8), NOISE_BLOCK_BYTES // (4 * dim)))
+        buffer = torch.empty(rows, dim, dtype=values.dtype, device=values.device)
+        # Threads pay off only on large blocks (starting them costs about a millisecond).
+        workers = torch.get_num_threads() if rows * dim >= PARALLEL_NOISE_ELEMENTS else 1
+        for start in range(0, count, rows):
+            stop = min(count, start + rows)
+            draws = noise.normal(owner_rows[start:stop], buffer[: stop - start],
+                                 None if slots is None else slots[start:stop], workers=workers)
+            values[start:stop].add_(draws.mul_(scale[start:stop, None]))
+
+    def agent_event(self, owner: int, sample_rate: float, rows: int) -> dp_accounting.DpEvent:
+        return joint_gaussian_event(self.multiplier(owner), sample_rate, rows)
+
+    def receiver_event(self, owner: int, sample_rate: float) -> dp_accounting.DpEvent:
+        return gaussian_event(self.multiplier(owner), sample_rate)
+
+
+class LaplaceMechanism(_ScaledNoise):
+    """``Laplace(b_i)`` per coordinate with ``b_i = m_i * Delta_1``, for values of l1 sensitivity
+    ``Delta_1``: pure ``1 / m_i``-DP per release (Li et al. 2018; Bellet et al. 2018, Theorem 1).
+
+    ``k`` values of one agent computed on one batch: the l1 sensitivity of the whole is ``k Delta_1``,
+    so together they are ``Laplace(m_i / k)``."""
+
+    def perturb(self, values: torch.Tensor, owners: torch.Tensor, noise: NoiseDraw,
+                slots: Sequence[int] | None = None) -> None:
+        draws = noise.laplace(owners.tolist(), torch.empty_like(values), slots)
+        values.add_(draws.mul_(self.scales.to(values.device)[owners][:, None]))
+
+    def agent_event(self, owner: int, sample_rate: float, rows: int) -> dp_accounting.DpEvent:
+        return laplace_event(self.multiplier(owner) / rows, sample_rate)
+
+    def receiver_event(self, owner: int, sample_rate: float) -> dp_accounting.DpEvent:
+        return laplace_event(self.multiplier(owner), sample_rate)
+
+
+class NoNoise:
+    """No mechanism: the values are released as they are, and every release is non-private (epsilon = inf)."""
+
+    def perturb(self, values: torch.Tensor, owners: torch.Tensor, noise: NoiseDraw,
+                slots: Sequence[int] | None = None) -> None:
+        return None
+
+    def agent_event(self, owner: int, sample_rate: float, rows: int) -> dp_accounting.DpEvent:
+        return dp_accounting.NonPrivateDpEvent()
+
+    def receiver_event(self, owner: int, sample_rate: float) -> dp_accounting.DpEvent:
+        return dp_accounting.NonPrivateDpEvent()

@@ -1,0 +1,272 @@
+"""The privacy boundary: the only way an algorithm touches private data, and the only way data leaves.
+
+Three steps, each impossible to misuse by construction:
+
+1. :meth:`DataOracle.batch` draws the round's next Poisson batch and returns a :class:`BatchKey`.
+   Keys are issued by the round (an algorithm cannot name one), each batch is drawn once, and a
+   batch may be *released* once.
+2. :meth:`DataOracle.clip` computes clipped per-sample gradient sums of some models on a batch
+   (each agent's own model on its own batch by default; any ``(model row, data owner)`` pairs for
+   cross-gradients).  The result is :class:`Clipped`: a sealed value, not a tensor, so it cannot be
+   sent, mixed or stored in a state by mistake.
+3. :meth:`DataOracle.release` adds a mechanism's noise to sealed sums and charges the owners'
+   ledgers with the event the mechanism names, then unseals them.  Every sum computed on one batch
+   must be released together, in one call, as one *joint* event (``k`` Gaussian sums on one batch:
+   sensitivity ``sqrt(k) C``); releasing a batch a second time raises.  Each release draws fresh
+   noise under its own single-use key (:class:`~decentdp.privacy.mechanisms.NoiseDraw`).
+
+Only agents active in the round's plan are sampled, computed and charged; an agent whose budget
+cannot cover a release is refused and releases zeros.  :meth:`DataOracle.gradient` is the DP-SGD
+gradient of Bayrooti et al., Alg. 1 line 9, all three steps in one call::
+
+    G_i = (1 / L_i) * ( sum_{d in batch_i} clip_C(grad l(theta_i; d)) + sigma_i * C * xi ),   xi ~ N(0, I_d)
+
+with ``L_i = q_i |D_i|`` the expected batch.  In a non-private run (no mechanism) it is the mean
+gradient of the same Poisson batch, and releases are recorded as non-private (epsilon = inf).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from decentdp.gradients.flat_model import FlatModel
+from decentdp.privacy.ledger import PrivacyLedger
+from decentdp.privacy.mechanisms import Mechanism, NoiseDraw, NoiseReuseError, NoNoise
+from decentdp.privacy.sampling import Batch, PoissonSampler
+from decentdp.rng import AgentRandom
+from decentdp.util.profiling import NO_TIMER, PhaseTimer
+
+SETUP_ROUND = -1
+"""The round index of a run's setup phase (e.g. a private warm start), before round 0."""
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """The ``index``-th Poisson batch drawn in round ``round_index``; issued by :meth:`DataOracle.batch` only."""
+
+    round_index: int
+    index: int
+
+
+class Clipped:
+    """Clipped per-sample gradient sums on one batch, sealed until :meth:`DataOracle.release` adds noise.
+
+    Row ``r`` is a sum over the batch of local agent ``owners[r]``; ``slots[r]`` (optional) names the
+    model it was computed for (a receiver's id for cross-gradients) and keys its noise stream.
+    """
+
+    __slots__ = ("key", "owners", "slots", "_sums", "_open")
+
+    def __init__(self, key: BatchKey, sums: torch.Tensor, owners: torch.Tensor, slots: Sequence[int] | None) -> None:
+        self.key = key
+        self.owners = owners
+        self.slots = slots
+        self._sums = sums
+        self._open = True
+
+    def __repr__(self) -> str:
+        return f"Clipped(round {self.key.round_index}, batch {self.key.index}, {len(self.owners)} rows, sealed)"
+
+
+class DataOracle:
+    """Private data access for the agents an engine holds: Poisson batches, clipping, noisy releases.
+
+    ``agent_ids`` are the global ids of the local rows (noise keys and ledger rows use them).
+    ``mechanism`` is the run's calibrated gradient mechanism (``None``: a non-private run).
+    """
+
+    def __init__(self, model: FlatModel, sampler: PoissonSampler, ledger: PrivacyLedger, rng: AgentRandom,
+                 mechanism: Mechanism | None, clip: float, agents_per_pass: int | None = None,
+                 agent_ids: torch.Tensor | None = None) -> None:
+        self.model = model
+        self.sampler = sampler
+        self.ledger = ledger
+        self.rng = rng
+        self.mechanism = mechanism
+        self.clip_norm = float(clip)
+        self.agents_per_pass = agents_per_pass
+        self.timer: PhaseTimer = NO_TIMER
+        self.sample_rates = sampler.sample_rates
+        self.expected_batch = (sampler.sample_rates.double() * sampler.data.sizes).float()
+        self.agent_ids = agent_ids if agent_ids is not None else torch.arange(len(self.sample_rates))
+        self._rates = self.sample_rates.numpy()
+        self._event_cache: dict[tuple[int, bytes], np.ndarray] = {}
+        self.begin(SETUP_ROUND)
+
+    @property
+    def n_agents(self) -> int:
+        return len(self.sample_rates)
+
+    @property
+    def private(self) -> bool:
+        return self.mechanism is not None
+
+    # -- the round ---------------------------------------------------------------------------------------
+    def begin(self, round_index: int, active: torch.Tensor | None = None) -> None:
+        """Start a round: only ``active`` agents (a boolean mask; default all) sample, compute and are charged.
+        Keys of earlier rounds become invalid."""
+        self.round_index = round_index
+        self.active = active
+        self._active_rows = None if active is None or bool(active.all()) else torch.nonzero(active).squeeze(1)
+        self._batches: dict[int, Batch] = {}
+        self._pending: dict[int, int] = {}  # batch index -> sealed sums computed on it, not yet released
+        self._released: set[int] = set()
+        self._releases = 0
+        self._norms: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self.last_authorized: torch.Tensor | None = None
+        self.last_clipped_fraction = 0.0
+
+    def batch(self) -> BatchKey:
+        """Draw the round's next Poisson batch (for the active agents) and return its single-use key."""
+        key = BatchKey(self.round_index, len(self._batches))
+        with self.timer.phase("sampling"):
+            self._batches[key.index] = self.sampler.sample(self.round_index, key.index)
+        self._pending[key.index] = 0
+        return key
+
+    def _check_open(self, key: BatchKey) -> Batch:
+        if key.round_index != self.round_index or key.index not in self._batches:
+            raise NoiseReuseError(f"batch {key} was not issued in this round (round {self.round_index})")
+        if key.index in self._released:
+            raise NoiseReuseError(f"batch {key} was already released; a batch is released once, jointly")
+        return self._batches[key.index]
+
+    def clip(self, key: BatchKey, params: torch.Tensor, owners: torch.Tensor | None = None,
+             slots: Sequence[int] | None = None, out: torch.Tensor | None = None) -> Clipped:
+        """Clipped per-sample gradient sums (the batch mean gradient in a non-private run) of ``params``.
+
+        Without ``owners``, ``params`` is ``(N, d)`` and each active agent's row is evaluated on its own
+        batch (the result has one row per active agent).  With ``owners`` (local rows of active agents),
+        row ``r`` of ``params`` is a model evaluated on ``owners[r]``'s batch: cross-gradients.
+        ``out`` may receive the sums when every agent is active and ``owners`` is not given.
+        """
+        batch = self._check_open(key)
+        if owners is None:
+            owners = self._active_rows if self._active_rows is not None else torch.arange(self.n_agents)
+            models = params if self._active_rows is None else params.index_select(0, owners)
+        else:
+            if len(owners) != params.shape[0]:
+                raise ValueError(f"{params.shape[0]} model rows for {len(owners)} data owners")
+            if self.active is not None and not bool(self.active[owners].all()):
+                raise ValueError("an inactive agent's data cannot be used in this round")
+            models = params
+        result = out if out is not None and models is params and owners is not None and len(owners) == len(params) \
+            else torch.empty_like(models)
+        self._compute(models, batch, owners, result, key.index)
+        self._pending[key.index] += 1
+        return Clipped(key, result, owners, slots)
+
+    def _compute(self, models: torch.Tensor, batch: Batch, owners: torch.Tensor, out: torch.Tensor,
+                 index: int) -> None:
+        """Per-sample gradients of ``models[r]`` on ``owners[r]``'s batch, ``agents_per_pass`` rows at a time."""
+        everyone = len(owners) == self.n_agents and bool((owners == torch.arange(self.n_agents)).all())
+        x, y, mask = (batch.x, batch.y, batch.mask) if everyone else \
+            (batch.x[owners], batch.y[owners], batch.mask[owners])
+        norms = torch.empty(mask.shape, dtype=models.dtype, device=models.device)
+        step = max(1, self.agents_per_pass or len(owners))
+        with self.timer.phase("gradients"):
+            for start in range(0, len(owners), step):
+                rows = slice(start, min(len(owners), start + step))
+                if self.mechanism is None:
+                    weights = mask[rows] / mask[rows].sum(dim=1).clamp(min=1.0)[:, None]
+                    out[rows] = self.model.batch_gradients(models[rows], x[rows], y[rows], weights)
+                else:
+                    _, norms[rows] = self.model.clipped_gradient_sums(models[rows], x[rows], y[rows], mask[rows],
+                                                                      self.clip_norm, out=out[rows])
+        if self.mechanism is not None:
+            self._norms.setdefault(index, []).append((owners, norms, mask))
+
+    def release(self, *sums: Clipped, mechanism: Mechanism | None = None,
+                receivers: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """Add noise to every sum computed on one batch and charge their owners: one joint event per owner.
+
+        ``mechanism`` defaults to the run's.  ``receivers`` (global ids, one per row of a single
+        ``Clipped``) makes each row a message to one receiver, recorded in the ledger's pairwise view,
+        with noise keyed per receiver.  Rows of refused (out of budget) agents are zero.  Returns the
+        released tensors, one per ``Clipped``, row for row.
+        """
+        if not sums:
+            raise ValueError("release needs at least one Clipped")
+        key = sums[0].key
+        if any(item.key != key for item in sums):
+            raise NoiseReuseError("sums computed on different batches cannot be released as one event")
+        self._check_open(key)
+        if any(not item._open for item in sums):
+            raise NoiseReuseError("a Clipped value was already released")
+        if self._pending[key.index] != len(sums):
+            raise NoiseReuseError(f"{self._pending[key.index]} sums were computed on batch {key}, {len(sums)} "
+                                  "given: every sum on one batch must be released together, as one joint event")
+        if receivers is not None and (len(sums) != 1 or len(receivers) != len(sums[0].owners)):
+            raise ValueError("per-receiver releases take one Clipped and one receiver per row")
+        mechanism = mechanism if mechanism is not None else (self.mechanism or NoNoise())
+        owners = torch.cat([item.owners for item in sums]).cpu()
+        rows = np.bincount(owners.numpy(), minlength=self.n_agents)
+        events = self._event_ids(mechanism, rows)
+        with self.timer.phase("ledger"):
+            if receivers is None:
+                authorized = self.ledger.charge(self.round_index, events, agents=rows > 0)
+            else:
+                receiver_events = np.array([self.ledger.intern(mechanism.receiver_event(o, float(self._rates[o])))
+                                            for o in owners.tolist()], dtype=np.int64)
+                authorized = self.ledger.charge(self.round_index, events, agents=rows > 0, senders=owners.numpy(),
+                                                receivers=receivers.cpu().numpy(), receiver_events=receiver_events)
+        noise = NoiseDraw(self.rng, self.agent_ids, self.round_index, self._releases)
+        self._releases += 1
+        self._released.add(key.index)
+        released = []
+        with self.timer.phase("noise"):
+            for position, item in enumerate(sums):
+                values, item._sums, item._open = item._sums, None, False
+                slots = item.slots
+                if receivers is not None and slots is None:
+                    slots = receivers.tolist()
+                elif len(sums) > 1 and slots is None:
+                    slots = [position] * len(item.owners)
+                mechanism.perturb(values, item.owners, noise, slots)
+                refused = torch.from_numpy(~authorized[item.owners.cpu().numpy()]).to(values.device)
+                if bool(refused.any()):
+                    values[refused] = 0.0  # refused agents release nothing
+                released.append(values)
+        self.last_authorized = torch.from_numpy(authorized)
+        self._record_clipping(key.index, authorized)
+        return tuple(released)
+
+    def _record_clipping(self, index: int, authorized: np.ndarray) -> None:
+        """The fraction of released per-sample gradients that were clipped (an operator's diagnostic)."""
+        clipped, total = 0, 0
+        for owners, norms, mask in self._norms.pop(index, []):
+            real = mask.bool() & torch.from_numpy(authorized).to(mask.device)[owners][:, None]
+            clipped += int((norms[real] > self.clip_norm).sum())
+            total += int(real.sum())
+        self.last_clipped_fraction = clipped / total if total else 0.0
+
+    def _event_ids(self, mechanism: Mechanism, rows: np.ndarray) -> np.ndarray:
+        """Each owner's joint event id for ``rows[o]`` sums (cached: steady rounds ask for the same)."""
+        key = (id(mechanism), rows.tobytes())
+        cached = self._event_cache.get(key)
+        if cached is None:
+            cached = np.full(self.n_agents, -1, dtype=np.int64)
+            for owner in np.flatnonzero(rows):
+                cached[owner] = self.ledger.intern(
+                    mechanism.agent_event(int(owner), float(self._rates[owner]), int(rows[owner])))
+            if len(self._event_cache) > 64:
+                self._event_cache.clear()
+            self._event_cache[key] = cached
+        return cached
+
+    # -- the common case -----------------------------------------------------------------------------------
+    def gradient(self, params: torch.Tensor) -> torch.Tensor:
+        """Every active agent's private stochastic gradient at its own ``params`` row (one fresh batch,
+        one release); the plain mean gradient of the batch in a non-private run."""
+        out = torch.empty_like(params)  # the round's largest block first, before the batch takes the memory
+        key = self.batch()
+        (released,) = self.release(self.clip(key, params, out=out))
+        if self._active_rows is not None:  # inactive agents release nothing
+            released = out.zero_().index_copy_(0, self._active_rows, released)
+        if self.mechanism is not None:
+            released.div_(self.expected_batch.to(released.device)[:, None])
+        return released

@@ -1,0 +1,210 @@
+"""From a validated config to the components of a run, built and checked before anything is written.
+
+Data flow (see ``docs/architecture.md``)::
+
+    config -> dataset + partition -> AgentData -> PoissonSampler ------------------------+
+           -> topology (graph, W) -> SimulatedNetwork -> GraphSequence (fixed or redrawn) +
+           -> model -> gradient engine (stacked or vmap) --------------------------------+--> Simulator
+           -> algorithm (registry) + its settings -> planned releases                    |
+           -> sigma_i calibrated for them -> GaussianMechanism -> DataOracle <- ledger  -+
+           -> scheduler (synchronous, pairing, Poisson clocks, sampled)                 /
+
+Everything that can fail because of user input (data files, graph, calibration, memory) fails here,
+so a failing run leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from decentdp.algorithms import algorithm_class
+from decentdp.algorithms.base import Algorithm, State
+from decentdp.config import ExperimentConfig
+from decentdp.data.datasets import Dataset, load_dataset
+from decentdp.data.partition import class_histograms, partition
+from decentdp.gradients.flat_model import FlatModel
+from decentdp.gradients.memory import MemoryPlan, available_memory, padded_batch, plan_memory, state_bytes
+from decentdp.gradients.stacked_model import gradient_model
+from decentdp.models import build_model, classification_loss, validate_for_dp
+from decentdp.privacy.accounting import calibrate_noise_multiplier
+from decentdp.privacy.ledger import PrivacyLedger
+from decentdp.privacy.mechanisms import GaussianMechanism, round_up_to_float32
+from decentdp.privacy.oracle import DataOracle
+from decentdp.privacy.sampling import AgentData, PoissonSampler
+from decentdp.rng import AgentRandom, Stream, round_stream_seed
+from decentdp.runtime.evaluation import Evaluator, evaluation_chunk
+from decentdp.runtime.network import GraphSequence, SimulatedNetwork
+from decentdp.runtime.scheduler import Scheduler
+from decentdp.runtime.schedules import Schedule
+from decentdp.runtime.simulator import Simulator
+from decentdp.topology import Topology, build_topology
+
+DEVICE = torch.device("cpu")
+"""The device every component is built on.  Every tensor a component creates is placed on the device
+it was given; the runner passes this one until the engine has a device setting (CPU today)."""
+
+
+@dataclass
+class Experiment:
+    """Every component of a run, built and validated, before anything is written."""
+
+    config: ExperimentConfig
+    dataset: Dataset
+    data: AgentData
+    topology: Topology
+    model: FlatModel
+    algorithm: Algorithm
+    ledger: PrivacyLedger
+    oracle: DataOracle
+    simulator: Simulator
+    evaluator: Evaluator
+    noise_multipliers: torch.Tensor
+    sample_rates: torch.Tensor
+    histograms: np.ndarray
+    memory: MemoryPlan
+    setup: dict[str, Any] = field(default_factory=dict)
+
+    def initial_state(self) -> State:
+        params = self.model.initial_parameters()
+        return self.algorithm.init_state(params.unsqueeze(0).repeat(self.data.n_agents, 1))
+
+    @property
+    def planned_releases(self) -> int:
+        """Noisy releases each agent's noise is calibrated for: the setup phase's and every round's."""
+        rounds = self.config.experiment.rounds
+        return rounds * self.algorithm.releases_per_round + self.algorithm.setup_releases
+
+
+def _agent_budgets(config: ExperimentConfig, n_agents: int) -> list[float]:
+    privacy = config.privacy
+    budgets = list(privacy.agent_epsilons) if privacy.agent_epsilons is not None else [privacy.epsilon] * n_agents
+    return [min(budgets)] if config.pools_data else budgets
+
+
+
+def _calibrate(budgets: list[float], rates: list[float], config: ExperimentConfig, releases: int) -> list[float]:
+    """sigma_i for each agent's ``releases`` planned releases at rate q_i (cached per pair)."""
+    cache: dict[tuple[float, float], float] = {}
+    sigmas = []
+    for epsilon, rate in zip(budgets, rates, strict=True):
+        if (epsilon, rate) not in cache:
+            cache[(epsilon, rate)] = calibrate_noise_multiplier(epsilon, config.privacy.delta, rate, releases, 1,
+                                                                config.privacy.accountant)
+        sigmas.append(float(round_up_to_float32(torch.tensor(cache[(epsilon, rate)], dtype=torch.float64))))
+    return sigmas
+
+
+def _plan_memory(config: ExperimentConfig, model: FlatModel, algorithm: Algorithm, data: AgentData,
+                 rates: list[float]) -> MemoryPlan:
+    """Estimate the run's peak memory and how many agents' gradients fit in one pass (or refuse)."""
+    n_agents = data.n_agents
+    state = state_bytes(algorithm.init_state(torch.empty(n_agents, model.dim, device="meta")))
+    sizes = [len(owned) for owned in data.indices]
+    width = max(padded_batch(rate * size, size) for rate, size in zip(rates, sizes, strict=True))
+    sample = data.x[data.indices[0][0]]
+    per_sample = model.activation_bytes_per_sample(sample, data.y[data.indices[0][0]])
+    batch = n_agents * width * (sample.numel() * sample.element_size() + 8 + 4)  # inputs, labels, mask
+    limit = config.engine.memory_limit_gb
+    return plan_memory(n_agents, model.dim, state, batch, per_sample, width,
+                       int(limit * 2**30) if limit is not None else available_memory(),
+                       config.engine.agents_per_pass, algorithm.round_temporaries)
+
+
+def _graphs(config: ExperimentConfig, first: Topology, device: torch.device) -> GraphSequence:
+    """The run's network, fixed or redrawn every ``topology.redraw_every`` rounds from a seed per epoch."""
+    topo = config.topology
+    network = SimulatedNetwork(first, device=device)
+    if not topo.redraw_every:
+        return GraphSequence(network)
+
+    def build(epoch: int) -> SimulatedNetwork:
+        seed = round_stream_seed(config.experiment.seed, epoch, Stream.SCHEDULE, step=1) % 2**32 if epoch else \
+            config.experiment.seed
+        return SimulatedNetwork(_topology(config, seed), device=device)
+
+    return GraphSequence(network, build, topo.redraw_every)
+
+
+def _topology(config: ExperimentConfig, seed: int) -> Topology:
+    topo = config.topology
+    graph_params = {key: getattr(topo, key) for key in ("p", "radius", "k", "fiedler", "rows")
+                    if getattr(topo, key) is not None}
+    return build_topology(topo.graph, topo.agents, mixing=topo.mixing, seed=seed, fiedler_tol=topo.fiedler_tol,
+                          **graph_params)
+
+
+def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = None,
+                     device: torch.device = DEVICE) -> Experiment:
+    """Load data, build graph, model, privacy and algorithm; raises DecentDPError on bad input."""
+    cfg_data, topo_cfg, algo_cfg = config.data, config.topology, config.algorithm
+    seed = config.experiment.seed
+    dataset = load_dataset(cfg_data.dataset, data_dir if data_dir is not None else cfg_data.data_dir,
+                           image_size=cfg_data.image_size)
+    labels = dataset.y_train.numpy()
+    algorithm = algorithm_class(algo_cfg.name).from_settings(algo_cfg.settings)
+    if algorithm.pools_data:
+        parts = [np.arange(len(labels), dtype=np.int64)]
+        topology = build_topology("complete", 1, mixing="metropolis-hastings", seed=seed)
+    else:
+        parts = partition(labels, topo_cfg.agents, cfg_data.partition, seed=seed, t=cfg_data.overlap_t,
+                          alpha=cfg_data.dirichlet_alpha, size_skew=cfg_data.size_skew)
+        topology = _topology(config, seed)
+    data = AgentData(dataset.x_train, dataset.y_train, tuple(torch.from_numpy(p) for p in parts))
+
+    module = build_model(config.model.name, dataset.input_shape, dataset.num_classes, seed=seed,
+                         **config.model.options)
+    private = config.privacy.private
+    if private:
+        validate_for_dp(module)
+    model = gradient_model(module, classification_loss, config.engine.gradients)
+
+    sizes = [len(p) for p in parts]
+    rates = [min(1.0, algo_cfg.batch_size / n) for n in sizes]
+    budgets = _agent_budgets(config, len(parts))
+    planned = config.experiment.rounds * algorithm.releases_per_round + algorithm.setup_releases
+    sigmas = _calibrate(budgets, rates, config, planned) if private else [0.0] * len(parts)
+    ledger = PrivacyLedger(len(parts), budgets, config.privacy.delta, budget_accountant=config.privacy.accountant)
+    rng = AgentRandom(seed, secrets.token_bytes(32) if config.privacy.secure_noise else b"", device=device)
+    sample_rates = torch.tensor(rates, dtype=torch.float64)
+    noise_multipliers = torch.tensor(sigmas, dtype=torch.float32)
+    sampler = PoissonSampler(data, sample_rates, rng)
+    mechanism = GaussianMechanism(noise_multipliers, config.privacy.clip) if private else None
+    memory = _plan_memory(config, model, algorithm, data, rates)
+    oracle = DataOracle(model, sampler, ledger, rng, mechanism, config.privacy.clip,
+                        agents_per_pass=memory.agents_per_pass)
+    graphs = _graphs(config, topology, device)
+    scheduler = Scheduler(config.schedule_kind, rng, len(parts), config.schedule.offline_probability,
+                          config.schedule.participation, device=device)
+    schedule = Schedule(algo_cfg.lr_schedule, algo_cfg.lr, algo_cfg.lr_final or algo_cfg.lr, config.experiment.rounds)
+    simulator = Simulator(algorithm, graphs, oracle, scheduler, schedule, rng)
+    evaluator = Evaluator(model, dataset.x_test, dataset.y_test,
+                          chunk=evaluation_chunk(memory.agents_per_pass * memory.activation_bytes_per_agent,
+                                                 memory.activation_bytes_per_sample, len(parts)))
+    histograms = class_histograms(labels, parts, dataset.num_classes)
+    setup = {
+        "n_agents": len(parts),
+        "parameters": model.dim,
+        "agent_sizes": sizes,
+        "sample_rates": rates,
+        "noise_multipliers": sigmas,
+        "epsilon_budgets": budgets,
+        "releases_per_round": algorithm.releases_per_round,
+        "setup_releases": algorithm.setup_releases,
+        "planned_releases": planned,
+        "schedule": config.schedule_kind,
+        "calibration_accountant": config.privacy.accountant,
+        "class_histograms": histograms.tolist(),
+        "topology": topology.report.as_dict(),
+        "mixing_warnings": list(topology.warnings),
+        "gradient_engine": model.backend,
+        "gradient_engine_fallback_reason": model.fallback_reason,
+        "memory_plan": memory.as_dict(),
+    }
+    return Experiment(config, dataset, data, topology, model, algorithm, ledger, oracle, simulator, evaluator,
+                      noise_multipliers, sample_rates, histograms, memory, setup)

@@ -1,0 +1,188 @@
+"""The run: build, resume or start the results folder, the setup phase, the rounds, evaluation, the end.
+
+``run_experiment`` is what ``decentdp run`` calls.  It builds every component first
+(:mod:`decentdp.run.build`), so bad input fails before anything is written; then it runs the
+algorithm's setup phase (if any) and the rounds through the simulator, evaluates every
+``eval_every`` rounds, checkpoints, and records the results (:mod:`decentdp.run.record`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from decentdp.algorithms.base import State
+from decentdp.config import ExperimentConfig
+from decentdp.privacy.ledger import PrivacyLedger
+from decentdp.run.build import Experiment, build_experiment
+from decentdp.run.record import ResultsFolder, summary
+from decentdp.util.allocator import retain_freed_memory
+from decentdp.util.profiling import NO_TIMER, PhaseTimer, TimedNetwork, format_report, operator_table
+
+
+@dataclass
+class RunResult:
+    """What a finished (or stopped) run reports."""
+
+    summary: dict[str, Any]
+    metrics: list[dict[str, Any]]
+    state: State
+    out_dir: Path | None
+
+
+def _restore(experiment: Experiment, checkpoint: dict[str, Any]) -> None:
+    """Put the ledger, secret, scheduler and pass sizes of a checkpoint back (bit-exact resumes)."""
+    experiment.ledger = PrivacyLedger.from_state_dict(checkpoint["ledger"])
+    experiment.oracle.ledger = experiment.ledger
+    experiment.oracle.rng.secret = bytes.fromhex(checkpoint["secret"])
+    experiment.simulator.scheduler.load_state_dict(checkpoint["scheduler"])
+    experiment.oracle.agents_per_pass = checkpoint["passes"]["agents_per_pass"]
+    experiment.evaluator.chunk = checkpoint["passes"]["evaluation_chunk"]
+
+
+def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, *,
+                   data_dir: str | Path | None = None, resume: bool = False, stop_after: int | None = None,
+                   progress: bool = True, log: Callable[[str], None] | None = None,
+                   profile: bool = False) -> RunResult:
+    """Build and run an experiment, writing its results folder (if ``out_dir`` is given).
+
+    ``stop_after`` ends the run after that many rounds (as if killed right after a checkpoint),
+    leaving a resumable folder; ``resume`` continues a run from its folder's checkpoint.
+    ``profile`` times every phase of the rounds and records torch's busiest operators over a few
+    rounds (see :mod:`decentdp.util.profiling`); the report is logged and saved as ``profile.json``.
+    """
+    retain_freed_memory()
+    experiment = build_experiment(config, data_dir)
+    folder = ResultsFolder(Path(out_dir)) if out_dir is not None else None
+    checkpoint = folder.open(config, resume) if folder is not None else None
+
+    state = experiment.initial_state()
+    metrics: list[dict[str, Any]] = []
+    start, elapsed = 0, 0.0
+    if checkpoint is not None:
+        state, start, elapsed = checkpoint["state"], checkpoint["round"], checkpoint["wall_seconds"]
+        metrics = checkpoint["metrics"]
+        _restore(experiment, checkpoint)
+    elif folder is not None:
+        folder.start(experiment)
+
+    cfg = config.experiment
+    rounds = cfg.rounds
+    last = min(rounds, stop_after) if stop_after is not None else rounds
+    checkpoint_every = cfg.checkpoint_every or cfg.eval_every
+    emit = log or (lambda message: tqdm.write(message))
+    _announce(experiment, emit)
+    timer = _attach_timer(experiment) if profile else NO_TIMER
+    operators = _operator_profiler(last - start) if profile else None
+    if operators is not None:
+        operators.start()
+    bar = tqdm(total=rounds, initial=start, disable=not progress, desc=cfg.name, unit="round", leave=False)
+    clock = time.perf_counter()
+
+    def save(round_done: int, current: State) -> None:
+        if folder is not None:
+            with timer.phase("checkpoint"):
+                folder.checkpoint(experiment, round_done, current, metrics, elapsed + time.perf_counter() - clock)
+
+    def after_round(done: int, current: State) -> bool:
+        bar.update(1)
+        if operators is not None:
+            operators.step()
+        if done % cfg.eval_every == 0 or done == rounds:
+            with timer.phase("evaluation"):
+                evaluation = experiment.evaluator(current["params"]).summary()
+            row = {"round": done, "lr": experiment.simulator.schedule(done - 1), **evaluation,
+                   "epsilon_max": float(experiment.ledger.epsilon(config.privacy.accountant).max()),
+                   "epsilon_accountant": config.privacy.accountant,
+                   "clipped_fraction": experiment.oracle.last_clipped_fraction,
+                   "wall_seconds": elapsed + time.perf_counter() - clock}
+            metrics.append(row)
+            emit(f"round {done:>5}/{rounds}  acc {row['accuracy_mean']:.4f} "
+                 f"(min {row['accuracy_min']:.4f}, max {row['accuracy_max']:.4f})  "
+                 f"consensus {row['consensus_distance']:.3g}  eps({row['epsilon_accountant']}) "
+                 f"{row['epsilon_max']:.3g}")
+        if done % checkpoint_every == 0 or done == last:
+            save(done, current)
+        return done < last
+
+    if checkpoint is None:
+        state = experiment.simulator.setup(state)  # the setup phase's releases come before round 0
+        save(0, state)  # resumable from the very start
+    try:
+        if start < last:
+            state = experiment.simulator.run(state, start, rounds, after_round)
+    finally:
+        if operators is not None:
+            operators.stop()
+    bar.close()
+    wall = elapsed + time.perf_counter() - clock
+    if operators is not None:
+        report = {**timer.report(), "gradient_engine": experiment.model.backend,
+                  "operators": operator_table(operators)}
+        for line in format_report(report, report["operators"], experiment.model.backend):
+            emit(line)
+        if folder is not None:
+            folder.profile(report)
+    result = summary(experiment, metrics, wall, finished=last == rounds)
+    refused = experiment.ledger.refused
+    if refused.any():
+        emit(f"warning: {int((refused > 0).sum())} agent(s) ran out of privacy budget and skipped "
+             f"{int(refused.sum())} release(s) in total (see privacy.json)")
+    if folder is not None and last == rounds:
+        folder.finish(experiment, result, metrics)
+    return RunResult(result, metrics, state, folder.path if folder is not None else None)
+
+
+def summary_line(result: dict[str, Any]) -> str:
+    """The one-line JSON the CLI prints last with ``--json``."""
+    return json.dumps(result, sort_keys=True)
+
+
+#: Rounds whose torch operators ``profile`` records (after one skipped and one warm-up round).
+PROFILED_ROUNDS = 3
+
+
+def _operator_profiler(rounds: int) -> torch.profiler.profile:
+    """torch's profiler over :data:`PROFILED_ROUNDS` rounds, after a skipped and a warm-up round when
+    the run is long enough (so that one-off costs stay out of the table)."""
+    wait = 1 if rounds >= PROFILED_ROUNDS + 2 else 0
+    warmup = 1 if rounds >= PROFILED_ROUNDS + 1 else 0
+    active = max(1, min(PROFILED_ROUNDS, rounds - wait - warmup))
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                  schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1))
+
+
+def _attach_timer(experiment: Experiment) -> PhaseTimer:
+    """Time the oracle's phases, the network's calls and the rounds of ``experiment``."""
+    timer = PhaseTimer()
+    experiment.oracle.timer = timer
+    experiment.simulator.timer = timer
+    experiment.simulator.wrap_network = lambda network: TimedNetwork(network, timer)
+    return timer
+
+
+def _announce(experiment: Experiment, emit: Callable[[str], None]) -> None:
+    """Print what is about to run: the graph, the model size, the privacy plan, any warnings."""
+    config, report, sigmas = experiment.config, experiment.topology.report, experiment.noise_multipliers
+    graph = "single agent (pooled data)" if config.pools_data else f"graph '{config.topology.graph}'"
+    emit(f"{experiment.data.n_agents} agent(s), {graph}: {report.n_edges} edges, "
+         f"normalized Fiedler {report.normalized_fiedler:.3f}, spectral gap {report.spectral_gap:.3f}; "
+         f"{experiment.model.dim} parameters per agent")
+    budgets = experiment.ledger.budgets
+    planned = experiment.planned_releases
+    emit(f"privacy: epsilon {budgets.min():g}..{budgets.max():g} per agent at delta {config.privacy.delta:g}, "
+         f"sigma {float(sigmas.min()):.4g}..{float(sigmas.max()):.4g} for {planned} planned releases"
+         if config.privacy.private else "privacy: none (epsilon = inf)")
+    emit(f"gradients: {experiment.model.backend} engine" + (
+        f" (the stacked engine does not support this model: {experiment.model.fallback_reason})"
+        if experiment.model.fallback_reason else ""))
+    emit(experiment.memory.describe())
+    for warning in experiment.topology.warnings:
+        emit(f"warning: {warning}")
