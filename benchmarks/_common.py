@@ -18,11 +18,11 @@ import numpy as np
 import torch
 from opacus import GradSampleModule
 
-from decentdp.algorithms.base import RoundContext, State
+from decentdp.algorithms.base import State
 from decentdp.config import validate_config
 from decentdp.errors import DataError
-from decentdp.experiment import Experiment, build_experiment
 from decentdp.models import classification_loss
+from decentdp.run.build import Experiment, build_experiment
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data"
@@ -95,9 +95,7 @@ class EngineRunner:
         self.round_index = 0
 
     def round(self) -> None:
-        simulator = self.experiment.simulator
-        ctx = RoundContext(round_index=self.round_index, lr=LR, network=simulator.network,
-                           gradient=simulator.gradient)
+        ctx = self.experiment.simulator.context(self.round_index)  # the benchmarked configs keep lr = LR
         with torch.no_grad():
             self.state = self.experiment.algorithm.round(self.state, ctx)
         self.round_index += 1

@@ -54,8 +54,8 @@ from _common import (
     machine_info,
     print_machine,
 )
-from decentdp.util.allocator import retain_freed_memory
 from decentdp.gradients.memory import state_bytes
+from decentdp.util.allocator import retain_freed_memory
 
 BATCH = 32
 FULL_AGENTS = (10, 32, 100, 316, 1000)
@@ -99,7 +99,7 @@ def child(graph: str, agents: int, warmup: int, rounds: int, data_dir: Path) -> 
         runner.round()
         if index >= warmup:
             seconds.append(time.perf_counter() - start)
-        widths.append(experiment.oracle.last.batch_sizes.max().item())
+        widths.append(experiment.oracle.last_batch_sizes.max().item())
     peak = _status_kib("VmHWM") * 1024 - baseline
     dim = experiment.model.dim
     width = max(widths)

@@ -23,7 +23,7 @@ from decentdp.config import (
     validate_config,
 )
 from decentdp.errors import ConfigError, DataError, DecentDPError, GraphError
-from decentdp.experiment import build_experiment
+from decentdp.run.build import build_experiment
 
 ALGORITHMS = ("central-dpsgd", "local", "dp-dsgd", "dp-dsgt", "dp-dinno")
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100")
@@ -32,10 +32,10 @@ GRAPHS = ("complete", "ring", "star", "path", "grid", "torus", "erdos-renyi", "g
           "complete-bipartite", "k-regular")
 MIXINGS = ("metropolis-hastings", "average", "max-degree")
 MODELS = ("convnet", "mlp", "lenet5", "cifar-cnn", "resnet9", "linear", "logistic")
-SECTIONS = "algorithm, data, engine, experiment, model, privacy, topology"
+SECTIONS = "algorithm, data, engine, experiment, model, privacy, schedule, topology"
 PRIVACY_KEYS = "accountant, agent_epsilons, clip, delta, epsilon"
-ALGORITHM_KEYS = ("batch_size", "lr", "lr_final", "lr_schedule", "momentum", "name", "nesterov", "optimizer",
-                  "primal_steps", "reset_optimizer_each_round", "rho", "rho_growth", "weight_decay")
+# The common keys and those of the default algorithm (dp-dsgt, whose only own setting is weight_decay).
+ALGORITHM_KEYS = ("batch_size", "lr", "lr_final", "lr_schedule", "name", "weight_decay")
 
 
 def _quoted(names: tuple[str, ...]) -> tuple[str, ...]:
@@ -69,14 +69,25 @@ INVALID_TOML: list[tuple[str, str, str, tuple[str, ...]]] = [
      ("'laplacian' is not one of the allowed values", *_quoted(MIXINGS))),
     ("model-unknown", '[model]\nname = "vgg16"', "model.name",
      ("'vgg16' is not one of the allowed values", *_quoted(MODELS))),
-    ("optimizer-unknown", '[algorithm]\noptimizer = "adamw"', "algorithm.optimizer",
+    ("optimizer-unknown", '[algorithm]\nname = "dp-dsgd"\noptimizer = "adamw"', "algorithm.optimizer",
      ("'adamw' is not one of the allowed values", "'sgd'", "'adam'")),
     ("lr-schedule-unknown", '[algorithm]\nlr_schedule = "step"', "algorithm.lr_schedule",
      ("'step' is not one of the allowed values", "'constant'", "'logspace'", "'cosine'")),
     ("section-unknown", "[training]\nrounds = 3", "training", ("unknown key", f"allowed keys: {SECTIONS}")),
     ("key-unknown", "[privacy]\nepsilom = 1.0", "privacy.epsilom", ("unknown key", f"allowed keys: {PRIVACY_KEYS}")),
     ("key-unknown-algorithm", "[algorithm]\nlearning_rate = 0.1", "algorithm.learning_rate",
-     ("unknown key", "allowed keys: " + ", ".join(ALGORITHM_KEYS))),
+     ("unknown key", "allowed keys for algorithm 'dp-dsgt': " + ", ".join(ALGORITHM_KEYS))),
+    ("key-of-another-algorithm", "[algorithm]\nrho = 0.9", "algorithm.rho",
+     ("is not used by algorithm 'dp-dsgt'", "allowed keys: " + ", ".join(ALGORITHM_KEYS))),
+    ("schedule-unsupported", '[schedule]\nkind = "pairing"', "schedule.kind",
+     ("'pairing' is not supported by algorithm 'dp-dsgt'", "synchronous")),
+    ("schedule-unknown", '[schedule]\nkind = "gossip"', "schedule.kind",
+     ("'gossip' is not one of the allowed values",)),
+    ("offline-probability-one", "[schedule]\noffline_probability = 1.0", "schedule.offline_probability",
+     ("less than 1",)),
+    ("participation-zero", "[schedule]\nparticipation = 0.0", "schedule.participation", ("greater than 0",)),
+    ("redraw-fixed-graph", "[topology]\nredraw_every = 5", "topology.redraw_every",
+     ("redraws a random graph; graph = 'complete' is fixed",)),
     ("section-not-a-table", "privacy = 3", "privacy", ("valid dictionary",)),
     ("rounds-zero", "[experiment]\nrounds = 0", "experiment.rounds", ("greater than or equal to 1", "got 0")),
     ("rounds-string", '[experiment]\nrounds = "ten"', "experiment.rounds", ("valid integer", "'ten'")),
@@ -88,9 +99,10 @@ INVALID_TOML: list[tuple[str, str, str, tuple[str, ...]]] = [
     ("batch-size-zero", "[algorithm]\nbatch_size = 0", "algorithm.batch_size", ("greater than or equal to 1",)),
     ("lr-zero", "[algorithm]\nlr = 0.0", "algorithm.lr", ("greater than 0",)),
     ("lr-negative", "[algorithm]\nlr = -0.1", "algorithm.lr", ("greater than 0", "got -0.1")),
-    ("momentum-one", "[algorithm]\nmomentum = 1.0", "algorithm.momentum", ("less than 1",)),
-    ("primal-steps-zero", "[algorithm]\nprimal_steps = 0", "algorithm.primal_steps", ("greater than or equal to 1",)),
-    ("rho-growth-below-one", "[algorithm]\nrho_growth = 0.5", "algorithm.rho_growth",
+    ("momentum-one", '[algorithm]\nname = "dp-dsgd"\nmomentum = 1.0', "algorithm.momentum", ("less than 1",)),
+    ("primal-steps-zero", '[algorithm]\nname = "dp-dinno"\nprimal_steps = 0', "algorithm.primal_steps",
+     ("greater than or equal to 1",)),
+    ("rho-growth-below-one", '[algorithm]\nname = "dp-dinno"\nrho_growth = 0.5', "algorithm.rho_growth",
      ("greater than or equal to 1", "got 0.5")),
     ("overlap-t-above-one", "[data]\noverlap_t = 1.5", "data.overlap_t", ("less than or equal to 1", "got 1.5")),
     ("dirichlet-alpha-zero", "[data]\ndirichlet_alpha = 0.0", "data.dirichlet_alpha", ("greater than 0",)),

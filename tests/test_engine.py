@@ -12,12 +12,12 @@ from decentdp.algorithms.base import RoundContext
 from decentdp.algorithms.dp_dinno import DPDiNNO
 from decentdp.algorithms.dp_dsgd import DPDSGD
 from decentdp.algorithms.dp_dsgt import DPDSGT
-from decentdp.config import validate_config
-from decentdp.runtime.network import SimulatedNetwork
 from decentdp.algorithms.optim import SGD, Adam
-from decentdp.runtime.rng import AgentRandom, Stream
+from decentdp.config import validate_config
+from decentdp.rng import AgentRandom, Stream
+from decentdp.run.build import build_experiment
+from decentdp.runtime.network import SimulatedNetwork
 from decentdp.runtime.schedules import Schedule
-from decentdp.experiment import build_experiment
 from decentdp.topology import build_topology
 
 from conftest import tiny_config
@@ -31,7 +31,7 @@ def test_message_passing_primitives_agree_with_mixing() -> None:
     net = _network("erdos-renyi", 8, p=0.5)
     x = torch.randn(8, 5, dtype=torch.float64)
     w = torch.tensor(net.topology.mixing)
-    src, dst = net.edges[:, 0], net.edges[:, 1]
+    src, dst = net.out_edges[:, 0], net.out_edges[:, 1]
     via_messages = net.aggregate(net.broadcast(x), weights=w[dst, src]) + torch.diag(w)[:, None] * x
     torch.testing.assert_close(via_messages, net.mix(x))
     torch.testing.assert_close(net.neighbor_sum(x), net.aggregate(net.broadcast(x)))
@@ -40,10 +40,10 @@ def test_message_passing_primitives_agree_with_mixing() -> None:
 
 def test_per_edge_messages_reach_their_receiver() -> None:
     net = _network("star", 5)
-    messages = torch.arange(len(net.edges), dtype=torch.float64)[:, None]  # a distinct message per edge
+    messages = torch.arange(len(net.out_edges), dtype=torch.float64)[:, None]  # a distinct message per edge
     received = net.aggregate(net.exchange(messages))
     for agent in range(5):
-        assert received[agent, 0] == messages[net.edges[:, 1] == agent].sum()
+        assert received[agent, 0] == messages[net.in_edges[:, 1] == agent].sum()
 
 
 def test_pairwise_swap_exchanges_between_neighbours_only() -> None:
@@ -78,7 +78,7 @@ def test_mix_add_updates_in_place(graph: str, n: int) -> None:
 def test_dsgd_with_plain_sgd_equals_mixing_then_stepping() -> None:
     net = _network("ring", 5)
     params, grad = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
-    ctx = RoundContext(round_index=0, lr=0.2, network=net, gradient=lambda p, k, s: grad.clone())
+    ctx = RoundContext(round_index=0, lr=0.2, network=net, oracle=_FixedOracle(lambda params: grad.clone()))
     fused = DPDSGD(SGD()).round({"params": params}, ctx)["params"]
     torch.testing.assert_close(fused, net.mix(params) - 0.2 * grad)
 
@@ -141,9 +141,16 @@ def test_agent_streams_are_keyed_and_independent_of_other_agents() -> None:
     assert not torch.equal(rng.normal([0], 1000, 5, Stream.NOISE, step=1), block[:1])
 
 
-def _quadratic(targets: torch.Tensor):  # type: ignore[no-untyped-def]
+class _FixedOracle:
+    """An oracle whose gradient is a known function of the parameters (no data, no noise)."""
+
+    def __init__(self, gradient) -> None:  # type: ignore[no-untyped-def]
+        self.gradient = gradient
+
+
+def _quadratic(targets: torch.Tensor) -> _FixedOracle:
     """Agent i's loss 1/2 ||theta - b_i||^2, whose network optimum is mean(b)."""
-    return lambda params, round_index, step: params - targets
+    return _FixedOracle(lambda params: params - targets)
 
 
 def _run(algorithm, net: SimulatedNetwork, targets: torch.Tensor, rounds: int, lr) -> dict:  # type: ignore[no-untyped-def]
@@ -187,8 +194,7 @@ def test_dsgt_tracks_the_sum_of_the_latest_gradients() -> None:
         model={"name": "mlp"})))
     state = experiment.initial_state()
     for k in range(5):
-        ctx = RoundContext(k, 0.1, experiment.simulator.network, experiment.oracle)
-        state = experiment.algorithm.round(state, ctx)
+        state = experiment.algorithm.round(state, experiment.simulator.context(k))
         torch.testing.assert_close(state["tracker"].sum(0), state["last_grad"].sum(0), atol=1e-5, rtol=1e-5)
         assert torch.count_nonzero(state["last_grad"]) > 0
 

@@ -96,21 +96,24 @@ class AlgorithmSection(_Section):
         own = settings_cls.model_fields
         extras = self.__pydantic_extra__ or {}
         for key in [key for key in extras if key not in own]:
-            if _default_of_another_algorithm(key, extras[key]):
-                del extras[key]  # resolved configs list every setting at its default; it changes nothing
+            owners = _algorithms_with_setting(key)
+            if owners and any(_is_default(name, key, extras[key]) for name in owners):
+                del extras[key]  # resolved configs of other algorithms list it at its default: it changes nothing
                 continue
-            allowed = ", ".join(sorted(own)) or "none"
-            raise _FieldError(f"algorithm.{key}", f"is not used by algorithm '{self.name}'; remove it (its own "
-                                                  f"settings: {allowed})")
+            allowed = ", ".join(sorted([*type(self).model_fields, *own]))
+            raise _FieldError(f"algorithm.{key}",
+                              f"is not used by algorithm '{self.name}'; remove it (allowed keys: {allowed})" if owners
+                              else f"unknown key; allowed keys for algorithm '{self.name}': {allowed}")
         try:
             self._settings = settings_cls.model_validate(dict(extras))
         except ValidationError as exc:
-            error = exc.errors()[0]
-            field = ".".join(str(part) for part in error["loc"])
-            message = error["msg"].removeprefix("Value error, ")
-            if ": " in message and not field:  # a settings-level check names its own field
-                field, _, message = message.partition(": ")
-            raise _FieldError(f"algorithm.{field}" if field else "algorithm", message) from None
+            field, message = _describe({**exc.errors()[0], "loc": ("algorithm", *exc.errors()[0]["loc"])})
+            if field == "algorithm" and ": " in message:  # a settings-level check names its own field
+                name, _, message = message.partition(": ")
+                field = f"algorithm.{name}"
+            raise _FieldError(field, message) from None
+        extras.clear()
+        extras.update(self._settings.model_dump())  # the resolved settings, defaults included
         return self
 
     @property
@@ -120,13 +123,14 @@ class AlgorithmSection(_Section):
         return self._settings
 
 
-def _default_of_another_algorithm(key: str, value: Any) -> bool:
-    """Whether ``key = value`` is some other registered algorithm's setting at its default."""
-    for name in algorithm_names():
-        field = algorithm_class(name).Settings.model_fields.get(key)
-        if field is not None and field.default == value and type(field.default) is type(value):
-            return True
-    return False
+def _algorithms_with_setting(key: str) -> list[str]:
+    """The registered algorithms that have a setting named ``key``."""
+    return [name for name in algorithm_names() if key in algorithm_class(name).Settings.model_fields]
+
+
+def _is_default(name: str, key: str, value: Any) -> bool:
+    default = algorithm_class(name).Settings.model_fields[key].default
+    return default == value and type(default) is type(value)
 
 
 class ScheduleSection(_Section):
@@ -251,9 +255,7 @@ class ExperimentConfig(_Section):
     def to_toml_dict(self) -> dict[str, Any]:
         """The resolved config as TOML-writable data ('inf' for infinity, no None values), with the
         algorithm's own settings (defaults included) inside ``[algorithm]``."""
-        data = self.model_dump()
-        data["algorithm"].update(self.algorithm.settings.model_dump())
-        return _toml_ready(data)
+        return _toml_ready(self.model_dump())
 
 
 _RANDOM_GRAPHS = ("erdos-renyi", "geometric", "fiedler", "k-regular")

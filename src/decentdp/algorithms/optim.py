@@ -105,7 +105,7 @@ class OptimizerSettings(AlgorithmSettings):
             fields = type(self).model_fields
             unused = [key for key in ("momentum", "nesterov") if getattr(self, key) != fields[key].default]
             if unused:
-                raise ValueError(f"{unused[0]}: is not used with optimizer 'adam'; remove {', '.join(unused)}")
+                raise ValueError(f"{unused[0]}: is not used by optimizer 'adam'; remove {', '.join(unused)}")
         return self
 
     def build(self) -> Optimizer:

@@ -50,7 +50,7 @@ from decentdp.privacy.accounting import (
     rdp_curve,
     rdp_epsilon,
 )
-from decentdp.privacy.events import EventTable
+from decentdp.privacy.events import EventTable, gaussian_event
 
 UNLIMITED = 1 << 40
 """Headroom of an agent without a budget."""
@@ -104,7 +104,7 @@ class _Accounts:
 
     def rdp(self, account: int, table: EventTable) -> np.ndarray:
         """The account's RDP total, composed in the order :func:`~decentdp.privacy.accounting.rdp_total` uses."""
-        if self.event[account] == _NO_EVENT:
+        if self.event[account] == _NO_EVENT or self.count[account] == 0:
             return self.closed_rdp[account]
         return self.closed_rdp[account] + self.count[account] * rdp_curve(table[int(self.event[account])])
 
@@ -119,7 +119,8 @@ class _Accounts:
                 self.closed[account].append([event, int(self.count[account]), int(self.first[account]),
                                              int(self.last[account])])
                 self.closed_count[account] += self.count[account]
-                self.closed_rdp[account] = self.closed_rdp[account] + self.count[account] * rdp_curve(table[event])
+                if self.count[account]:  # (0 times an infinite order would be NaN)
+                    self.closed_rdp[account] = self.closed_rdp[account] + self.count[account] * rdp_curve(table[event])
         starts = accounts[~extends]
         self.event[starts] = events[~extends]
         self.count[starts] = 0
@@ -156,7 +157,8 @@ def _rdp_guess(prefix_rdp: np.ndarray, event: dp_accounting.DpEvent, budget: flo
     orders = RDP_ORDERS
     usable = orders > 1.01
     limit = budget - np.log1p(-1 / orders[usable]) + np.log(delta * orders[usable]) / (orders[usable] - 1)
-    room = (limit - prefix_rdp[usable]) / curve[usable]
+    with np.errstate(divide="ignore", invalid="ignore"):  # infinite or zero orders drop out below
+        room = (limit - prefix_rdp[usable]) / curve[usable]
     room = room[np.isfinite(room)]
     return int(min(UNLIMITED, max(-1.0, float(np.floor(room.max()))) if len(room) else -1))
 
@@ -383,7 +385,12 @@ class PrivacyLedger:
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> PrivacyLedger:
-        """Rebuild a ledger saved with :meth:`state_dict` (the headroom cache is rebuilt on first use)."""
+        """Rebuild a ledger saved with :meth:`state_dict` (the headroom cache is rebuilt on first use).
+
+        Ledgers saved by earlier versions (runs of ``(noise_multiplier, sample_rate, count)``
+        sampled Gaussian releases) load as the same events, so their checkpoints resume."""
+        if "runs" in state:
+            state = _from_runs_format(state)
         ledger = cls(state["agent_ids"], state["budgets"], state["delta"], state["budget_accountant"])
         ledger.refused = np.asarray(state["refused"], dtype=np.int64).reshape(ledger.n_agents).copy()
         ledger.events = EventTable.from_json(state["events"])
@@ -393,3 +400,13 @@ class PrivacyLedger:
         ledger._pair_index = {(int(agent), int(receiver)): k for k, (agent, receiver, _) in enumerate(state["pairs"])}
         ledger._pairs = _Accounts.from_state([runs for _, _, runs in state["pairs"]], ledger.events)
         return ledger
+
+
+def _from_runs_format(state: dict[str, Any]) -> dict[str, Any]:
+    """An earlier version's ledger state in the event format."""
+    table = EventTable()
+    runs = [[[table.intern(gaussian_event(run["noise_multiplier"], run["sample_rate"])), run["count"],
+              run["first_round"], run["last_round"]] for run in agent_runs] for agent_runs in state["runs"]]
+    return {"agent_ids": list(range(len(state["budgets"]))), "budgets": state["budgets"], "delta": state["delta"],
+            "budget_accountant": state["budget_accountant"], "refused": state["refused"], "events": table.to_json(),
+            "agent_runs": runs, "broadcast_runs": None, "pairs": []}

@@ -117,7 +117,8 @@ class DataOracle:
         self._released: set[int] = set()
         self._releases = 0
         self._norms: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-        self.last_authorized: torch.Tensor | None = None
+        self.last_authorized: torch.Tensor | None = None  # diagnostics of the last release, for operators:
+        self.last_batch_sizes: torch.Tensor | None = None  # never read by algorithms
         self.last_clipped_fraction = 0.0
 
     def batch(self) -> BatchKey:
@@ -232,6 +233,7 @@ class DataOracle:
                     values[refused] = 0.0  # refused agents release nothing
                 released.append(values)
         self.last_authorized = torch.from_numpy(authorized)
+        self.last_batch_sizes = self._batches[key.index].sizes
         self._record_clipping(key.index, authorized)
         return tuple(released)
 

@@ -42,9 +42,11 @@ def _restore(experiment: Experiment, checkpoint: dict[str, Any]) -> None:
     experiment.ledger = PrivacyLedger.from_state_dict(checkpoint["ledger"])
     experiment.oracle.ledger = experiment.ledger
     experiment.oracle.rng.secret = bytes.fromhex(checkpoint["secret"])
-    experiment.simulator.scheduler.load_state_dict(checkpoint["scheduler"])
-    experiment.oracle.agents_per_pass = checkpoint["passes"]["agents_per_pass"]
-    experiment.evaluator.chunk = checkpoint["passes"]["evaluation_chunk"]
+    if "scheduler" in checkpoint:  # checkpoints of earlier versions ran synchronous rounds only
+        experiment.simulator.scheduler.load_state_dict(checkpoint["scheduler"])
+    if "passes" in checkpoint:  # checkpoints written before the memory plan existed have none
+        experiment.oracle.agents_per_pass = checkpoint["passes"]["agents_per_pass"]
+        experiment.evaluator.chunk = checkpoint["passes"]["evaluation_chunk"]
 
 
 def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, *,
