@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from decentdp.algorithms import algorithm_names
 from decentdp.algorithms.base import RoundContext
 from decentdp.algorithms.dp_dinno import DPDiNNO
 from decentdp.algorithms.dp_dsgd import DPDSGD
@@ -215,3 +216,19 @@ def test_central_training_pools_all_data_into_one_agent() -> None:
     assert float(experiment.sample_rates[0]) == pytest.approx(16 / len(experiment.dataset.y_train))
     assert math.isfinite(float(experiment.noise_multipliers[0]))
     np.testing.assert_array_equal(experiment.histograms.sum(0), np.bincount(experiment.dataset.y_train.numpy()))
+
+
+@pytest.mark.parametrize("name", algorithm_names())
+def test_rounds_create_every_tensor_on_an_explicit_device(name: str) -> None:
+    """With torch's default device set to 'meta', any tensor a round creates without naming a device is
+    a meta tensor and fails as soon as it meets real data: so every creation takes its device from the
+    data, the parameters or the engine, as a GPU run needs."""
+    experiment = build_experiment(validate_config(tiny_config(algorithm={"name": name})))
+    state = experiment.initial_state()
+    torch.set_default_device("meta")
+    try:
+        for k in range(2):
+            state = experiment.algorithm.round(state, experiment.simulator.context(k))
+    finally:
+        torch.set_default_device("cpu")
+    assert state["params"].device.type == "cpu" and torch.isfinite(state["params"]).all()

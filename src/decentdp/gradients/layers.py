@@ -156,7 +156,7 @@ class StackedLinear(ParamLayer):
         if positions == 1:  # ||g a^T||_F = ||g|| ||a||
             return _sq_norm(a, (2, 3)) * _sq_norm(g, (2, 3)) + bias_sq, None
         if positions * (p + q) < p * q:  # ghost norm: sum_{t,t'} (a_t . a_t')(g_t . g_t')
-            sq = torch.empty(n_agents, batch, dtype=g.dtype)
+            sq = torch.empty(n_agents, batch, dtype=g.dtype, device=g.device)
             for rows in _sample_chunks(batch, n_agents * positions * positions * 8):
                 gram_a = a[:, rows] @ a[:, rows].transpose(-1, -2)
                 gram_g = g[:, rows] @ g[:, rows].transpose(-1, -2)
@@ -256,12 +256,13 @@ class StackedConv2d(ParamLayer):
         positions = g.shape[2] * g.shape[3]
         bias_sq = g.sum(dim=(2, 3)).pow(2).sum(dim=1).view(n_agents, batch) if self.bias else 0.0
         if self._cost_ghost_over_materialised(positions) < 1.0:
-            sq = torch.empty(samples, dtype=g.dtype)
+            sq = torch.empty(samples, dtype=g.dtype, device=g.device)
             patch_bytes = 4 * positions * self.in_channels * self.kernel[0] * self.kernel[1]
             for rows in _sample_chunks(samples, 8 * positions * positions + patch_bytes):
                 sq[rows] = self._ghost_sq_norms(a[rows], g[rows])
             return sq.view(n_agents, batch) + bias_sq, None
-        weight = torch.empty(samples, self.out_channels, self.in_channels, *self.kernel, dtype=g.dtype)
+        weight = torch.empty(samples, self.out_channels, self.in_channels, *self.kernel, dtype=g.dtype,
+                             device=g.device)
         for rows in _sample_chunks(samples, 8 * (weight[0].numel() + a[0].numel() + g[0].numel())):
             weight[rows] = self._per_sample_weights(a[rows], g[rows])
         sq = _sq_norm(weight, (1, 2, 3, 4))
@@ -341,7 +342,7 @@ class StackedEmbedding(ParamLayer):
         n_agents, vocabulary, _ = table.shape
         if shared:
             x = x.unsqueeze(0).expand(n_agents, *x.shape)
-        offsets = torch.arange(n_agents).view(n_agents, *([1] * (x.dim() - 1))) * vocabulary
+        offsets = torch.arange(n_agents, device=x.device).view(n_agents, *([1] * (x.dim() - 1))) * vocabulary
         out = F.embedding(x + offsets, table.reshape(n_agents * vocabulary, -1))
         if self.padding_idx is not None:  # as in nn.Embedding, the padding row gets no gradient
             out = torch.where((x == self.padding_idx).unsqueeze(-1), out.detach(), out)
@@ -358,7 +359,7 @@ class StackedEmbedding(ParamLayer):
         tokens = saved.reshape(n_agents, batch, -1)
         g = self._active(saved, grad_out).reshape(n_agents, batch, tokens.shape[2], -1)
         positions = tokens.shape[2]
-        sq = torch.empty(n_agents, batch, dtype=g.dtype)
+        sq = torch.empty(n_agents, batch, dtype=g.dtype, device=g.device)
         for rows in _sample_chunks(batch, n_agents * positions * positions * 8):
             same = (tokens[:, rows, :, None] == tokens[:, rows, None, :]).to(g.dtype)
             sq[:, rows] = (same * (g[:, rows] @ g[:, rows].transpose(-1, -2))).sum(dim=(-1, -2))
@@ -369,8 +370,8 @@ class StackedEmbedding(ParamLayer):
         n_agents, batch = weights.shape
         g = self._active(saved, grad_out) * weights.view(n_agents, batch, *([1] * (grad_out.dim() - 2)))
         vocabulary = self.vocabulary
-        offsets = torch.arange(n_agents).view(n_agents, *([1] * (saved.dim() - 1))) * vocabulary
-        table = torch.zeros(n_agents * vocabulary, g.shape[-1], dtype=g.dtype)
+        offsets = torch.arange(n_agents, device=saved.device).view(n_agents, *([1] * (saved.dim() - 1))) * vocabulary
+        table = torch.zeros(n_agents * vocabulary, g.shape[-1], dtype=g.dtype, device=g.device)
         table.index_add_(0, (saved + offsets).reshape(-1), g.reshape(-1, g.shape[-1]))
         out[0].copy_(table.view(n_agents, vocabulary, -1))
 

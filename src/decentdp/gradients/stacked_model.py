@@ -169,7 +169,7 @@ class StackedModel(FlatModel):
             output_grads = list(torch.autograd.grad(total, [record.output for record in tape]))
         layers = [(record.layer, record.saved.detach()) for record in tape]
         del tape, logits, total  # the layers' outputs are no longer needed
-        squared = torch.zeros(mask.shape, dtype=params.dtype)
+        squared = torch.zeros(mask.shape, dtype=params.dtype, device=params.device)
         materialised = []
         for (layer, inputs), grad_out in zip(layers, output_grads, strict=True):
             layer_sq, per_sample = layer.per_sample_sq_norms(inputs, grad_out)
@@ -182,7 +182,7 @@ class StackedModel(FlatModel):
         broken = ~torch.isfinite(norms)
         any_broken = bool(broken.any())
         factors = torch.where((mask > 0) & ~broken, clip_factors(norms, clip), torch.zeros_like(norms))
-        sums = torch.empty(params.shape, dtype=params.dtype) if out is None else out
+        sums = torch.empty(params.shape, dtype=params.dtype, device=params.device) if out is None else out
         slots = {id(node.layer): node.slots for node in _param_layers(self.program)}
         for (layer, inputs), grad_out, per_sample in zip(layers, output_grads, materialised, strict=True):
             if any_broken:

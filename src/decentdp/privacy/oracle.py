@@ -92,6 +92,7 @@ class DataOracle:
         self.timer: PhaseTimer = NO_TIMER
         self.sample_rates = sampler.sample_rates
         self.expected_batch = (sampler.sample_rates.double() * sampler.data.sizes).float()
+        self.device = rng.device
         self.agent_ids = agent_ids if agent_ids is not None else torch.arange(len(self.sample_rates))
         self._rates = self.sample_rates.numpy()
         self._event_cache: dict[tuple[int, bytes], np.ndarray] = {}
@@ -147,7 +148,8 @@ class DataOracle:
         """
         batch = self._check_open(key)
         if owners is None:
-            owners = self._active_rows if self._active_rows is not None else torch.arange(self.n_agents)
+            owners = self._active_rows if self._active_rows is not None else \
+                torch.arange(self.n_agents, device=self.device)
             models = params if self._active_rows is None else params.index_select(0, owners)
         else:
             if len(owners) != params.shape[0]:
@@ -164,7 +166,8 @@ class DataOracle:
     def _compute(self, models: torch.Tensor, batch: Batch, owners: torch.Tensor, out: torch.Tensor,
                  index: int) -> None:
         """Per-sample gradients of ``models[r]`` on ``owners[r]``'s batch, ``agents_per_pass`` rows at a time."""
-        everyone = len(owners) == self.n_agents and bool((owners == torch.arange(self.n_agents)).all())
+        everyone = len(owners) == self.n_agents and \
+            bool((owners == torch.arange(self.n_agents, device=owners.device)).all())
         x, y, mask = (batch.x, batch.y, batch.mask) if everyone else \
             (batch.x[owners], batch.y[owners], batch.mask[owners])
         norms = torch.empty(mask.shape, dtype=models.dtype, device=models.device)

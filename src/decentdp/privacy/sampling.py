@@ -87,7 +87,7 @@ class PoissonSampler:
     def draws(self, round_index: int, step: int = 0) -> torch.Tensor:
         """The round's ``(S,)`` float64 uniforms, one per slot; agent ``i`` uses ``offsets[i]:offsets[i+1]``."""
         generator = self.rng.round_generator(round_index, Stream.SAMPLING, step)
-        return torch.rand(self.n_slots, generator=generator, dtype=torch.float64)
+        return torch.rand(self.n_slots, generator=generator, dtype=torch.float64, device=generator.device)
 
     def sample(self, round_index: int, step: int = 0) -> Batch:
         """The batches of round ``round_index`` (sub-step ``step`` for algorithms with several per round).
@@ -103,10 +103,11 @@ class PoissonSampler:
         counts = torch.bincount(owner, minlength=n_agents)
         width = max(1, int(counts.max()))
         starts = torch.cumsum(counts, 0) - counts  # where each agent's selections begin in `chosen`
-        position = torch.arange(len(chosen)) - starts[owner]  # rank of each selection within its agent
+        # the rank of each selection within its agent
+        position = torch.arange(len(chosen), device=chosen.device) - starts[owner]
         index = self._first[:, None].repeat(1, width)  # padding reads one of the agent's own records
         index[owner, position] = self.records[chosen]
-        mask = torch.zeros(n_agents, width)
+        mask = torch.zeros(n_agents, width, device=index.device)
         mask[owner, position] = 1.0
         flat = index.reshape(-1)
         x = self.data.x.index_select(0, flat).reshape(n_agents, width, *self.data.x.shape[1:])
