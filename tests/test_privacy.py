@@ -19,7 +19,7 @@ from decentdp.privacy.accounting import calibrate_noise_multiplier, epsilon_spen
 from decentdp.privacy.clipping import clipped_sum
 from decentdp.privacy.events import gaussian_event
 from decentdp.privacy.ledger import PrivacyLedger
-from decentdp.privacy.mechanisms import GaussianMechanism, round_up_to_float32
+from decentdp.privacy.mechanisms import GaussianMechanism, NoiseReuseError, round_up_to_float32
 from decentdp.privacy.oracle import DataOracle
 from decentdp.privacy.sampling import AgentData, PoissonSampler
 from decentdp.rng import AgentRandom
@@ -90,10 +90,12 @@ def test_added_noise_has_the_calibrated_standard_deviation() -> None:
     low, high = stats.chi2.ppf([5e-5, 1 - 5e-5], n) / n
     assert low * expected_std**2 < var < high * expected_std**2
     assert abs(float(noise.mean())) < 5 * expected_std / math.sqrt(n)
-    # Noise differs across agents and rounds, and is reproducible for the same round (resumes).
-    again = _released(oracle, params, 3)
+    # Noise differs across rounds, and a new oracle (a resumed run) draws the same for the same round.
+    again = _released(_oracle(sigma, clip), params, 3)
     torch.testing.assert_close(again, released, rtol=0, atol=0)
     assert not torch.equal(_released(oracle, params, 4), released)
+    with pytest.raises(NoiseReuseError, match="cannot be opened"):
+        oracle.begin(3)  # one oracle never opens a round twice: it would replay its noise
 
 
 def test_calibrated_sigma_agrees_with_opacus_within_one_percent() -> None:

@@ -34,7 +34,7 @@ conversion); with PLD it is a bisection over cached compositions.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -141,12 +141,21 @@ class _Accounts:
         return accounts
 
 
-def _fits(prefix_rdp: np.ndarray, history: History, event: dp_accounting.DpEvent, total: int, budget: float,
-          delta: float, accountant: str) -> bool:
-    """Whether ``history`` (whose closed part has RDP ``prefix_rdp``) followed by ``total`` releases of
-    ``event`` stays within ``budget``."""
-    if accountant == "rdp":  # (no releases: the prefix alone; 0 * an infinite order would be NaN)
-        return rdp_epsilon(prefix_rdp + total * rdp_curve(event) if total else prefix_rdp, delta) <= budget
+def _fits_rdp(prefix_rdp: np.ndarray, event: dp_accounting.DpEvent, total: int, budget: float,
+              delta: float) -> bool:
+    """Whether a history of RDP ``prefix_rdp`` followed by ``total`` releases of ``event`` stays within
+    ``budget``, decided exactly as dp_accounting's conversion decides it: by the vectorised conversion
+    where it is clear of the budget, by dp_accounting's own near it."""
+    curve = prefix_rdp + total * rdp_curve(event) if total else prefix_rdp  # (0 * an infinite order is NaN)
+    fast = _rdp_epsilon_fast(curve, delta)
+    if abs(fast - budget) > 1e-9 * max(1.0, budget):
+        return fast <= budget
+    return rdp_epsilon(curve, delta) <= budget
+
+
+def _fits_history(history: History, event: dp_accounting.DpEvent, total: int, budget: float, delta: float,
+                  accountant: str) -> bool:
+    """Whether ``history`` followed by ``total`` releases of ``event`` stays within ``budget`` (any accountant)."""
     return epsilon_of_history((*history, (event, total)), delta, accountant) <= budget
 
 
@@ -166,25 +175,24 @@ def _rdp_guess(prefix_rdp: np.ndarray, event: dp_accounting.DpEvent, budget: flo
 @lru_cache(maxsize=4096)
 def _max_count_pld(history: History, event: dp_accounting.DpEvent, budget: float, delta: float,
                    accountant: str) -> int:
-    return _search(lambda total: _fits(np.zeros(0), history, event, total, budget, delta, accountant), 0)
+    return _search(lambda total: _fits_history(history, event, total, budget, delta, accountant), 0)
 
 
-def _search(fits: Any, guess: int) -> int:
-    """Largest ``c >= 0`` with ``fits(c)`` (``-1`` if none), for monotone ``fits``, starting from ``guess``."""
-    if not fits(0):
-        return -1
+def _search(fits: Callable[[int], bool], guess: int) -> int:
+    """Largest ``c >= 0`` with ``fits(c)`` (``-1`` if none), for monotone ``fits``, starting from ``guess``:
+    two checks when the guess is exact, as the closed form's almost always is."""
     low = max(0, guess)
-    if not fits(low):
-        high = low
-        low = 0
-    else:
-        step = 1
-        high = low + step
-        while fits(high):  # usually one check: the guess is exact
+    if fits(low):
+        step, high = 1, low + 1
+        while fits(high):
             if high >= UNLIMITED:
                 return UNLIMITED
             low, step = high, step * 2
             high = low + step
+    else:
+        if low == 0 or not fits(0):
+            return -1
+        high, low = low, 0
     while high - low > 1:  # fits(low), not fits(high)
         middle = (low + high) // 2
         if fits(middle):
@@ -192,6 +200,18 @@ def _search(fits: Any, guess: int) -> int:
         else:
             high = middle
     return low
+
+
+def _rdp_epsilon_fast(total: np.ndarray, delta: float) -> float:
+    """dp_accounting's RDP-to-epsilon conversion (``compute_epsilon``) in one vectorised expression: the
+    same formula and cases, equal up to the last bits of the logarithms."""
+    orders = RDP_ORDERS
+    with np.errstate(all="ignore"):
+        epsilon = total + np.log1p(-1 / orders) - np.log(delta * orders) / (orders - 1)
+        epsilon = np.where(orders > 1.01, epsilon, np.inf)
+        epsilon = np.where(delta**2 + np.expm1(-total) > 0, 0.0, epsilon)
+        epsilon = np.where(total < 0, 0.0, epsilon)
+    return max(0.0, float(epsilon.min()))
 
 
 class PrivacyLedger:
@@ -260,15 +280,13 @@ class PrivacyLedger:
         accounts = self._agents
         extends = accounts.event[agent] == event_id
         done = int(accounts.count[agent]) if extends else 0
-        prefix = accounts.closed_rdp[agent] if extends else accounts.rdp(agent, self.events)
+        if self.budget_accountant == "rdp":  # running totals: constant work whatever the history's length
+            prefix = accounts.closed_rdp[agent] if extends else accounts.rdp(agent, self.events)
+            guess = _rdp_guess(prefix, event, budget, self.delta)
+            return _search(lambda total: _fits_rdp(prefix, event, total, budget, self.delta), guess) - done
         history = self.history(agent)
-        history = history[:-1] if extends else history
-        if self.budget_accountant == "rdp":
-            def fits(total: int) -> bool:
-                return _fits(prefix, history, event, total, budget, self.delta, "rdp")
-
-            return _search(fits, _rdp_guess(prefix, event, budget, self.delta)) - done
-        return _max_count_pld(history, event, budget, self.delta, self.budget_accountant) - done
+        return _max_count_pld(history[:-1] if extends else history, event, budget, self.delta,
+                              self.budget_accountant) - done
 
     def charge(self, round_index: int, events: np.ndarray, *, agents: np.ndarray | None = None, count: int = 1,
                senders: np.ndarray | None = None, receivers: np.ndarray | None = None,

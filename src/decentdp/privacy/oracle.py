@@ -95,8 +95,9 @@ class DataOracle:
         self.device = rng.device
         self.agent_ids = agent_ids if agent_ids is not None else torch.arange(len(self.sample_rates))
         self._rates = self.sample_rates.numpy()
-        self._event_cache: dict[tuple[int, bytes], np.ndarray] = {}
-        self.begin(SETUP_ROUND)
+        self._event_cache: dict[tuple[int, bytes], tuple[Mechanism, np.ndarray]] = {}
+        self._opened: int | None = None  # the last round opened: rounds open once, in increasing order
+        self._reset(SETUP_ROUND, None)
 
     @property
     def n_agents(self) -> int:
@@ -109,7 +110,17 @@ class DataOracle:
     # -- the round ---------------------------------------------------------------------------------------
     def begin(self, round_index: int, active: torch.Tensor | None = None) -> None:
         """Start a round: only ``active`` agents (a boolean mask; default all) sample, compute and are charged.
-        Keys of earlier rounds become invalid."""
+
+        Keys of earlier rounds become invalid.  Each oracle opens a round once, and rounds in increasing
+        order: reopening one would draw its batches and noise keys again (a resumed run opens its next
+        round in a new oracle, so that it continues exactly where the interrupted run stopped)."""
+        if self._opened is not None and round_index <= self._opened:
+            raise NoiseReuseError(f"round {round_index} cannot be opened after round {self._opened}: its batches "
+                                  "and noise keys would be drawn again")
+        self._opened = round_index
+        self._reset(round_index, active)
+
+    def _reset(self, round_index: int, active: torch.Tensor | None) -> None:
         self.round_index = round_index
         self.active = active
         self._active_rows = None if active is None or bool(active.all()) else torch.nonzero(active).squeeze(1)
@@ -199,8 +210,8 @@ class DataOracle:
         if any(item.key != key for item in sums):
             raise NoiseReuseError("sums computed on different batches cannot be released as one event")
         self._check_open(key)
-        if any(not item._open for item in sums):
-            raise NoiseReuseError("a Clipped value was already released")
+        if any(not item._open for item in sums) or len({id(item) for item in sums}) != len(sums):
+            raise NoiseReuseError("a Clipped value is released once: it was already released, or given twice")
         if self._pending[key.index] != len(sums):
             raise NoiseReuseError(f"{self._pending[key.index]} sums were computed on batch {key}, {len(sums)} "
                                   "given: every sum on one batch must be released together, as one joint event")
@@ -253,15 +264,16 @@ class DataOracle:
         """Each owner's joint event id for ``rows[o]`` sums (cached: steady rounds ask for the same)."""
         key = (id(mechanism), rows.tobytes())
         cached = self._event_cache.get(key)
-        if cached is None:
-            cached = np.full(self.n_agents, -1, dtype=np.int64)
+        # The entry holds the mechanism itself, so that its id cannot be reused by another one while cached.
+        if cached is None or cached[0] is not mechanism:
+            ids = np.full(self.n_agents, -1, dtype=np.int64)
             for owner in np.flatnonzero(rows):
-                cached[owner] = self.ledger.intern(
+                ids[owner] = self.ledger.intern(
                     mechanism.agent_event(int(owner), float(self._rates[owner]), int(rows[owner])))
             if len(self._event_cache) > 64:
                 self._event_cache.clear()
-            self._event_cache[key] = cached
-        return cached
+            cached = self._event_cache[key] = (mechanism, ids)
+        return cached[1]
 
     # -- the common case -----------------------------------------------------------------------------------
     def gradient(self, params: torch.Tensor) -> torch.Tensor:
