@@ -89,10 +89,10 @@ class ExperimentFactory:
 class EngineRunner:
     """Rounds of decentdp's DP-DSGD, exactly as the simulator runs them."""
 
-    def __init__(self, experiment: Experiment) -> None:
+    def __init__(self, experiment: Experiment, first_round: int = 0) -> None:
         self.experiment = experiment
         self.state: State = experiment.initial_state()
-        self.round_index = 0
+        self.round_index = first_round  # an oracle opens each round once: runners sharing one continue
 
     def round(self) -> None:
         ctx = self.experiment.simulator.context(self.round_index)  # the benchmarked configs keep lr = LR

@@ -83,7 +83,8 @@ def child(graph: str, agents: int, warmup: int, rounds: int, data_dir: Path) -> 
     input_bytes = sample.numel() * sample.element_size()
     # One round on a throwaway state first: code pages and one-off buffers of the kernels it uses
     # then belong to the baseline, not to the run's peak.
-    EngineRunner(experiment).round()
+    throwaway = EngineRunner(experiment)
+    throwaway.round()
     gc.collect()
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     libc.malloc_trim(0)
@@ -91,7 +92,7 @@ def child(graph: str, agents: int, warmup: int, rounds: int, data_dir: Path) -> 
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
     retain_freed_memory()  # as `decentdp run` does, after the baseline so no freed build memory is reused
 
-    runner = EngineRunner(experiment)
+    runner = EngineRunner(experiment, first_round=throwaway.round_index)
     state = state_bytes(runner.state)
     widths, seconds = [], []
     for index in range(warmup + rounds):

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from decentdp.algorithms import algorithm_names
-from decentdp.algorithms.base import RoundContext
+from decentdp.algorithms import algorithm_names, register
+from decentdp.algorithms.base import RoundContext, State, prefixed, unprefixed
 from decentdp.algorithms.dp_dinno import DPDiNNO
 from decentdp.algorithms.dp_dsgd import DPDSGD
 from decentdp.algorithms.dp_dsgt import DPDSGT
-from decentdp.algorithms.optim import SGD, Adam
+from decentdp.algorithms.optim import SGD, Adam, OptimizerAlgorithm
 from decentdp.config import validate_config
 from decentdp.rng import AgentRandom, Stream
 from decentdp.run.build import build_experiment
+from decentdp.run.loop import run_experiment
 from decentdp.runtime.network import SimulatedNetwork
 from decentdp.runtime.schedules import Schedule
 from decentdp.topology import build_topology
@@ -232,3 +235,53 @@ def test_rounds_create_every_tensor_on_an_explicit_device(name: str) -> None:
     finally:
         torch.set_default_device("cpu")
     assert state["params"].device.type == "cpu" and torch.isfinite(state["params"]).all()
+
+
+@register
+class _WarmStarted(OptimizerAlgorithm):
+    """Local training after a setup phase that takes one private gradient step (a stand-in warm start)."""
+
+    name = "test-warm-started"
+
+    @property
+    def setup_releases(self) -> int:
+        return 1
+
+    def setup(self, state: State, ctx: RoundContext) -> State:
+        assert ctx.is_setup
+        return {**state, "params": state["params"] - ctx.lr * ctx.oracle.gradient(state["params"])}
+
+    def round(self, state: State, ctx: RoundContext) -> State:
+        params, opt = self.optimizer.step(state["params"], ctx.oracle.gradient(state["params"]),
+                                          unprefixed("opt", state), ctx.lr)
+        return {"params": params, **prefixed("opt", opt)}
+
+
+def test_a_setup_phase_releases_before_round_zero_and_is_planned_for(tmp_path: Path) -> None:
+    raw = tiny_config(algorithm={"name": "test-warm-started"}, experiment={"rounds": 4, "eval_every": 2})
+    experiment = build_experiment(validate_config(raw))
+    plain = build_experiment(validate_config(tiny_config(algorithm={"name": "local"},
+                                                         experiment={"rounds": 4, "eval_every": 2})))
+    assert experiment.planned_releases == 5 == plain.planned_releases + 1
+    assert (experiment.noise_multipliers > plain.noise_multipliers).all()  # calibrated for one more release
+    whole = run_experiment(validate_config(raw), tmp_path / "whole", progress=False, log=lambda _: None)
+    ledger = json.loads((tmp_path / "whole" / "privacy.json").read_text())
+    assert ledger["releases"] == [5, 5, 5, 5]
+    assert {run[2] for runs in ledger["ledger"]["agent_runs"] for run in runs} == {-1}  # the first release: setup
+    # Resumed after round 2, the setup phase is not run again and the result is the same.
+    run_experiment(validate_config(raw), tmp_path / "cut", progress=False, log=lambda _: None, stop_after=2)
+    resumed = run_experiment(validate_config(raw), tmp_path / "cut", resume=True, progress=False, log=lambda _: None)
+    torch.testing.assert_close(resumed.state["params"], whole.state["params"], rtol=0, atol=0)
+    assert json.loads((tmp_path / "cut" / "privacy.json").read_text())["releases"] == [5, 5, 5, 5]
+
+
+def test_redrawn_graphs_change_per_epoch_and_are_reproducible() -> None:
+    raw = tiny_config(topology={"graph": "erdos-renyi", "agents": 8, "p": 0.4, "redraw_every": 3})
+    graphs = build_experiment(validate_config(raw)).simulator.graphs
+    again = build_experiment(validate_config(raw)).simulator.graphs
+    edges = [graphs.at(k).out_edges.tolist() for k in range(9)]
+    assert edges[0] == edges[1] == edges[2] and edges[3] == edges[5] and edges[6] == edges[8]
+    assert len({str(e) for e in (edges[0], edges[3], edges[6])}) == 3  # a new graph every 3 rounds
+    assert [again.at(k).out_edges.tolist() for k in range(9)] == edges
+    fixed = build_experiment(validate_config(tiny_config(topology={"graph": "erdos-renyi", "agents": 8, "p": 0.4})))
+    assert fixed.simulator.graphs.at(7).out_edges.tolist() == edges[0]  # epoch 0 is the run's own graph

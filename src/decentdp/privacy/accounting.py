@@ -190,14 +190,8 @@ def calibrate_noise_multiplier(
     accountant: str = "rdp",
     tolerance: float = 1e-4,
 ) -> float:
-    """Smallest noise multiplier whose planned releases stay within (target_epsilon, delta).
-
-    The planned releases are ``steps * releases_per_step`` sampled Gaussian mechanisms at rate
-    ``sample_rate``.  The search is a bisection that always returns the *safe* end of its bracket, so
-    the result never overshoots the target under the same accountant (the budget check of a
-    :class:`~decentdp.privacy.ledger.PrivacyLedger` relies on this); it is within ``tolerance``
-    (relative) of the exact root.
-    """
+    """Smallest noise multiplier whose planned releases, ``steps * releases_per_step`` sampled Gaussian
+    mechanisms at rate ``sample_rate``, stay within (target_epsilon, delta) (see :func:`calibrate_scale`)."""
     check_epsilon_delta(target_epsilon, delta)
     check_sampling(sample_rate, steps, releases_per_step)
     if math.isinf(target_epsilon):

@@ -103,10 +103,6 @@ class DataOracle:
     def n_agents(self) -> int:
         return len(self.sample_rates)
 
-    @property
-    def private(self) -> bool:
-        return self.mechanism is not None
-
     # -- the round ---------------------------------------------------------------------------------------
     def begin(self, round_index: int, active: torch.Tensor | None = None) -> None:
         """Start a round: only ``active`` agents (a boolean mask; default all) sample, compute and are charged.
@@ -168,8 +164,7 @@ class DataOracle:
             if self.active is not None and not bool(self.active[owners].all()):
                 raise ValueError("an inactive agent's data cannot be used in this round")
             models = params
-        result = out if out is not None and models is params and owners is not None and len(owners) == len(params) \
-            else torch.empty_like(models)
+        result = out if out is not None and models is params else torch.empty_like(models)
         self._compute(models, batch, owners, result, key.index)
         self._pending[key.index] += 1
         return Clipped(key, result, owners, slots)
@@ -217,6 +212,9 @@ class DataOracle:
                                   "given: every sum on one batch must be released together, as one joint event")
         if receivers is not None and (len(sums) != 1 or len(receivers) != len(sums[0].owners)):
             raise ValueError("per-receiver releases take one Clipped and one receiver per row")
+        if self.mechanism is None and mechanism is not None and not isinstance(mechanism, NoNoise):
+            raise ValueError("this run is non-private: its sums are unclipped batch means, whose sensitivity no "
+                             "mechanism's event describes")
         mechanism = mechanism if mechanism is not None else (self.mechanism or NoNoise())
         owners = torch.cat([item.owners for item in sums]).cpu()
         rows = np.bincount(owners.numpy(), minlength=self.n_agents)

@@ -77,8 +77,12 @@ class Experiment:
     @property
     def planned_releases(self) -> int:
         """Noisy releases each agent's noise is calibrated for: the setup phase's and every round's."""
-        rounds = self.config.experiment.rounds
-        return rounds * self.algorithm.releases_per_round + self.algorithm.setup_releases
+        return planned_releases(self.config, self.algorithm)
+
+
+def planned_releases(config: ExperimentConfig, algorithm: Algorithm) -> int:
+    """The setup phase's releases and every round's, per agent: what sigma is calibrated for."""
+    return config.experiment.rounds * algorithm.releases_per_round + algorithm.setup_releases
 
 
 def _agent_budgets(config: ExperimentConfig, n_agents: int) -> list[float]:
@@ -167,7 +171,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     sizes = [len(p) for p in parts]
     rates = [min(1.0, algo_cfg.batch_size / n) for n in sizes]
     budgets = _agent_budgets(config, len(parts))
-    planned = config.experiment.rounds * algorithm.releases_per_round + algorithm.setup_releases
+    planned = planned_releases(config, algorithm)
     sigmas = _calibrate(budgets, rates, config, planned) if private else [0.0] * len(parts)
     ledger = PrivacyLedger(len(parts), budgets, config.privacy.delta, budget_accountant=config.privacy.accountant)
     rng = AgentRandom(seed, secrets.token_bytes(32) if config.privacy.secure_noise else b"", device=device)
