@@ -85,6 +85,8 @@ INVALID_TOML: list[tuple[str, str, str, tuple[str, ...]]] = [
      ("'gossip' is not one of the allowed values",)),
     ("offline-probability-one", "[schedule]\noffline_probability = 1.0", "schedule.offline_probability",
      ("less than 1",)),
+    ("offline-agents-unsupported", "[schedule]\noffline_probability = 0.3", "schedule.offline_probability",
+     ("algorithm 'dp-dsgt' does not let agents go offline",)),
     ("participation-zero", "[schedule]\nparticipation = 0.0", "schedule.participation", ("greater than 0",)),
     ("redraw-fixed-graph", "[topology]\nredraw_every = 5", "topology.redraw_every",
      ("redraws a random graph; graph = 'complete' is fixed",)),

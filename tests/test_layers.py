@@ -47,11 +47,11 @@ from torch import nn
 from torch.nn.utils import vector_to_parameters
 
 from decentdp.gradients import layers
+from decentdp.gradients.clipping import clip_factors
 from decentdp.gradients.flat_model import FlatModel
 from decentdp.gradients.layers import StackedConv2d, StackedLinear, Unsupported
 from decentdp.gradients.stacked_model import StackedModel, gradient_model
 from decentdp.models import Residual, build_model, classification_loss
-from decentdp.privacy.clipping import clip_factors
 
 RTOL, ATOL = 1e-4, 1e-5
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -13,10 +13,10 @@ from scipy import stats
 
 from decentdp.config import validate_config
 from decentdp.errors import ConfigError, PrivacyError
+from decentdp.gradients.clipping import clipped_sum
 from decentdp.gradients.flat_model import FlatModel
 from decentdp.models import build_model, classification_loss
 from decentdp.privacy.accounting import calibrate_noise_multiplier, epsilon_spent
-from decentdp.privacy.clipping import clipped_sum
 from decentdp.privacy.events import gaussian_event
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.privacy.mechanisms import GaussianMechanism, NoiseReuseError, round_up_to_float32

@@ -236,6 +236,9 @@ class ExperimentConfig(_Section):
         if self.schedule_kind not in supported:
             raise _FieldError("schedule.kind", f"'{self.schedule_kind}' is not supported by algorithm '{algo.name}' "
                                                f"(supported: {', '.join(supported)})")
+        if self.schedule.offline_probability and not algorithm_class(algo.name).follows_plan:
+            raise _FieldError("schedule.offline_probability", f"algorithm '{algo.name}' does not let agents go "
+                                                               "offline (its rounds involve every agent)")
         if self.schedule_kind == "poisson-clocks" and self.schedule.offline_probability:
             raise _FieldError("schedule.offline_probability", "does not apply to poisson-clocks (agents sleep "
                                                                "between wake-ups by design)")

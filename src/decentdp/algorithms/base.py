@@ -142,6 +142,9 @@ class Algorithm(ABC):
     pools_data: ClassVar[bool] = False
     #: Round schedules the algorithm supports (``schedule.kind``); the first is its default.
     schedules: ClassVar[tuple[str, ...]] = ("synchronous",)
+    #: Whether the round reads ``ctx.plan`` so that inactive agents neither send, receive nor move
+    #: (required for ``schedule.offline_probability > 0``).
+    follows_plan: ClassVar[bool] = False
 
     @classmethod
     def from_settings(cls, settings: Any) -> Algorithm:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from decentdp.privacy.clipping import clipped_sum
+from decentdp.gradients.clipping import clipped_sum
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from decentdp.gradients.clipping import clip_factors
 from decentdp.gradients.flat_model import FlatModel, LossFn, saved_bytes_per_sample
 from decentdp.gradients.layers import PER_SAMPLE_MODULES, ParamLayer, Recorded, Unsupported, stacked_layer
 from decentdp.models import Residual
-from decentdp.privacy.clipping import clip_factors
 
 logger = logging.getLogger(__name__)
 
