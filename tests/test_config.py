@@ -486,3 +486,17 @@ def test_tiny_valid_config_builds() -> None:
     assert experiment.setup["epsilon_budgets"] == [math.inf] * 4
     assert experiment.setup["noise_multipliers"] == [0.0] * 4
     assert sum(experiment.setup["agent_sizes"]) == len(experiment.dataset.y_train)
+
+
+def test_resolved_configs_spell_out_the_algorithms_settings() -> None:
+    """With or without the algorithm's settings written out, a config resolves to the same thing (so a
+    resumed run recognises its own config), and an earlier version's resolved config, which listed
+    every algorithm's settings at their defaults, resolves to it too."""
+    bare = validate_config({"algorithm": {"name": "dp-dsgt"}})
+    spelled = validate_config({"algorithm": {"name": "dp-dsgt", "weight_decay": 0.0}})
+    earlier = validate_config({"algorithm": {"name": "dp-dsgt", "weight_decay": 0.0, "optimizer": "sgd",
+                                             "momentum": 0.0, "nesterov": False, "rho": 0.5, "rho_growth": 1.0,
+                                             "primal_steps": 1, "reset_optimizer_each_round": False}})
+    assert bare.to_toml_dict() == spelled.to_toml_dict() == earlier.to_toml_dict()
+    assert bare.to_toml_dict()["algorithm"]["weight_decay"] == 0.0
+    assert validate_config(bare.to_toml_dict()) == bare

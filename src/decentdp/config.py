@@ -94,7 +94,9 @@ class AlgorithmSection(_Section):
     def _own_settings(self) -> AlgorithmSection:
         settings_cls = algorithm_class(self.name).Settings
         own = settings_cls.model_fields
-        extras = self.__pydantic_extra__ or {}
+        if self.__pydantic_extra__ is None:
+            self.__pydantic_extra__ = {}
+        extras = self.__pydantic_extra__
         for key in [key for key in extras if key not in own]:
             owners = _algorithms_with_setting(key)
             if owners and any(_is_default(name, key, extras[key]) for name in owners):
