@@ -647,7 +647,7 @@ def test_laplace_noise_has_its_scale_and_names_its_event() -> None:
 
 
 def test_a_joint_laplace_release_through_the_oracle_is_charged_m_over_k() -> None:
-    oracle = _oracle(n_agents=2, per_agent=20, batch=20, mechanism=None)  # q = 1: every record, every time
+    oracle = _oracle(n_agents=2, per_agent=20, batch=20, mechanism="laplace")  # q = 1: every record, every time
     params = _params(oracle, 0.01)
     mechanism = LaplaceMechanism(torch.tensor([6.0, 3.0]), 1.0)
     oracle.begin(0)
@@ -661,7 +661,7 @@ def test_a_joint_laplace_release_through_the_oracle_is_charged_m_over_k() -> Non
 
 
 def test_each_mechanism_is_charged_its_own_event() -> None:
-    oracle = _oracle(n_agents=2, per_agent=4, batch=4, mechanism=None, model="linear", shape=(1, 2, 2))
+    oracle = _oracle(n_agents=2, per_agent=4, batch=4, mechanism="laplace", model="linear", shape=(1, 2, 2))
     params = _params(oracle, 0.01)
     owner_of_address: dict[int, float] = {}
     collisions = 0
@@ -710,3 +710,12 @@ def test_no_noise_is_non_private_and_reported_as_infinite() -> None:
     budgeted = PrivacyLedger(1, 10.0, DELTA)
     assert budgeted.charge(0, np.array([budgeted.intern(dp_accounting.NonPrivateDpEvent())])).tolist() == [False]
     assert budgeted.refused.tolist() == [1]
+
+
+def test_a_non_private_run_refuses_noisy_mechanisms() -> None:
+    """Its sums are unclipped batch means: no mechanism's event would describe their sensitivity."""
+    oracle = _oracle(mechanism=None)
+    oracle.begin(0)
+    key = oracle.batch()
+    with pytest.raises(ValueError, match="non-private"):
+        oracle.release(oracle.clip(key, _params(oracle)), mechanism=LaplaceMechanism(torch.ones(4), 1.0))
