@@ -156,6 +156,8 @@ class EngineSection(_Section):
                                                                      "what the OS reports available")
     agents_per_pass: int | None = Field(None, ge=1, description="agents whose gradients are computed at once; "
                                                                 "default: as many as fit in memory")
+    threads: int | None = Field(None, ge=1, description="compute threads; default: the cores this process may "
+                                                        "use (its CPU affinity)")
 
 
 class PrivacySection(_Section):
