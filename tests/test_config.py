@@ -91,6 +91,10 @@ INVALID_TOML: list[tuple[str, str, str, tuple[str, ...]]] = [
     ("redraw-fixed-graph", "[topology]\nredraw_every = 5", "topology.redraw_every",
      ("redraws a random graph; graph = 'complete' is fixed",)),
     ("section-not-a-table", "privacy = 3", "privacy", ("valid dictionary",)),
+    ("privacy-missing", "[experiment]\nrounds = 3", "privacy.epsilon",
+     ("[privacy] is required", "epsilon = 'inf' for a deliberately non-private run")),
+    ("epsilon-missing", "[privacy]\ndelta = 1e-6", "privacy.epsilon",
+     ("is required", "epsilon = 'inf' for a deliberately non-private run")),
     ("rounds-zero", "[experiment]\nrounds = 0", "experiment.rounds", ("greater than or equal to 1", "got 0")),
     ("rounds-string", '[experiment]\nrounds = "ten"', "experiment.rounds", ("valid integer", "'ten'")),
     ("rounds-fraction", "[experiment]\nrounds = 10.5", "experiment.rounds", ("valid integer", "valid integer")),
@@ -139,6 +143,8 @@ def _write(tmp_path: Path, text: str, name: str = "experiment.toml") -> Path:
                          ids=[case[0] for case in INVALID_TOML])
 def test_invalid_toml_names_field_and_allowed_values(tmp_path: Path, text: str, field: str,
                                                      fragments: tuple[str, ...]) -> None:
+    if "[privacy]" not in text and not text.startswith("privacy") and field != "privacy.epsilon":
+        text = f"{text}\n[privacy]\nepsilon = 1.0"  # every config states its budget; each row breaks one thing
     with pytest.raises(ConfigError) as info:
         load_config(_write(tmp_path, text))
     error = info.value
@@ -195,7 +201,8 @@ def test_cross_field_checks_are_skipped_where_not_needed() -> None:
     assert config.topology.p is None
     assert config.privacy.agent_epsilons == [2.0, 3.0]
     # A constant schedule does not need lr_final.
-    assert validate_config({"algorithm": {"lr_schedule": "constant"}}).algorithm.lr_final is None
+    assert validate_config({"algorithm": {"lr_schedule": "constant"}, "privacy": {"epsilon": 1.0}}).algorithm.lr_final \
+        is None
 
 
 # ----------------------------------------------------------------------------- load_config
@@ -232,7 +239,7 @@ def test_non_utf8_config_is_a_config_error(tmp_path: Path) -> None:
 
 
 def test_utf8_config_is_read_as_utf8(tmp_path: Path) -> None:
-    config = load_config(_write(tmp_path, '[experiment]\nname = "caf\u00e9-\u03b5"'))
+    config = load_config(_write(tmp_path, '[experiment]\nname = "caf\u00e9-\u03b5"\n[privacy]\nepsilon = 1.0'))
     assert config.experiment.name == "caf\u00e9-\u03b5"
 
 
@@ -240,19 +247,23 @@ def test_utf8_config_is_read_as_utf8(tmp_path: Path) -> None:
 
 
 def test_defaults_validate() -> None:
-    config = validate_config({})
-    assert config == ExperimentConfig()
+    config = validate_config({"privacy": {"epsilon": 1.0}})
+    assert config == ExperimentConfig(privacy={"epsilon": 1.0})
     assert config.experiment.rounds == 100
     assert config.data.dataset == "digits"
     assert config.topology.graph == "complete"
     assert config.algorithm.name == "dp-dsgt"
     assert config.privacy.delta == 1e-5
-    assert math.isinf(config.privacy.epsilon)
-    assert config.privacy.private is False
+    assert config.privacy.private is True
 
 
-def test_empty_toml_file_gives_defaults(tmp_path: Path) -> None:
-    assert load_config(_write(tmp_path, "")) == ExperimentConfig()
+def test_an_empty_config_is_refused_for_want_of_a_budget(tmp_path: Path) -> None:
+    """A DP library never trains silently without privacy: the budget, or its absence, is stated."""
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, ""))
+    assert info.value.field == "privacy.epsilon"
+    assert load_config(_write(tmp_path, ""), ["privacy.epsilon=1"]) == ExperimentConfig(privacy={"epsilon": 1.0})
+    assert not load_config(_write(tmp_path, '[privacy]\nepsilon = "inf"')).privacy.private
 
 
 @pytest.mark.parametrize("text", ["inf", "INF", " Infinity ", "none", "non-private"])
@@ -281,7 +292,7 @@ def test_private_flag() -> None:
 
 
 def test_validate_assignment_rejects_bad_values() -> None:
-    config = validate_config({})
+    config = validate_config({"privacy": {"epsilon": 1.0}})
     with pytest.raises(ValueError, match="delta"):
         config.privacy.delta = 0.0
 
@@ -379,7 +390,7 @@ def _round_trip(config: ExperimentConfig) -> ExperimentConfig:
 
 
 def test_defaults_round_trip_through_toml() -> None:
-    config = validate_config({})
+    config = validate_config({"privacy": {"epsilon": "inf"}})
     data = config.to_toml_dict()
     assert data["privacy"]["epsilon"] == "inf"
     assert "lr_final" not in data["algorithm"]  # None values are dropped
@@ -492,11 +503,13 @@ def test_resolved_configs_spell_out_the_algorithms_settings() -> None:
     """With or without the algorithm's settings written out, a config resolves to the same thing (so a
     resumed run recognises its own config), and an earlier version's resolved config, which listed
     every algorithm's settings at their defaults, resolves to it too."""
-    bare = validate_config({"algorithm": {"name": "dp-dsgt"}})
-    spelled = validate_config({"algorithm": {"name": "dp-dsgt", "weight_decay": 0.0}})
+    budget = {"epsilon": 1.0}
+    bare = validate_config({"algorithm": {"name": "dp-dsgt"}, "privacy": budget})
+    spelled = validate_config({"algorithm": {"name": "dp-dsgt", "weight_decay": 0.0}, "privacy": budget})
     earlier = validate_config({"algorithm": {"name": "dp-dsgt", "weight_decay": 0.0, "optimizer": "sgd",
                                              "momentum": 0.0, "nesterov": False, "rho": 0.5, "rho_growth": 1.0,
-                                             "primal_steps": 1, "reset_optimizer_each_round": False}})
+                                             "primal_steps": 1, "reset_optimizer_each_round": False},
+                               "privacy": budget})
     assert bare.to_toml_dict() == spelled.to_toml_dict() == earlier.to_toml_dict()
     assert bare.to_toml_dict()["algorithm"]["weight_decay"] == 0.0
     assert validate_config(bare.to_toml_dict()) == bare

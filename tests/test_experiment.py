@@ -38,7 +38,7 @@ def test_resume_ends_exactly_like_an_uninterrupted_run(tmp_path: Path, algorithm
     privacy = [json.loads((tmp_path / run / "privacy.json").read_text()) for run in ("whole", "split")]
     assert privacy[0] == privacy[1]
     metrics_file = (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["round"] for line in metrics_file] == [2, 4, 6]
+    assert [json.loads(line)["round"] for line in metrics_file] == [0, 2, 4, 6]  # round 0: before training
 
 
 def test_resume_refuses_a_different_config(tmp_path: Path) -> None:

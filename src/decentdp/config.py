@@ -163,7 +163,8 @@ class EngineSection(_Section):
 class PrivacySection(_Section):
     model_config = ConfigDict(_Section.model_config, allow_inf_nan=True)  # epsilon = inf: non-private
 
-    epsilon: float = Field(math.inf, description="target epsilon per agent; 'inf' = non-private")
+    epsilon: float | None = Field(None, description="target epsilon per agent (required unless agent_epsilons is "
+                                                    "given); 'inf' = a deliberately non-private run")
     delta: float = Field(1e-5, gt=0.0, lt=1.0)
     clip: float = Field(1.0, gt=0.0, allow_inf_nan=False)
     accountant: Literal["rdp", "pld"] = Field("rdp", description="accountant used to calibrate sigma")
@@ -183,10 +184,16 @@ class PrivacySection(_Section):
 
     @field_validator("epsilon")
     @classmethod
-    def _positive(cls, value: float) -> float:
-        if math.isnan(value) or value <= 0:
+    def _positive(cls, value: float | None) -> float | None:
+        if value is not None and (math.isnan(value) or value <= 0):
             raise ValueError("must be a positive number or 'inf' (non-private)")
         return value
+
+    @model_validator(mode="after")
+    def _budget_stated(self) -> PrivacySection:
+        if self.epsilon is None and self.agent_epsilons is None:
+            raise _FieldError("privacy.epsilon", _NO_BUDGET)
+        return self
 
     @field_validator("agent_epsilons")
     @classmethod
@@ -196,9 +203,17 @@ class PrivacySection(_Section):
         return value
 
     @property
+    def budgets(self) -> list[float]:
+        """The stated budgets: one per agent, or the one epsilon every agent has."""
+        return list(self.agent_epsilons) if self.agent_epsilons is not None else [float(self.epsilon or math.inf)]
+
+    @property
     def private(self) -> bool:
-        budgets = self.agent_epsilons if self.agent_epsilons is not None else [self.epsilon]
-        return any(math.isfinite(b) for b in budgets)
+        return any(math.isfinite(b) for b in self.budgets)
+
+
+_NO_BUDGET = ("is required: state each agent's privacy budget (e.g. epsilon = 1.0), or epsilon = 'inf' for a "
+              "deliberately non-private run")
 
 
 def _parse_infinity(value: Any) -> Any:
@@ -216,7 +231,7 @@ class ExperimentConfig(_Section):
     topology: TopologySection = Field(default_factory=TopologySection)
     model: ModelSection = Field(default_factory=ModelSection)
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
-    privacy: PrivacySection = Field(default_factory=PrivacySection)
+    privacy: PrivacySection  # required: a run without a stated budget must not train silently without privacy
     schedule: ScheduleSection = Field(default_factory=ScheduleSection)
     engine: EngineSection = Field(default_factory=EngineSection)
 
@@ -300,6 +315,8 @@ def _describe(error: dict[str, Any]) -> tuple[str, str]:
     field = ".".join(str(part) for part in loc)
     kind = error["type"]
     given = error.get("input")
+    if kind == "missing" and loc == ("privacy",):
+        return "privacy.epsilon", f"[privacy] {_NO_BUDGET}"
     if kind == "extra_forbidden":
         keys = _section_keys(loc)
         where = f"allowed keys: {', '.join(keys)}" if keys else "no such section"
@@ -311,6 +328,21 @@ def _describe(error: dict[str, Any]) -> tuple[str, str]:
         return inner.field, inner.message
     message = error["msg"].removeprefix("Value error, ")
     return field, f"{message} (got {given!r})" if given is not None and not isinstance(given, dict) else message
+
+
+def config_differences(old: ExperimentConfig, new: ExperimentConfig) -> list[str]:
+    """The dotted fields whose resolved values differ between two configs, e.g. ``['experiment.rounds']``."""
+    def flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            if isinstance(value, dict) and key != "options":
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    before, after = flat(old.to_toml_dict()), flat(new.to_toml_dict())
+    return sorted(key for key in before.keys() | after.keys() if before.get(key) != after.get(key))
 
 
 def validate_config(raw: dict[str, Any]) -> ExperimentConfig:
@@ -325,10 +357,20 @@ def validate_config(raw: dict[str, Any]) -> ExperimentConfig:
         raise error from None
 
 
+_REMOVE = object()
+"""The value of a ``~section.key`` override: remove the key (and fall back to its default)."""
+
+
 def parse_override(assignment: str) -> tuple[list[str], Any]:
-    """Parse ``section.key=value`` (value in TOML syntax, bare words taken as strings)."""
+    """Parse ``section.key=value`` (value in TOML syntax, bare words taken as strings), or ``~section.key``
+    (remove the key, as Hydra does: e.g. ``topology.p`` after switching to a graph that has no p)."""
+    if assignment.startswith("~") and "=" not in assignment:
+        path = [part.strip() for part in assignment[1:].strip().split(".")]
+        if len(path) < 2 or not all(path):
+            raise ConfigError("--set", f"key must look like ~section.key, got {assignment!r}")
+        return path, _REMOVE
     if "=" not in assignment:
-        raise ConfigError("--set", f"expected KEY=VALUE, got {assignment!r}")
+        raise ConfigError("--set", f"expected KEY=VALUE or ~KEY, got {assignment!r}")
     key, _, text = assignment.partition("=")
     path = [part.strip() for part in key.strip().split(".")]
     if len(path) < 2 or not all(path):
@@ -350,13 +392,19 @@ def apply_overrides(raw: dict[str, Any], assignments: list[str]) -> dict[str, An
             target = target.setdefault(part, {})
             if not isinstance(target, dict):
                 raise ConfigError("--set", f"{'.'.join(path)}: {part} is not a section")
-        target[path[-1]] = value
+        if value is _REMOVE:
+            target.pop(path[-1], None)
+        else:
+            target[path[-1]] = value
     return merged
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
     """Read, override and validate a TOML experiment file."""
     file = Path(path)
+    if file.is_dir():
+        raise ConfigError("CONFIG", f"{file} is a directory, not a TOML config file (a results folder holds its "
+                                    "run's config as config.toml)")
     if not file.is_file():
         raise ConfigError("CONFIG", f"no such config file: {file}")
     try:

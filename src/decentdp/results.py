@@ -63,6 +63,16 @@ def strict_json(value: Any) -> Any:
     return value
 
 
+def epsilon_json(value: Any) -> Any:
+    """Epsilons as results files store them: a number, or ``null`` where it is infinite (a non-private
+    release); lists and arrays element by element.  One encoding everywhere, documented in the README."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [epsilon_json(item) for item in value]
+    return None if value is None or not math.isfinite(float(value)) else float(value)
+
+
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return value.tolist()
@@ -102,8 +112,9 @@ def provenance(seed: int) -> dict[str, Any]:
     }
 
 
-def plot_metrics(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """PNG plots of accuracy (mean with min-max band) and consensus distance against round."""
+def plot_metrics(rows: Sequence[dict[str, Any]], out_dir: Path, title: str = "") -> list[Path]:
+    """PNG plots of accuracy (mean with min-max band) and consensus distance against round, titled with
+    ``title`` (the run's name, algorithm and epsilon)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,6 +128,7 @@ def plot_metrics(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
                     alpha=0.25, label="min-max over agents")
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy")
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -128,6 +140,7 @@ def plot_metrics(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
     ax.set_yscale("log")
     ax.set_xlabel("round")
     ax.set_ylabel("consensus distance  sqrt(mean ||θ_i − θ̄||²)")
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     written.append(_save(fig, out_dir / "consensus.png"))

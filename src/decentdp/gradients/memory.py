@@ -29,9 +29,13 @@ from decentdp.errors import ConfigError
 _GIB = 2**30
 
 
-def format_bytes(size: int) -> str:
-    """``size`` in MiB below one GiB, else in GiB."""
-    return f"{size / 2**20:.1f} MiB" if size < _GIB else f"{size / _GIB:.2f} GiB"
+def format_bytes(size: float) -> str:
+    """``size`` in the largest binary unit that keeps it at least 1 (B, KiB, MiB, GiB), so that small
+    limits still show their numbers."""
+    for unit, scale in (("GiB", _GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{int(size)} B"
 
 
 def available_memory() -> int | None:
@@ -115,22 +119,22 @@ def plan_memory(n_agents: int, dim: int, state: int, batch_bytes: int, activatio
     if limit_bytes is not None and fixed > limit_bytes:
         raise ConfigError(
             "topology.agents",
-            f"{n_agents} agents x {dim} parameters need about {fixed / _GIB:.2f} GiB for the algorithm's state, "
-            f"one round's temporaries and batches, more than the {limit_bytes / _GIB:.2f} GiB available "
+            f"{n_agents} agents x {dim} parameters need about {format_bytes(fixed)} for the algorithm's state, "
+            f"one round's temporaries and batches, more than the {format_bytes(limit_bytes)} available "
             "(engine.memory_limit_gb); use fewer agents or a smaller model")
     fitting = n_agents if limit_bytes is None else min(n_agents, (limit_bytes - fixed) // max(1, per_agent))
     if agents_per_pass is not None:
         if agents_per_pass > fitting and limit_bytes is not None:
             raise ConfigError(
                 "engine.agents_per_pass",
-                f"{agents_per_pass} agents per pass need about {(fixed + agents_per_pass * per_agent) / _GIB:.2f} "
-                f"GiB, more than the {limit_bytes / _GIB:.2f} GiB available; at most {fitting} fit")
+                f"{agents_per_pass} agents per pass need about {format_bytes(fixed + agents_per_pass * per_agent)} "
+                f", more than the {format_bytes(limit_bytes)} available; at most {fitting} fit")
         fitting = agents_per_pass
     if fitting < 1:
         raise ConfigError(
             "algorithm.batch_size",
-            f"one agent's batch of up to {batch_width} samples needs about {per_agent / _GIB:.2f} GiB of "
-            f"activations beside {fixed / _GIB:.2f} GiB of state, more than the "
-            f"{(limit_bytes or 0) / _GIB:.2f} GiB available; use a smaller batch or model")
+            f"one agent's batch of up to {batch_width} samples needs about {format_bytes(per_agent)} of "
+            f"activations beside {format_bytes(fixed)} of state, more than the "
+            f"{format_bytes(limit_bytes or 0)} available; use a smaller batch or model")
     return MemoryPlan(n_agents, state, round_bytes, activation_bytes_per_sample, batch_width,
                       int(min(fitting, n_agents)), limit_bytes)

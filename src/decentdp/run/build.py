@@ -15,6 +15,7 @@ so a failing run leaves nothing half-written.
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from decentdp.algorithms.base import Algorithm, State
 from decentdp.config import ExperimentConfig
 from decentdp.data.datasets import Dataset, load_dataset
 from decentdp.data.partition import class_histograms, partition
+from decentdp.errors import ConfigError
 from decentdp.gradients.flat_model import FlatModel
 from decentdp.gradients.memory import MemoryPlan, available_memory, padded_batch, plan_memory, state_bytes
 from decentdp.gradients.stacked_model import gradient_model
@@ -69,6 +71,7 @@ class Experiment:
     histograms: np.ndarray
     memory: MemoryPlan
     setup: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # announced when the run starts
 
     def initial_state(self) -> State:
         params = self.model.initial_parameters()
@@ -87,7 +90,7 @@ def planned_releases(config: ExperimentConfig, algorithm: Algorithm) -> int:
 
 def _agent_budgets(config: ExperimentConfig, n_agents: int) -> list[float]:
     privacy = config.privacy
-    budgets = list(privacy.agent_epsilons) if privacy.agent_epsilons is not None else [privacy.epsilon] * n_agents
+    budgets = privacy.budgets if privacy.agent_epsilons is not None else privacy.budgets * n_agents
     return [min(budgets)] if config.pools_data else budgets
 
 
@@ -169,6 +172,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     model = gradient_model(module, classification_loss, config.engine.gradients)
 
     sizes = [len(p) for p in parts]
+    warnings = _privacy_warnings(config, sizes) if private else []
     rates = [min(1.0, algo_cfg.batch_size / n) for n in sizes]
     budgets = _agent_budgets(config, len(parts))
     planned = planned_releases(config, algorithm)
@@ -211,4 +215,26 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
         "memory_plan": memory.as_dict(),
     }
     return Experiment(config, dataset, data, topology, model, algorithm, ledger, oracle, simulator, evaluator,
-                      noise_multipliers, sample_rates, histograms, memory, setup)
+                      noise_multipliers, sample_rates, histograms, memory, setup, warnings)
+
+
+def _privacy_warnings(config: ExperimentConfig, sizes: list[int]) -> list[str]:
+    """Refuse a delta that voids the guarantee; warn about settings that weaken it without voiding it.
+
+    (epsilon, delta)-DP with delta >= 1/n allows publishing a record outright, so such a delta is an
+    error; the usual rule asks for delta well below 1/n.  A batch larger than an agent's data makes its
+    sampling rate 1: nothing is amplified by subsampling, which is legal but rarely intended."""
+    delta, smallest = config.privacy.delta, min(sizes)
+    if delta >= 1 / smallest:
+        raise ConfigError("privacy.delta", f"{delta:g} is not below 1/|D_i| = 1/{smallest}: such a guarantee "
+                                           "allows an agent to publish one of its records in the clear")
+    warnings = []
+    if delta > 0.1 / smallest:
+        warnings.append(f"privacy.delta = {delta:g} is not well below 1/|D_i| = 1/{smallest} (the usual rule "
+                        f"is delta << 1/n, e.g. {10 ** math.floor(math.log10(0.01 / smallest)):g})")
+    full = sum(config.algorithm.batch_size >= size for size in sizes)
+    if full:
+        warnings.append(f"algorithm.batch_size = {config.algorithm.batch_size} is at least the data of {full} "
+                        f"agent(s) (smallest |D_i| = {smallest}): their sampling rate is q = 1, so Poisson "
+                        "subsampling amplifies nothing for them")
+    return warnings

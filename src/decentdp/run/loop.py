@@ -9,6 +9,7 @@ algorithm's setup phase (if any) and the rounds through the simulator, evaluates
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from tqdm.auto import tqdm
 from decentdp.algorithms.base import State
 from decentdp.config import ExperimentConfig
 from decentdp.privacy.ledger import PrivacyLedger
+from decentdp.results import epsilon_json
 from decentdp.run.build import Experiment, build_experiment
 from decentdp.run.record import ResultsFolder, summary
 from decentdp.util.allocator import retain_freed_memory
@@ -61,9 +63,9 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
     rounds (see :mod:`decentdp.util.profiling`); the report is logged and saved as ``profile.json``.
     """
     retain_freed_memory()
-    experiment = build_experiment(config, data_dir)
     folder = ResultsFolder(Path(out_dir)) if out_dir is not None else None
-    checkpoint = folder.open(config, resume) if folder is not None else None
+    checkpoint = folder.open(config, resume) if folder is not None else None  # paths checked before the build
+    experiment = build_experiment(config, data_dir)
 
     state = experiment.initial_state()
     metrics: list[dict[str, Any]] = []
@@ -85,7 +87,9 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
     operators = _operator_profiler(last - start) if profile else None
     if operators is not None:
         operators.start()
-    bar = tqdm(total=rounds, initial=start, disable=not progress, desc=cfg.name, unit="round", leave=False)
+    # A bar only on a terminal: elsewhere (a log file, a pipe) its redraws would interleave with the rows.
+    bar = tqdm(total=rounds, initial=start, disable=not progress or not sys.stderr.isatty(), desc=cfg.name,
+               unit="round", leave=False)
     clock = time.perf_counter()
 
     def save(round_done: int, current: State) -> None:
@@ -93,29 +97,33 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
             with timer.phase("checkpoint"):
                 folder.checkpoint(experiment, round_done, current, metrics, elapsed + time.perf_counter() - clock)
 
+    def evaluate(done: int, current: State) -> None:
+        with timer.phase("evaluation"):
+            evaluation = experiment.evaluator(current["params"]).summary()
+        row = {"round": done, "lr": experiment.simulator.schedule(max(done - 1, 0)), **evaluation,
+               "epsilon_max": epsilon_json(float(experiment.ledger.epsilon(config.privacy.accountant).max())),
+               "epsilon_accountant": config.privacy.accountant,
+               "clipped_fraction": experiment.oracle.last_clipped_fraction,
+               "wall_seconds": elapsed + time.perf_counter() - clock}
+        metrics.append(row)
+        emit(f"round {done:>5}/{rounds}  acc {row['accuracy_mean']:.4f} "
+             f"(min {row['accuracy_min']:.4f}, max {row['accuracy_max']:.4f})  "
+             f"consensus {row['consensus_distance']:.3g}  eps({row['epsilon_accountant']}) "
+             f"{'inf' if row['epsilon_max'] is None else format(row['epsilon_max'], '.3g')}")
+
     def after_round(done: int, current: State) -> bool:
         bar.update(1)
         if operators is not None:
             operators.step()
         if done % cfg.eval_every == 0 or done == rounds:
-            with timer.phase("evaluation"):
-                evaluation = experiment.evaluator(current["params"]).summary()
-            row = {"round": done, "lr": experiment.simulator.schedule(done - 1), **evaluation,
-                   "epsilon_max": float(experiment.ledger.epsilon(config.privacy.accountant).max()),
-                   "epsilon_accountant": config.privacy.accountant,
-                   "clipped_fraction": experiment.oracle.last_clipped_fraction,
-                   "wall_seconds": elapsed + time.perf_counter() - clock}
-            metrics.append(row)
-            emit(f"round {done:>5}/{rounds}  acc {row['accuracy_mean']:.4f} "
-                 f"(min {row['accuracy_min']:.4f}, max {row['accuracy_max']:.4f})  "
-                 f"consensus {row['consensus_distance']:.3g}  eps({row['epsilon_accountant']}) "
-                 f"{row['epsilon_max']:.3g}")
+            evaluate(done, current)
         if done % checkpoint_every == 0 or done == last:
             save(done, current)
         return done < last
 
     if checkpoint is None:
         state = experiment.simulator.setup(state)  # the setup phase's releases come before round 0
+        evaluate(0, state)  # curves start where training starts
         save(0, state)  # resumable from the very start
     try:
         if start < last:
@@ -139,6 +147,8 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
              f"{int(refused.sum())} release(s) in total (see privacy.json)")
     if folder is not None and last == rounds:
         folder.finish(experiment, result, metrics)
+    if not config.privacy.private:
+        emit(NOT_PRIVATE)
     return RunResult(result, metrics, state, folder.path if folder is not None else None)
 
 
@@ -170,6 +180,11 @@ def _attach_timer(experiment: Experiment) -> PhaseTimer:
     return timer
 
 
+NOT_PRIVATE = ("WARNING: this run is NOT private (privacy.epsilon = inf): every agent's messages reveal its data "
+               "without any differential privacy guarantee")
+"""Printed when a non-private run starts and again when it ends."""
+
+
 def _announce(experiment: Experiment, emit: Callable[[str], None]) -> None:
     """Print what is about to run: the graph, the model size, the privacy plan, any warnings."""
     config, report, sigmas = experiment.config, experiment.topology.report, experiment.noise_multipliers
@@ -181,10 +196,10 @@ def _announce(experiment: Experiment, emit: Callable[[str], None]) -> None:
     planned = experiment.planned_releases
     emit(f"privacy: epsilon {budgets.min():g}..{budgets.max():g} per agent at delta {config.privacy.delta:g}, "
          f"sigma {float(sigmas.min()):.4g}..{float(sigmas.max()):.4g} for {planned} planned releases"
-         if config.privacy.private else "privacy: none (epsilon = inf)")
+         if config.privacy.private else NOT_PRIVATE)
     emit(f"gradients: {experiment.model.backend} engine" + (
         f" (the stacked engine does not support this model: {experiment.model.fallback_reason})"
         if experiment.model.fallback_reason else ""))
     emit(experiment.memory.describe())
-    for warning in experiment.topology.warnings:
+    for warning in [*experiment.topology.warnings, *experiment.warnings]:
         emit(f"warning: {warning}")

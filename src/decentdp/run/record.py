@@ -9,13 +9,14 @@ agent's ledger and epsilon, and the pairwise view when messages went to single r
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from decentdp.algorithms.base import State
-from decentdp.config import ExperimentConfig, validate_config
+from decentdp.config import ExperimentConfig, config_differences, validate_config
 from decentdp.errors import ConfigError
 from decentdp.results import (
     CHECKPOINT_FILE,
@@ -26,6 +27,7 @@ from decentdp.results import (
     PROVENANCE_FILE,
     SETUP_FILE,
     SUMMARY_FILE,
+    epsilon_json,
     plot_metrics,
     provenance,
     strict_json,
@@ -34,6 +36,27 @@ from decentdp.results import (
     write_toml,
 )
 from decentdp.run.build import Experiment
+
+
+def _check_creatable(path: Path) -> None:
+    """Refuse, before anything runs, a results folder that cannot be created: one below a file, or below
+    a directory this process may not write (such as /proc)."""
+    ancestor = path.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError("--out", f"cannot create {path}: {ancestor} is a file, not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK) or _read_only_mount(ancestor):
+        raise ConfigError("--out", f"cannot create {path}: {ancestor} is not writable")
+
+
+def _read_only_mount(directory: Path) -> bool:
+    """Whether ``directory`` is on a read-only or pseudo file system (os.access says yes to root there)."""
+    try:
+        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY) or str(directory.resolve()).startswith(
+            ("/proc", "/sys"))
+    except OSError:
+        return True
 
 
 class ResultsFolder:
@@ -49,19 +72,30 @@ class ResultsFolder:
             if not checkpoint.is_file():
                 raise ConfigError("--resume", f"no checkpoint to resume in {self.path}")
             saved = torch.load(checkpoint, weights_only=True)
-            if validate_config(saved["config"]).to_toml_dict() != config.to_toml_dict():
-                raise ConfigError("--resume", "the config differs from the one the checkpoint was made with")
+            changed = config_differences(validate_config(saved["config"]), config)
+            if changed == ["experiment.rounds"] and saved["round"] == saved["config"]["experiment"]["rounds"]:
+                raise ConfigError("--resume", f"this run finished its {saved['round']} rounds and cannot be extended: "
+                                              "its noise was calibrated for exactly the releases it planned, so "
+                                              "more rounds would exceed the budget; start a new run with the "
+                                              "rounds you want (or a larger budget)")
+            if changed:
+                raise ConfigError("--resume", "the config differs from the one the checkpoint was made with, in "
+                                              f"{', '.join(changed)}; resume with the same config and overrides")
             return saved
         if self.path.exists() and not self.path.is_dir():
             raise ConfigError("--out", f"{self.path} exists and is not a directory")
         if self.path.exists() and any(self.path.iterdir()):
             raise ConfigError("--out", f"{self.path} already holds files; pass --resume to continue that run "
                                        "or choose an empty directory")
+        _check_creatable(self.path)
         return None
 
     def start(self, experiment: Experiment) -> None:
         """The files known before the first round: resolved config, provenance, the run's setup."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError("--out", f"cannot create the results folder {self.path}: {exc.strerror}") from None
         write_toml(self.path / CONFIG_FILE, experiment.config.to_toml_dict())
         write_json(self.path / PROVENANCE_FILE, provenance(experiment.config.experiment.seed))
         write_json(self.path / SETUP_FILE, experiment.setup)
@@ -87,19 +121,22 @@ class ResultsFolder:
         epsilons, accountant = ledger.reported_epsilon()
         privacy: dict[str, Any] = {
             "delta": experiment.config.privacy.delta,
-            "epsilon": epsilons.tolist(),
+            "epsilon": epsilon_json(epsilons),
             "epsilon_accountant": accountant,
-            "epsilon_rdp": ledger.epsilon("rdp").tolist(),
+            "epsilon_rdp": epsilon_json(ledger.epsilon("rdp")),
             "releases": ledger.releases().tolist(),
             "refused_releases": ledger.refused.tolist(),
             "ledger": ledger.state_dict(),
         }
         if ledger.has_receiver_releases:
-            privacy["epsilon_pairwise_rdp"] = ledger.pairwise_epsilon("rdp").tolist()
+            privacy["epsilon_pairwise_rdp"] = epsilon_json(ledger.pairwise_epsilon("rdp"))
         write_json(self.path / PRIVACY_FILE, privacy)
         write_json(self.path / SUMMARY_FILE, summary)
         if metrics:
-            plot_metrics(metrics, self.path)
+            eps = summary["epsilon_max"]
+            spent = "inf (not private)" if eps is None else format(eps, ".3g")
+            plot_metrics(metrics, self.path, f"{summary['name']}: {summary['algorithm']}, {summary['n_agents']} "
+                                             f"agents, epsilon {spent} at delta {summary['delta']:g}")
 
     def profile(self, report: dict[str, Any]) -> None:
         write_json(self.path / PROFILE_FILE, report)
@@ -121,11 +158,25 @@ def summary(experiment: Experiment, metrics: list[dict[str, Any]], wall: float, 
         "accuracy_min": last.get("accuracy_min"),
         "accuracy_max": last.get("accuracy_max"),
         "consensus_distance": last.get("consensus_distance"),
-        "epsilon_max": float(epsilons.max()),
-        "epsilon_per_agent": epsilons.tolist(),
+        "private": config.privacy.private,
+        "epsilon_max": epsilon_json(float(epsilons.max())),
+        "epsilon_per_agent": epsilon_json(epsilons),
         "epsilon_accountant": accountant,
+        "epsilon_target": epsilon_json(min(config.privacy.budgets)),
         "refused_releases": int(experiment.ledger.refused.sum()),
         "delta": config.privacy.delta,
+        "clip": config.privacy.clip,
         "noise_multipliers": experiment.noise_multipliers.tolist(),
+        # The settings that define a row of a table, so that no table needs to join other files:
+        "seed": config.experiment.seed,
+        "graph": "complete" if config.pools_data else config.topology.graph,
+        "partition": config.data.partition,
+        "model": config.model.name,
+        "lr": config.algorithm.lr,
+        "lr_schedule": config.algorithm.lr_schedule,
+        "batch_size": config.algorithm.batch_size,
+        "schedule": config.schedule_kind,
+        "algorithm_settings": config.algorithm.settings.model_dump(),
+        "config": config.to_toml_dict(),
         "wall_seconds": wall,
     })
