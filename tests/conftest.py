@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+#: Real datasets for the tests that need them: ``$DECENTDP_DATA_DIR`` if set (a user's own copy of
+#: MNIST and the rest), else ``../shared/data`` beside the repository (the project's workplace).
+SHARED_DATA = Path(os.environ.get("DECENTDP_DATA_DIR")
+                   or Path(__file__).resolve().parents[1].parent / "shared" / "data")
 
 
 @pytest.fixture
 def shared_data() -> Path:
-    """``../shared/data`` beside the repository; tests needing it skip on a user's clone."""
-    if not (SHARED_DATA / "mnist.npz").is_file():
-        pytest.skip(f"real MNIST not found at {SHARED_DATA} (only present in the project's workplace)")
+    """The real datasets' directory; tests needing it skip, saying where they looked, when it is absent."""
+    if not (SHARED_DATA / "mnist.npz").is_file() and not (SHARED_DATA / "mnist").is_dir():
+        pytest.skip(f"real MNIST not found in {SHARED_DATA}: set DECENTDP_DATA_DIR to a directory holding "
+                    "mnist.npz (or the IDX files) to run these tests")
     return SHARED_DATA
 
 

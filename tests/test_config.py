@@ -88,6 +88,8 @@ INVALID_TOML: list[tuple[str, str, str, tuple[str, ...]]] = [
     ("offline-agents-unsupported", "[schedule]\noffline_probability = 0.3", "schedule.offline_probability",
      ("algorithm 'dp-dsgt' does not let agents go offline",)),
     ("participation-zero", "[schedule]\nparticipation = 0.0", "schedule.participation", ("greater than 0",)),
+    ("graph-parameter-of-another-family", '[topology]\ngraph = "ring"\np = 0.5', "topology.p",
+     ("is not used by graph = 'ring' (only by erdos-renyi)", "--set ~topology.p")),
     ("redraw-fixed-graph", "[topology]\nredraw_every = 5", "topology.redraw_every",
      ("redraws a random graph; graph = 'complete' is fixed",)),
     ("section-not-a-table", "privacy = 3", "privacy", ("valid dictionary",)),
@@ -442,7 +444,6 @@ def _tiny(**sections: dict[str, Any]) -> ExperimentConfig:
 @pytest.mark.parametrize(("sections", "error_type", "field", "fragment"), [
     ({"topology": {"graph": "torus", "agents": 10}}, ConfigError, None, "torus needs at least 3 rows"),
     ({"topology": {"graph": "ring", "agents": 2}}, ConfigError, None, "'ring' needs at least 3 agents"),
-    ({"topology": {"graph": "ring", "p": 0.5}}, ConfigError, "topology.p", "only used by graph 'erdos-renyi'"),
     ({"topology": {"graph": "erdos-renyi", "agents": 20, "p": 0.01}}, GraphError, None,
      "p is too small for a connected draw"),
     ({"topology": {"graph": "fiedler", "fiedler": 0.9}}, ConfigError, "topology.fiedler", "unreachable"),
@@ -513,3 +514,21 @@ def test_resolved_configs_spell_out_the_algorithms_settings() -> None:
     assert bare.to_toml_dict() == spelled.to_toml_dict() == earlier.to_toml_dict()
     assert bare.to_toml_dict()["algorithm"]["weight_decay"] == 0.0
     assert validate_config(bare.to_toml_dict()) == bare
+
+
+def test_a_tilde_override_removes_a_key(tmp_path: Path) -> None:
+    """Switching graph family leaves the old family's parameter behind; ``~section.key`` removes it."""
+    path = _write(tmp_path, '[topology]\ngraph = "erdos-renyi"\np = 0.3\n[privacy]\nepsilon = 1.0')
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ['topology.graph="geometric"', "topology.radius=0.5", "privacy.epsilon=2"])
+    assert info.value.field == "topology.p"
+    config = load_config(path, ['topology.graph="geometric"', "topology.radius=0.5", "~topology.p"])
+    assert config.topology.p is None and config.topology.graph == "geometric"
+    assert load_config(path, ["~topology.nothing_here"]).topology.p == 0.3  # removing an absent key is harmless
+    with pytest.raises(ConfigError, match="~section.key"):
+        load_config(path, ["~p"])
+
+
+def test_a_directory_given_as_config_says_so(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="is a directory, not a TOML config file"):
+        load_config(tmp_path)

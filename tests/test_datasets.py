@@ -17,7 +17,7 @@ import torch
 from decentdp.data.datasets import DATASETS, Dataset, load_dataset
 from decentdp.errors import ConfigError, DataError
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+from conftest import SHARED_DATA
 
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
@@ -61,7 +61,7 @@ def test_digits_resize() -> None:
 @pytest.mark.parametrize("name", ["mnist", "fashion-mnist"])
 def test_real_mnist_like(name: str) -> None:
     if not (SHARED_DATA / f"{name}.npz").is_file():
-        pytest.skip(f"{SHARED_DATA / f'{name}.npz'} not present")
+        pytest.skip(f"{SHARED_DATA / f'{name}.npz'} not present (set DECENTDP_DATA_DIR to run this test)")
     ds = load_dataset(name, SHARED_DATA)
     check_layout(ds, (1, 28, 28), 60000, 10000, 10)
     assert abs(ds.x_train.mean().item()) < 1e-3
@@ -71,7 +71,7 @@ def test_real_mnist_like(name: str) -> None:
 
 def test_real_mnist_resized_to_32() -> None:
     if not (SHARED_DATA / "mnist.npz").is_file():
-        pytest.skip(f"{SHARED_DATA / 'mnist.npz'} not present")
+        pytest.skip(f"{SHARED_DATA / 'mnist.npz'} not present (set DECENTDP_DATA_DIR to run this test)")
     ds = load_dataset("mnist", str(SHARED_DATA), image_size=32)
     check_layout(ds, (1, 32, 32), 60000, 10000, 10)
 

@@ -93,3 +93,79 @@ def test_values_that_would_break_the_guarantee_or_escape_the_folder_are_rejected
     with pytest.raises(ConfigError) as error:
         validate_config(tiny_config(**{section: values}))
     assert error.value.field == field
+
+
+def _quiet() -> dict:
+    return {"progress": False, "log": lambda _: None}
+
+
+@pytest.mark.parametrize("out,expected", [
+    ("/proc/decentdp-results", "/proc is not writable"),
+    ("afile/sub", "is a file, not a directory"),
+])
+def test_unusable_results_paths_are_refused_before_anything_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 out: str, expected: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("not a folder")
+    with pytest.raises(ConfigError) as info:
+        run_experiment(validate_config(tiny_config()), out, **_quiet())
+    assert info.value.field == "--out" and expected in info.value.message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing written
+
+
+def test_non_private_runs_say_so_when_they_start_and_end(tmp_path: Path) -> None:
+    lines: list[str] = []
+    result = run_experiment(validate_config(tiny_config(privacy={"epsilon": "inf"})), tmp_path / "out",
+                            progress=False, log=lines.append)
+    banners = [line for line in lines if "NOT private" in line]
+    assert len(banners) == 2 and lines[0] != banners[0] and lines[-1] == banners[1]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["private"] is False and summary["epsilon_max"] is None  # JSON has no infinity: null
+    assert all(e is None for e in summary["epsilon_per_agent"]) and result.summary["epsilon_target"] is None
+    privacy = json.loads((tmp_path / "out" / "privacy.json").read_text())
+    assert privacy["epsilon"] == [None] * 4
+    private = run_experiment(validate_config(tiny_config()), tmp_path / "private", progress=False,
+                             log=lines.append)
+    assert isinstance(private.summary["epsilon_max"], float) and private.summary["private"] is True
+
+
+def test_summaries_describe_the_run_that_made_them(tmp_path: Path) -> None:
+    raw = tiny_config(algorithm={"name": "dp-dsgd", "momentum": 0.5}, experiment={"seed": 3})
+    summary = run_experiment(validate_config(raw), tmp_path / "out", **_quiet()).summary
+    assert summary | {"wall_seconds": 0} == json.loads((tmp_path / "out" / "summary.json").read_text()) | {
+        "wall_seconds": 0}
+    assert (summary["seed"], summary["graph"], summary["partition"], summary["model"]) == (3, "ring", "iid", "linear")
+    assert (summary["lr"], summary["batch_size"], summary["epsilon_target"], summary["delta"]) == (0.1, 16, 5.0, 1e-5)
+    assert summary["algorithm_settings"]["momentum"] == 0.5 and summary["schedule"] == "synchronous"
+    assert validate_config(summary["config"]) == validate_config(raw)
+
+
+def test_resume_names_the_changed_fields_and_a_finished_run_explains_why_it_cannot_grow(tmp_path: Path) -> None:
+    config = validate_config(tiny_config())
+    run_experiment(config, tmp_path / "out", **_quiet())
+    changed = validate_config(tiny_config(privacy={"clip": 2.0}, algorithm={"lr": 0.2}))
+    with pytest.raises(ConfigError, match=r"in algorithm\.lr, privacy\.clip; resume with the same config"):
+        run_experiment(changed, tmp_path / "out", resume=True, **_quiet())
+    longer = validate_config(tiny_config(experiment={"rounds": 8}))
+    with pytest.raises(ConfigError, match="finished its 4 rounds and cannot be extended: its noise was calibrated"):
+        run_experiment(longer, tmp_path / "out", resume=True, **_quiet())
+
+
+def test_a_delta_that_voids_the_guarantee_is_refused_and_a_weak_one_warned_about(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:  # digits over 4 agents: about 450 records each
+        run_experiment(validate_config(tiny_config(privacy={"delta": 0.01})), tmp_path / "a", **_quiet())
+    assert info.value.field == "privacy.delta" and "in the clear" in info.value.message
+    assert not (tmp_path / "a").exists()
+    lines: list[str] = []
+    run_experiment(validate_config(tiny_config(privacy={"delta": 1e-3}, algorithm={"batch_size": 1000})),
+                   tmp_path / "b", progress=False, log=lines.append)
+    warnings = [line for line in lines if line.startswith("warning:")]
+    assert any("privacy.delta = 0.001 is not well below" in line for line in warnings)
+    assert any("algorithm.batch_size = 1000 is at least the data of 4 agent(s)" in line for line in warnings)
+
+
+def test_curves_start_at_round_zero_and_plots_are_titled(tmp_path: Path) -> None:
+    result = run_experiment(validate_config(tiny_config()), tmp_path / "out", **_quiet())
+    assert [row["round"] for row in result.metrics] == [0, 2, 4]
+    assert result.metrics[0]["epsilon_max"] == 0.0  # nothing released before the first round
+    assert (tmp_path / "out" / "accuracy.png").stat().st_size > 0

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from decentdp.algorithms import algorithm_class, algorithm_names
 from decentdp.algorithms.base import AlgorithmSettings
 from decentdp.errors import ConfigError
+from decentdp.topology import PARAM_USERS
 
 DatasetName = Literal["digits", "mnist", "fashion-mnist", "cifar10", "cifar100"]
 PartitionName = Literal["iid", "overlap", "dirichlet", "unequal"]
@@ -268,6 +269,10 @@ class ExperimentConfig(_Section):
                 and len(privacy.agent_epsilons) != topo.agents:
             raise _FieldError("privacy.agent_epsilons",
                                f"has {len(privacy.agent_epsilons)} entries but topology.agents = {topo.agents}")
+        for key, users in PARAM_USERS.items():
+            if getattr(topo, key) is not None and topo.graph not in users and not self.pools_data:
+                raise _FieldError(f"topology.{key}", f"is not used by graph = '{topo.graph}' (only by "
+                                                     f"{', '.join(users)}); remove it, e.g. --set ~topology.{key}")
         required = {"erdos-renyi": "p", "geometric": "radius", "fiedler": "fiedler", "k-regular": "k"}
         needed = required.get(topo.graph)
         if needed is not None and getattr(topo, needed) is None and not self.pools_data:

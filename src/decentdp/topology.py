@@ -45,7 +45,7 @@ GRAPH_PARAMS: tuple[str, ...] = ("p", "radius", "k", "fiedler", "fiedler_tol", "
 
 # Optional parameters (default None) and the graph kinds that use them; passing one to another
 # kind is an error rather than silently ignored, since it almost always means a typo in the kind.
-_PARAM_USERS: dict[str, tuple[str, ...]] = {
+PARAM_USERS: dict[str, tuple[str, ...]] = {
     "p": ("erdos-renyi",),
     "radius": ("geometric",),
     "k": ("k-regular",),
@@ -684,8 +684,8 @@ def _check_choice(field: str, what: str, value: str, allowed: tuple[str, ...]) -
 def _check_params_used(kind: str, values: dict[str, object]) -> None:
     """Raise when a parameter is given to a graph kind that does not use it."""
     for name, value in values.items():
-        if value is not None and kind not in _PARAM_USERS[name]:
-            users = " and ".join(f"'{u}'" for u in _PARAM_USERS[name])
+        if value is not None and kind not in PARAM_USERS[name]:
+            users = " and ".join(f"'{u}'" for u in PARAM_USERS[name])
             raise ConfigError(f"topology.{name}", f"{name} is only used by graph {users}, not '{kind}'")
 
 
