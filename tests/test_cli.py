@@ -6,9 +6,11 @@ check the entry point itself.  Runs use the bundled ``digits`` data and a few ro
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -17,10 +19,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import Field
 
-from decentdp.cli import main
-from decentdp.config import load_config
+from decentdp.algorithms import algorithm_class, algorithm_names, registry
+from decentdp.algorithms.base import AlgorithmSettings
+from decentdp.algorithms.optim import OPTIMIZERS
+from decentdp.cli import _build_parser, main
+from decentdp.config import load_config, validate_config
+from decentdp.data.datasets import DATASETS
+from decentdp.data.partition import PARTITIONS
+from decentdp.models import MODELS
+from decentdp.privacy.accounting import ACCOUNTANTS
+from decentdp.runtime.scheduler import SCHEDULES
+from decentdp.topology import GRAPH_KINDS, MIXING_KINDS
 
+REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SIGMA_ARGS = ["--delta", "1e-5", "--sample-rate", "0.0416667", "--steps", "2000"]
 # The consensus paper reports sigma = 7.66 (Opacus) for epsilon = 1, delta = 1e-5, q = 1/24, 2000 steps;
@@ -257,9 +270,9 @@ def test_run_writes_results_folder(finished_run: dict[str, Any], tiny_config: Pa
     assert "dp-accounting" in provenance["packages"]
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [row["round"] for row in rows] == [2, 4]  # one row per evaluation
+    assert [row["round"] for row in rows] == [0, 2, 4]  # one row per evaluation, round 0 before training
     assert all({"accuracy_mean", "consensus_distance", "epsilon_max"} <= set(row) for row in rows)
-    assert rows[0]["epsilon_max"] < rows[1]["epsilon_max"]
+    assert 0.0 == rows[0]["epsilon_max"] < rows[1]["epsilon_max"] < rows[2]["epsilon_max"]
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary == _last_json(finished_run["stdout"])
@@ -349,15 +362,15 @@ def non_private_run(tiny_config: Path, tmp_path_factory: pytest.TempPathFactory)
 def test_run_non_private(non_private_run: dict[str, Any]) -> None:
     assert non_private_run["code"] == 0, non_private_run["stderr"]
     summary = _last_json(non_private_run["stdout"])
-    assert summary["epsilon_max"] == "inf"
-    assert summary["epsilon_per_agent"] == ["inf"] * 4
+    assert summary["epsilon_max"] is None  # results spell an infinite epsilon null (JSON has no infinity)
+    assert summary["epsilon_per_agent"] == [None] * 4
     assert summary["noise_multipliers"] == [0.0] * 4
     assert summary["rounds"] == 2
-    assert "max inf" in non_private_run["stdout"]
+    assert "max inf  [inf, inf, inf, inf]" in non_private_run["stdout"]
     out: Path = non_private_run["out"]
     stored = tomllib.loads((out / "config.toml").read_text())
     assert stored["privacy"]["epsilon"] == "inf"
-    assert json.loads((out / "summary.json").read_text())["epsilon_max"] == "inf"
+    assert json.loads((out / "summary.json").read_text())["epsilon_max"] is None
 
 
 def _reject_constant(name: str) -> None:
@@ -426,3 +439,395 @@ def test_run_profile_reports_phases_and_saves_them(tiny_config: Path, tmp_path: 
 def test_run_announces_engine_and_memory_plan(finished_run: dict[str, Any]) -> None:
     assert "gradients: stacked engine" in finished_run["stderr"]
     assert "memory: estimated peak" in finished_run["stderr"]
+
+
+# ----------------------------------------------------------------------------- help
+
+
+def _undocumented(parser: argparse.ArgumentParser) -> list[str]:
+    """Every option, positional argument and subcommand of ``parser`` (recursively) that has no help text."""
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            documented = {choice.dest for choice in action._choices_actions if choice.help}
+            missing += [f"{parser.prog} {name}" for name in action.choices if name not in documented]
+            for sub in action.choices.values():
+                missing += _undocumented(sub)
+        if not action.help or action.help == argparse.SUPPRESS:
+            missing.append(f"{parser.prog} {'/'.join(action.option_strings) or action.dest}")
+    return missing
+
+
+def test_every_option_of_every_command_has_help() -> None:
+    assert _undocumented(_build_parser()) == []
+
+
+def test_the_help_check_finds_an_undocumented_option() -> None:
+    parser = argparse.ArgumentParser(prog="p")
+    commands = parser.add_subparsers(dest="command")
+    sub = commands.add_parser("sub", help="a documented command")
+    sub.add_argument("--documented", help="fine")
+    sub.add_argument("--silent")
+    commands.add_parser("bare")
+    assert sorted(_undocumented(parser)) == ["p bare", "p command", "p sub --silent"]
+
+
+def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--help"])
+    assert info.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines at the terminal's width
+
+
+def test_run_help_says_where_allowed_values_are(capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help(["run"], capsys)
+    assert "`decentdp list`" in text
+    for option in ("--dry-run", "--threads N", "engine.threads=N", "--set KEY=VALUE"):
+        assert option in text
+
+
+@pytest.mark.parametrize(("question", "default"), [("sigma", "rdp"), ("epsilon", "pld")])
+def test_privacy_help_shows_default_accountant_and_both_sampling_forms(
+        question: str, default: str, capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help(["privacy", question], capsys)
+    assert f"(default: {default})" in text
+    for option in ("--sample-rate", "--steps", "--batch-size", "--dataset-size", "--epochs"):
+        assert option in text
+    assert "ceil(E * N / B)" in text
+
+
+# ----------------------------------------------------------------------------- list
+
+
+@pytest.fixture(scope="module")
+def listing() -> dict[str, Any]:
+    code, stdout, stderr = _call(["list", "--json"])
+    assert code == 0, stderr
+    return json.loads(stdout)
+
+
+def _listed(listing: dict[str, Any], category: str) -> list[Any]:
+    return [entry["name"] for entry in listing[category]]
+
+
+def test_list_json_agrees_with_the_code(listing: dict[str, Any]) -> None:
+    assert set(listing) >= {"algorithms", "datasets", "partitions", "graphs", "mixings", "models", "schedules",
+                            "accountants", "optimizers"}
+    # the config schema's choices, checked against the modules that implement them
+    assert _listed(listing, "algorithms") == list(algorithm_names())
+    assert _listed(listing, "datasets") == list(DATASETS)
+    assert _listed(listing, "partitions") == list(PARTITIONS)
+    assert _listed(listing, "graphs") == list(GRAPH_KINDS)
+    assert _listed(listing, "mixings") == list(MIXING_KINDS)
+    assert sorted(_listed(listing, "models")) == sorted(MODELS)
+    assert _listed(listing, "schedules") == ["auto", *SCHEDULES]
+    assert _listed(listing, "accountants") == list(ACCOUNTANTS)
+    assert _listed(listing, "optimizers") == list(OPTIMIZERS)
+
+
+def test_list_algorithms_with_their_own_settings(listing: dict[str, Any]) -> None:
+    for entry in listing["algorithms"]:
+        fields = algorithm_class(entry["name"]).Settings.model_fields
+        assert [setting["name"] for setting in entry["settings"]] == list(fields)
+        assert all(setting["default"] == fields[setting["name"]].default for setting in entry["settings"])
+        assert entry["description"]
+    dinno = {s["name"]: s for s in next(e for e in listing["algorithms"] if e["name"] == "dp-dinno")["settings"]}
+    assert dinno["primal_steps"] == {"name": "primal_steps", "type": "int", "default": 1, "required": False,
+                                     "constraints": [">= 1"], "description": "T noisy primal steps per round"}
+    assert dinno["optimizer"]["type"] == "sgd | adam"
+    assert dinno["optimizer"]["default"] == "sgd"
+    assert dinno["momentum"]["constraints"] == [">= 0.0", "< 1.0"]
+
+
+def test_list_graphs_name_the_parameter_each_needs(listing: dict[str, Any]) -> None:
+    needs = {entry["name"]: entry["needs"] for entry in listing["graphs"]}
+    assert {graph: params for graph, params in needs.items() if params} == {
+        "erdos-renyi": ["p"], "geometric": ["radius"], "fiedler": ["fiedler"], "k-regular": ["k"]}
+
+
+def test_list_models_with_their_options(listing: dict[str, Any]) -> None:
+    options = {entry["name"]: entry["options"] for entry in listing["models"]}
+    assert options["mlp"] == {"hidden": 100}
+    assert options["lenet5"] == {"activation": "tanh"}
+    assert options["convnet"] == {}
+
+
+def test_list_follows_the_registry(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    class KnobSettings(AlgorithmSettings):
+        knob: int = Field(3, ge=0, description="a knob only this algorithm has")
+
+    fake = type("Knobbed", (algorithm_class("dp-dsgd"),), {"name": "knobbed", "Settings": KnobSettings,
+                                                           "__doc__": "An algorithm with a knob.",
+                                                           "__module__": "not_an_imported_module"})
+    monkeypatch.setitem(registry._REGISTRY, "knobbed", fake)
+    assert main(["list", "algorithms", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert set(listed) == {"algorithms"}
+    entry = next(e for e in listed["algorithms"] if e["name"] == "knobbed")
+    assert entry["description"] == "An algorithm with a knob."
+    assert entry["settings"] == [{"name": "knob", "type": "int", "default": 3, "required": False,
+                                  "constraints": [">= 0"], "description": "a knob only this algorithm has"}]
+    assert main(["list", "algorithms"]) == 0
+    out = capsys.readouterr().out
+    assert "knobbed" in out and "knob" in out and "a knob only this algorithm has" in out
+
+
+def test_list_one_category_human_readable(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["list", "graphs"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("graphs (topology.graph)")
+    line = next(line for line in out.splitlines() if "erdos-renyi" in line)
+    assert "topology.p" in line
+    assert "algorithms" not in out
+    assert main(["list", "graph"]) == 0  # the singular is accepted
+    assert capsys.readouterr().out == out
+
+
+def test_list_everything_human_readable(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for header in ("algorithms (algorithm.name)", "datasets (data.dataset)", "models (model.name)",
+                   "optimizers (algorithm.optimizer)", "accountants (privacy.accountant)"):
+        assert header in out
+    assert "primal_steps" in out and "T noisy primal steps per round" in out
+
+
+def test_list_unknown_category_exits_2_listing_the_categories(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["list", "colours"])
+    captured = capsys.readouterr()
+    _assert_user_error(code, captured.err, "WHAT", "'colours'", "algorithms", "graphs", "optimizers")
+    assert captured.out == ""
+
+
+# ----------------------------------------------------------------------------- privacy: Opacus-style sampling
+
+OPACUS_ARGS = ["--batch-size", "256", "--dataset-size", "60000", "--epochs", "10"]
+
+
+def test_privacy_opacus_form_is_rate_and_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["privacy", "sigma", "--epsilon", "1", "--delta", "1e-5", *OPACUS_ARGS, "--json"]) == 0
+    captured = capsys.readouterr()
+    opacus = _last_json(captured.out)
+    assert opacus["sample_rate"] == 256 / 60000
+    assert opacus["steps"] == 2344  # ceil(10 * 60000 / 256) = ceil(2343.75)
+    assert (opacus["batch_size"], opacus["dataset_size"], opacus["epochs"]) == (256, 60000, 10)
+    assert "ceil(10 * 60000 / 256) = 2344" in captured.out
+    direct = ["--sample-rate", repr(256 / 60000), "--steps", "2344"]
+    assert main(["privacy", "sigma", "--epsilon", "1", "--delta", "1e-5", *direct, "--json"]) == 0
+    assert _last_json(capsys.readouterr().out)["sigma"] == opacus["sigma"]
+
+    assert main(["privacy", "epsilon", "--sigma", "1", "--delta", "1e-5", *OPACUS_ARGS, "--json"]) == 0
+    by_opacus = _last_json(capsys.readouterr().out)
+    assert main(["privacy", "epsilon", "--sigma", "1", "--delta", "1e-5", *direct, "--json"]) == 0
+    assert by_opacus["epsilon"] == _last_json(capsys.readouterr().out)["epsilon"]
+
+
+def test_privacy_opacus_steps_are_exact(capsys: pytest.CaptureFixture[str]) -> None:
+    assert math.ceil(1.1 * 100 / 1) == 111  # what float arithmetic would say
+    argv = ["privacy", "epsilon", "--sigma", "1", "--delta", "1e-5", "--batch-size", "1", "--dataset-size", "100",
+            "--epochs", "1.1", "--accountant", "rdp", "--json"]
+    assert main(argv) == 0
+    result = _last_json(capsys.readouterr().out)
+    assert result["steps"] == 110
+    assert result["sample_rate"] == 0.01
+
+
+@pytest.mark.parametrize(("sampling", "fragments"), [
+    ([], ("no sampling given", "--sample-rate and --steps", "--batch-size, --dataset-size and --epochs")),
+    (["--sample-rate", "0.1", "--steps", "10", "--batch-size", "10"], ("--sample-rate and --steps", "--batch-size",
+                                                                         "not both")),
+    (["--steps", "10", "--epochs", "1"], ("--steps", "--epochs", "not both")),
+    (["--sample-rate", "0.1"], ("decentdp: error: --steps: missing", "--sample-rate")),
+    (["--steps", "10"], ("decentdp: error: --sample-rate: missing",)),
+    (["--batch-size", "10", "--dataset-size", "100"], ("decentdp: error: --epochs: missing",)),
+    (["--epochs", "2"], ("decentdp: error: --batch-size: missing", "--dataset-size")),
+    (["--batch-size", "0", "--dataset-size", "100", "--epochs", "1"], ("decentdp: error: --batch-size: ",)),
+    (["--batch-size", "200", "--dataset-size", "100", "--epochs", "1"], ("decentdp: error: --batch-size: ",
+                                                                          "--dataset-size = 100")),
+    (["--batch-size", "1", "--dataset-size", "0", "--epochs", "1"], ("decentdp: error: --dataset-size: ",)),
+    (["--batch-size", "1", "--dataset-size", "100", "--epochs", "0"], ("decentdp: error: --epochs: ",)),
+    (["--batch-size", "1", "--dataset-size", "100", "--epochs", "inf"], ("decentdp: error: --epochs: ",)),
+    (["--batch-size", "1", "--dataset-size", "100", "--epochs", "nan"], ("decentdp: error: --epochs: ",)),
+])
+@pytest.mark.parametrize("question", [["sigma", "--epsilon", "1"], ["epsilon", "--sigma", "1"]])
+def test_privacy_exactly_one_sampling_form(question: list[str], sampling: list[str], fragments: tuple[str, ...],
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["privacy", *question, "--delta", "1e-5", *sampling])
+    captured = capsys.readouterr()
+    _assert_user_error(code, captured.err, *fragments)
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_privacy_sigma_reports_the_epsilon_it_reaches(accountant: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["privacy", "sigma", "--epsilon", "1", *SIGMA_ARGS, "--accountant", accountant, "--json"]) == 0
+    out = capsys.readouterr().out
+    result = _last_json(out)
+    assert {"sigma", "epsilon", "delta", "accountant", "sample_rate", "steps", "releases_per_step"} <= set(result)
+    assert result["epsilon"] == 1.0
+    assert result["epsilon_reached"] <= 1.0
+    assert result["epsilon_reached"] == pytest.approx(1.0, rel=0.01)
+    assert "epsilon reached with this sigma" in out
+    # the same accountant, asked the other question about the returned sigma, gives the same answer
+    assert main(["privacy", "epsilon", "--sigma", repr(result["sigma"]), *SIGMA_ARGS, "--accountant", accountant,
+                 "--json"]) == 0
+    assert _last_json(capsys.readouterr().out)["epsilon"] == result["epsilon_reached"]
+
+
+def test_privacy_sigma_for_no_budget_reaches_infinity(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["privacy", "sigma", "--epsilon", "inf", *SIGMA_ARGS, "--json"]) == 0
+    result = _last_json(capsys.readouterr().out)
+    assert result["sigma"] == 0.0
+    assert result["epsilon_reached"] == "inf"
+
+
+# ----------------------------------------------------------------------------- run --dry-run, --threads
+
+
+def _must_not_run(*args: Any, **kwargs: Any) -> None:
+    raise AssertionError("a dry run must not build or train anything")
+
+
+def test_run_dry_run_prints_resolved_config_and_writes_nothing(
+        tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("decentdp.run.loop.run_experiment", _must_not_run)
+    monkeypatch.setattr("decentdp.run.build.build_experiment", _must_not_run)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    out = tmp_path / "never"
+    overrides = ["--set", "privacy.epsilon=2", "--set", "experiment.rounds=7"]
+    code = main(["run", str(tiny_config), *overrides, "--out", str(out), "--dry-run"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert captured.err == ""
+    resolved = tomllib.loads(captured.out)
+    expected = load_config(tiny_config, ["privacy.epsilon=2", "experiment.rounds=7"])
+    assert resolved == expected.to_toml_dict()
+    assert validate_config(resolved) == expected
+    assert resolved["algorithm"]["weight_decay"] == 0.0  # the algorithm's own settings, defaults included
+    assert not out.exists()
+    assert list(cwd.iterdir()) == []  # no results/ folder either
+
+
+def test_run_dry_run_loads_no_data(tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "data"
+    empty.mkdir()
+    code = main(["run", str(tiny_config), "--set", "data.dataset=mnist", "--data-dir", str(empty), "--dry-run"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err  # a real run stops at the missing mnist.npz
+    assert tomllib.loads(captured.out)["data"]["dataset"] == "mnist"
+
+
+def test_run_dry_run_invalid_config_exits_2(tiny_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["run", str(tiny_config), "--set", "privacy.delta=2", "--dry-run"])
+    captured = capsys.readouterr()
+    _assert_user_error(code, captured.err, "privacy.delta", "less than 1")
+    assert captured.out == ""
+
+
+def test_run_threads_is_engine_threads(tiny_config: Path, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(tiny_config), "--threads", "3", "--dry-run"]) == 0
+    assert tomllib.loads(capsys.readouterr().out)["engine"]["threads"] == 3
+    # the option wins over a --set of the same field, wherever it stands
+    assert main(["run", str(tiny_config), "--threads", "2", "--set", "engine.threads=5", "--dry-run"]) == 0
+    assert tomllib.loads(capsys.readouterr().out)["engine"]["threads"] == 2
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def capture(config: Any, *args: Any, **kwargs: Any) -> None:
+        seen.append(config)
+        raise Stop
+
+    monkeypatch.setattr("decentdp.run.loop.run_experiment", capture)
+    with pytest.raises(Stop):
+        main(["run", str(tiny_config), "--threads", "4", "--out", "unused"])
+    assert seen[0].engine.threads == 4
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_run_threads_must_be_a_positive_integer(tiny_config: Path, value: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["run", str(tiny_config), "--threads", value, "--dry-run"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--threads" in err and "positive integer" in err
+    assert "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- init
+
+
+def test_init_demo_is_experiments_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "demo.toml"
+    assert main(["init", str(out)]) == 0
+    assert str(out) in capsys.readouterr().out
+    text = out.read_text(encoding="utf-8")
+    assert text.startswith("# Written by `decentdp init --template demo`")
+    assert load_config(out) == load_config(REPO / "experiments" / "demo.toml")
+
+
+def test_init_names_the_experiment_after_the_file(tmp_path: Path) -> None:
+    assert main(["init", str(tmp_path / "mnist-eps1.toml")]) == 0
+    assert load_config(tmp_path / "mnist-eps1.toml").experiment.name == "mnist-eps1"
+    assert main(["init", str(tmp_path / "no good.toml")]) == 0  # not a valid name: the template's is kept
+    assert load_config(tmp_path / "no good.toml").experiment.name == "demo"
+
+
+@pytest.mark.parametrize("algorithm", algorithm_names())
+def test_init_algorithm_templates_pass_dry_run(algorithm: str, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sub" / f"{algorithm}.toml"  # missing folders are created
+    assert main(["init", str(out), "--template", algorithm]) == 0
+    config = load_config(out)
+    assert config.algorithm.name == algorithm
+    demo = load_config(REPO / "experiments" / "demo.toml")
+    assert (config.data, config.topology, config.privacy, config.model) == (demo.data, demo.topology,
+                                                                           demo.privacy, demo.model)
+    capsys.readouterr()
+    assert main(["run", str(out), "--dry-run"]) == 0
+    assert tomllib.loads(capsys.readouterr().out) == config.to_toml_dict()
+
+
+def test_init_refuses_to_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "mine.toml"
+    out.write_text("# my own config\n")
+    code = main(["init", str(out)])
+    captured = capsys.readouterr()
+    _assert_user_error(code, captured.err, "OUT", str(out), "already exists")
+    assert out.read_text() == "# my own config\n"
+
+
+def test_init_unknown_template_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "x.toml"
+    code = main(["init", str(out), "--template", "dp-sgd-please"])
+    _assert_user_error(code, capsys.readouterr().err, "--template", "'dp-sgd-please'", "demo", *algorithm_names())
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_an_interrupt_advises_resume_only_when_there_is_a_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], checkpointed: bool) -> None:
+    import decentdp.run.loop
+
+    out = tmp_path / "out"
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        if checkpointed:
+            out.mkdir()
+            (out / "checkpoint.pt").write_bytes(b"")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(decentdp.run.loop, "run_experiment", interrupted)
+    assert main(["run", str(REPO / "experiments" / "demo.toml"), "--out", str(out)]) == 130
+    message = capsys.readouterr().err
+    if checkpointed:
+        assert f"--resume --out {out}" in message
+    else:
+        assert "nothing to resume" in message and "--resume" not in message

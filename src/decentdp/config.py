@@ -273,8 +273,7 @@ class ExperimentConfig(_Section):
             if getattr(topo, key) is not None and topo.graph not in users and not self.pools_data:
                 raise _FieldError(f"topology.{key}", f"is not used by graph = '{topo.graph}' (only by "
                                                      f"{', '.join(users)}); remove it, e.g. --set ~topology.{key}")
-        required = {"erdos-renyi": "p", "geometric": "radius", "fiedler": "fiedler", "k-regular": "k"}
-        needed = required.get(topo.graph)
+        needed = GRAPH_REQUIRES.get(topo.graph)
         if needed is not None and getattr(topo, needed) is None and not self.pools_data:
             raise _FieldError(f"topology.{needed}", f"is required by graph = '{topo.graph}'")
         return self
@@ -286,6 +285,8 @@ class ExperimentConfig(_Section):
 
 
 _RANDOM_GRAPHS = ("erdos-renyi", "geometric", "fiedler", "k-regular")
+GRAPH_REQUIRES: dict[str, str] = {"erdos-renyi": "p", "geometric": "radius", "fiedler": "fiedler", "k-regular": "k"}
+"""The ``[topology]`` parameter each graph family requires (``decentdp list graphs`` shows it)."""
 
 
 class _FieldError(ValueError):
