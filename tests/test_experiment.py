@@ -169,3 +169,13 @@ def test_curves_start_at_round_zero_and_plots_are_titled(tmp_path: Path) -> None
     assert [row["round"] for row in result.metrics] == [0, 2, 4]
     assert result.metrics[0]["epsilon_max"] == 0.0  # nothing released before the first round
     assert (tmp_path / "out" / "accuracy.png").stat().st_size > 0
+
+
+def test_without_a_terminal_the_progress_bar_stays_out_of_the_log(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A log file or pipe gets the evaluation rows only: a bar's redraws would interleave with them."""
+    run_experiment(validate_config(tiny_config()), tmp_path / "out", progress=True)
+    captured = capsys.readouterr()
+    assert "round/s" not in captured.err and "it/s" not in captured.err
+    assert "round     4/4" in captured.out + captured.err
+

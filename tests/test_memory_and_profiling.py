@@ -79,6 +79,13 @@ def test_a_run_that_cannot_fit_is_refused_before_anything_is_written(tmp_path: P
         run_experiment(config, tmp_path / "out", progress=False, log=lambda _: None)
     assert info.value.field in {"topology.agents", "algorithm.batch_size"}
     assert not (tmp_path / "out").exists()
+    assert "1.0 KiB available" in info.value.message and "0.00 GiB" not in info.value.message  # readable units
+
+
+def test_sizes_are_shown_in_units_that_keep_their_digits() -> None:
+    from decentdp.gradients.memory import format_bytes
+
+    assert [format_bytes(n) for n in (512, 1536, 3 * 2**20, 5 * 2**30)] == ["512 B", "1.5 KiB", "3.0 MiB", "5.00 GiB"]
 
 
 def test_the_estimate_and_engine_are_recorded_in_setup() -> None:
