@@ -813,7 +813,8 @@ def test_init_unknown_template_exits_2(tmp_path: Path, capsys: pytest.CaptureFix
 
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_an_interrupt_advises_resume_only_when_there_is_a_checkpoint(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], checkpointed: bool) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        checkpointed: bool) -> None:
     import decentdp.run.loop
 
     out = tmp_path / "out"

@@ -27,6 +27,7 @@ from decentdp.run.build import Experiment, build_experiment
 from decentdp.run.record import ResultsFolder, summary
 from decentdp.util.allocator import retain_freed_memory
 from decentdp.util.profiling import NO_TIMER, PhaseTimer, TimedNetwork, format_report, operator_table
+from decentdp.util.threads import apply_threads
 
 
 @dataclass
@@ -63,6 +64,7 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
     rounds (see :mod:`decentdp.util.profiling`); the report is logged and saved as ``profile.json``.
     """
     retain_freed_memory()
+    threads = apply_threads(config.engine.threads)  # the cores this process may use, or engine.threads
     folder = ResultsFolder(Path(out_dir)) if out_dir is not None else None
     checkpoint = folder.open(config, resume) if folder is not None else None  # paths checked before the build
     experiment = build_experiment(config, data_dir)
@@ -83,6 +85,7 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
     checkpoint_every = cfg.checkpoint_every or cfg.eval_every
     emit = log or (lambda message: tqdm.write(message))
     _announce(experiment, emit)
+    emit(threads.describe())
     timer = _attach_timer(experiment) if profile else NO_TIMER
     operators = _operator_profiler(last - start) if profile else None
     if operators is not None:
@@ -140,7 +143,7 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
             emit(line)
         if folder is not None:
             folder.profile(report)
-    result = summary(experiment, metrics, wall, finished=last == rounds)
+    result = summary(experiment, metrics, wall, finished=last == rounds) | {"threads": threads.threads}
     refused = experiment.ledger.refused
     if refused.any():
         emit(f"warning: {int((refused > 0).sum())} agent(s) ran out of privacy budget and skipped "
