@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from opacus import GradSampleModule
 
+from _machine import cpu_model
 from decentdp.algorithms.base import State
 from decentdp.config import validate_config
 from decentdp.errors import DataError
@@ -179,15 +180,6 @@ def time_interleaved(runners: dict[str, Callable[[], None]], warmup: int, rounds
     return times
 
 
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (Linux), else what ``platform`` reports."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def machine_info() -> dict[str, Any]:

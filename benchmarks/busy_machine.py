@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _machine import cpu_model
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO = "experiments/demo.toml"
 #: The busy process's own deadline, in case this script dies without stopping it.
@@ -165,14 +167,6 @@ def busy_cpu_seconds() -> tuple[float, float] | None:
     return busy / os.sysconf("SC_CLK_TCK"), ours
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
