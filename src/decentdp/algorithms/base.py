@@ -92,10 +92,6 @@ class RoundPlan:
     active: torch.Tensor
     partner: torch.Tensor | None = None
 
-    @property
-    def everyone(self) -> bool:
-        return bool(self.active.all())
-
 
 @dataclass(frozen=True)
 class RoundContext:

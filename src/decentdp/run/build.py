@@ -89,9 +89,11 @@ def planned_releases(config: ExperimentConfig, algorithm: Algorithm) -> int:
 
 
 def _agent_budgets(config: ExperimentConfig, n_agents: int) -> list[float]:
-    privacy = config.privacy
-    budgets = privacy.budgets if privacy.agent_epsilons is not None else privacy.budgets * n_agents
-    return [min(budgets)] if config.pools_data else budgets
+    """Each agent's epsilon: its own, or the one every agent has; the pooled agent gets the smallest."""
+    budgets = config.privacy.budgets
+    if config.pools_data:
+        return [min(budgets)]
+    return budgets if config.privacy.agent_epsilons is not None else budgets * n_agents
 
 
 
