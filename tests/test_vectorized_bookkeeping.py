@@ -334,3 +334,15 @@ def test_checkpoints_of_the_previous_version_load_and_continue() -> None:
     assert ledger.epsilon("rdp")[1] == math.inf  # a non-private release
     restored = PrivacyLedger.from_state_dict(ledger.state_dict())
     assert restored.state_dict() == ledger.state_dict()
+
+
+def test_a_rejected_per_receiver_release_records_nothing() -> None:
+    ledger = PrivacyLedger(2, 5.0, 1e-5)
+    event = ledger.intern(gaussian_event(2.0, 0.1))
+    before = ledger.state_dict()
+    with pytest.raises(ValueError, match="at most one message per"):
+        ledger.charge(0, np.full(2, event), senders=np.array([0, 0]), receivers=np.array([1, 1]),
+                      receiver_events=np.full(2, event))
+    assert ledger.state_dict() == before and ledger.releases().tolist() == [0, 0]
+    assert ledger.charge(0, np.full(2, event), senders=np.array([0, 1]), receivers=np.array([1, 0]),
+                         receiver_events=np.full(2, event)).all()

@@ -307,6 +307,12 @@ class PrivacyLedger:
         events = np.asarray(events, dtype=np.int64).reshape(n)
         if count < 0:
             raise ValueError(f"count must be non-negative, got {count}")
+        if receivers is not None:  # checked before anything is recorded, so that an error leaves no trace
+            if senders is None or receiver_events is None:
+                raise ValueError("a per-receiver release needs senders, receivers and receiver_events")
+            pairs = set(zip(np.asarray(senders).tolist(), np.asarray(receivers).tolist(), strict=True))
+            if len(pairs) != len(senders):
+                raise ValueError("a per-receiver release sends at most one message per (sender, receiver) pair")
         stale = asking & (events != self._room_event)
         for agent in np.flatnonzero(stale):
             self._room[agent] = self._headroom(int(agent), int(events[agent]))
@@ -326,17 +332,14 @@ class PrivacyLedger:
         self._room[allowed & np.isfinite(self.budgets)] -= count  # an infinite budget stays UNLIMITED
         return allowed
 
-    def _charge_pairs(self, round_index: int, allowed: np.ndarray, senders: np.ndarray | None,
-                      receivers: np.ndarray, receiver_events: np.ndarray | None, count: int) -> None:
-        if senders is None or receiver_events is None:
-            raise ValueError("a per-receiver release needs senders, receivers and receiver_events")
+    def _charge_pairs(self, round_index: int, allowed: np.ndarray, senders: np.ndarray, receivers: np.ndarray,
+                      receiver_events: np.ndarray, count: int) -> None:
+        """Record each authorised sender's message in its (sender, receiver) account (inputs checked by charge)."""
         senders = np.asarray(senders, dtype=np.int64)
         receivers = np.asarray(receivers, dtype=np.int64)
         receiver_events = np.asarray(receiver_events, dtype=np.int64)
         keep = allowed[senders]
         pairs = list(zip(senders[keep].tolist(), receivers[keep].tolist(), strict=True))
-        if len(set(pairs)) != len(pairs):
-            raise ValueError("a per-receiver release sends at most one message per (sender, receiver) pair")
         new = [pair for pair in pairs if pair not in self._pair_index]
         for pair in new:
             self._pair_index[pair] = len(self._pair_index)
