@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict
 
@@ -151,6 +152,24 @@ class Algorithm(ABC):
     def releases_per_round(self) -> int:
         """Noisy gradient releases each active agent makes per round; noise calibration plans for these."""
         return 1
+
+    def sums_per_batch(self, degrees: np.ndarray) -> np.ndarray:
+        """Sums each agent releases on one batch per release, given its neighbour counts (1 by default)."""
+        return np.ones(len(degrees), dtype=np.int64)
+
+    @property
+    def joint_accounting(self) -> bool:
+        """How calibration prices ``k_i = sums_per_batch`` sums on one batch.  True (sound, the default):
+        one Gaussian of sensitivity ``sqrt(k_i) C`` (specs A.4), so the multiplier calibrated for the
+        planned releases is scaled by ``sqrt(k_i)``.  False: ``k_i`` independently sampled releases,
+        the looser accounting a paper may use; the ledger still charges the joint event."""
+        return True
+
+    def privacy_extras(self, networks: list[tuple[Network, int]], noise_multipliers: np.ndarray,
+                       delta: float) -> dict[str, Any]:
+        """Extra privacy results for ``privacy.json`` and the summary (e.g. Muffliato's pairwise network
+        DP), given each network with the rounds run on it; default: none."""
+        return {}
 
     @property
     def setup_releases(self) -> int:
