@@ -119,9 +119,10 @@ def build_model(
         if option not in accepted:
             allowed = f"accepted options: {', '.join(accepted)}" if accepted else "it takes no options"
             raise ConfigError(f"model.options.{option}", f"model {name!r} has no option {option!r}; {allowed}")
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         # Seed only the CPU generator (torch.manual_seed would also reseed CUDA, which fork_rng
-        # with devices=[] does not restore); the model is created on the CPU.
+        # with devices=[] does not restore); the model is created on the CPU even under another
+        # default device, so that every device starts from the same parameters (moved there after).
         torch.default_generator.manual_seed(seed)
         return builder(tuple(input_shape), num_classes, **options)  # type: ignore[call-arg]
 

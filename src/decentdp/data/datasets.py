@@ -14,7 +14,7 @@ import pickle
 import tarfile
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,14 @@ class Dataset:
         """Shape ``(C, H, W)`` of one image, what a model's first layer is built for."""
         c, h, w = self.x_train.shape[1:]
         return (int(c), int(h), int(w))
+
+    def to(self, device: torch.device | str) -> Dataset:
+        """The same dataset with its tensors on ``device`` (itself when they are already there)."""
+        device = torch.device(device)
+        if self.x_train.device == device:
+            return self
+        return replace(self, x_train=self.x_train.to(device), y_train=self.y_train.to(device),
+                       x_test=self.x_test.to(device), y_test=self.y_test.to(device))
 
 
 def load_dataset(name: str, data_dir: str | Path | None = None, *, image_size: int | None = None) -> Dataset:
@@ -165,8 +173,8 @@ def _normalize(images: np.ndarray, stats: tuple[tuple[float, ...], tuple[float, 
     mean, std = stats
     x = torch.from_numpy(images.astype(np.float32))
     x.div_(255.0)
-    x.sub_(torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
-    x.div_(torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
+    x.sub_(torch.tensor(mean, dtype=torch.float32, device=x.device).view(1, -1, 1, 1))
+    x.div_(torch.tensor(std, dtype=torch.float32, device=x.device).view(1, -1, 1, 1))
     return x
 
 

@@ -38,8 +38,12 @@ def format_bytes(size: float) -> str:
     return f"{int(size)} B"
 
 
-def available_memory() -> int | None:
-    """Bytes the operating system can give this process now (Linux ``MemAvailable``), if known."""
+def available_memory(device: torch.device | None = None) -> int | None:
+    """Bytes a run on ``device`` can use now: a CUDA device's free memory (torch's unused cache
+    included), else what the operating system can give this process (Linux ``MemAvailable``), if known."""
+    if device is not None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
