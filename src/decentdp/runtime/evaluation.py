@@ -23,12 +23,14 @@ class Evaluation:
 
     def summary(self) -> dict[str, float]:
         acc = self.accuracy.double()
+        figures = torch.stack([acc.mean(), acc.std(unbiased=False), acc.min(), acc.max(), self.loss.double().mean()])
+        mean, std, low, high, loss = figures.tolist()  # one read-back from the device
         return {
-            "accuracy_mean": float(acc.mean()),
-            "accuracy_std": float(acc.std(unbiased=False)),
-            "accuracy_min": float(acc.min()),
-            "accuracy_max": float(acc.max()),
-            "loss_mean": float(self.loss.double().mean()),
+            "accuracy_mean": mean,
+            "accuracy_std": std,
+            "accuracy_min": low,
+            "accuracy_max": high,
+            "loss_mean": loss,
             "consensus_distance": self.consensus_distance,
         }
 
@@ -55,8 +57,9 @@ class Evaluator:
 
     @torch.no_grad()
     def __call__(self, params: torch.Tensor) -> Evaluation:
-        correct = torch.zeros(params.shape[0], dtype=torch.float64)
-        loss = torch.zeros(params.shape[0], dtype=torch.float64)
+        # accumulated on the device; read back once, by Evaluation.summary
+        correct = torch.zeros(params.shape[0], dtype=torch.float64, device=params.device)
+        loss = torch.zeros(params.shape[0], dtype=torch.float64, device=params.device)
         for start in range(0, len(self.y), self.chunk):
             x, y = self.x[start:start + self.chunk], self.y[start:start + self.chunk]
             outputs = self.model.predict(params, x)                      # (N, B, K)

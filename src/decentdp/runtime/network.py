@@ -22,8 +22,6 @@ from decentdp.topology import Topology
 #: for x of 79,510 columns: at N = 100, CSR took 7.6 ms at 3 non-zeros per row and 12 ms at 11 (dense:
 #: 24-33 ms), but 108 ms at 31 per row; at N = 30, CSR won at 3 per row and lost at 11.
 _SPARSE_MAX_DENSITY = 0.15
-#: Rows per block of a sparse operator (see :meth:`SimulatedNetwork._apply`).
-_SPARSE_ROW_BLOCK = 8
 
 
 class SimulatedNetwork:
@@ -50,37 +48,31 @@ class SimulatedNetwork:
     def rows(self, agent_ids: torch.Tensor) -> torch.Tensor:
         return agent_ids
 
-    def _operator(self, matrix: np.ndarray, dtype: torch.dtype) -> torch.Tensor | list[tuple[slice, torch.Tensor]]:
-        """The matrix as a dense tensor, or, when sparse enough, as CSR blocks of consecutive rows."""
+    def _operator(self, matrix: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """The matrix as a dense tensor, or, when sparse enough, as one CSR tensor."""
         dense = torch.tensor(matrix, dtype=dtype, device=self.device)
         if np.count_nonzero(matrix) > _SPARSE_MAX_DENSITY * matrix.size:
             return dense
         with warnings.catch_warnings():  # "sparse CSR support is in beta": matmul with CSR is all we use
             warnings.simplefilter("ignore", UserWarning)
-            return [(slice(start, start + _SPARSE_ROW_BLOCK), dense[start:start + _SPARSE_ROW_BLOCK].to_sparse_csr())
-                    for start in range(0, self.n_agents, _SPARSE_ROW_BLOCK)]
+            return dense.to_sparse_csr()
 
     @staticmethod
-    def _apply(operator: torch.Tensor | list[tuple[slice, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
-        """``operator @ x``.  torch's CSR product builds its result in a temporary as large as the
-        result, so sparse operators are applied block by block of rows, into the output."""
-        if isinstance(operator, torch.Tensor):
-            return operator @ x
-        out = torch.empty(operator[-1][0].start + operator[-1][1].shape[0], *x.shape[1:], dtype=x.dtype,
-                          device=x.device)
-        for rows, block in operator:
-            out[rows] = block @ x
-        return out
+    def _apply(operator: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``operator @ x`` in one product written straight into its result (dense or CSR ``operator``).
+
+        ``addmm_`` with ``beta = 0`` ignores the uninitialised output; for CSR it is also the fast
+        path: ``csr @ x`` builds its result in a temporary and was 2.5-4.5x slower on the CPU
+        (``benchmarks/mixing.py``), which is why mixing once went in blocks of 8 rows (125 products
+        at N = 1000, one kernel launch each on a GPU)."""
+        return torch.empty(operator.shape[0], *x.shape[1:], dtype=x.dtype, device=x.device).addmm_(operator, x,
+                                                                                                  beta=0)
 
     def mix(self, x: torch.Tensor) -> torch.Tensor:
         return self._apply(self._mixing, x)
 
     def mix_add(self, x: torch.Tensor, into: torch.Tensor, alpha: float) -> torch.Tensor:
-        if isinstance(self._mixing, torch.Tensor):
-            return into.addmm_(self._mixing, x, beta=alpha)
-        for rows, block in self._mixing:
-            into[rows].mul_(alpha).add_(block @ x)
-        return into
+        return into.addmm_(self._mixing, x, beta=alpha)
 
     def neighbor_sum(self, x: torch.Tensor) -> torch.Tensor:
         return self._apply(self._adjacency, x)
