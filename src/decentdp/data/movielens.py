@@ -1,0 +1,137 @@
+"""MovieLens-100K as Bellet et al. (2018, supplementary D.2) use it: one agent per user (specs D.5).
+
+* ``u.data``: 100,000 ratings ``user item rating timestamp`` (tab-separated, ids from 1), 943 users,
+  1682 movies (GroupLens; research use only, never redistributed with decentdp).
+* Per user, a random 80/20 train/test split of its ratings (``validation=True`` splits the training
+  part 80/20 again and evaluates on that held-out fifth: the split the paper tunes on).
+* Ratings are centred user-wise by the user's mean *training* rating.
+* Movie features phi_j in R^p come from weighted-lambda alternating least squares (Zhou et al. 2008)
+  fitted on the training ratings only; the paper treats them as public (known to every agent).
+* W_ij = 1 when i is among the k nearest neighbours of j, or j of i, by cosine similarity of the
+  users' training rating vectors (k = 10).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from decentdp.data.personal import PersonalData, holdout_masks, sort_by_owner
+from decentdp.errors import DataError
+
+RATINGS_FILE = "u.data"
+_SUBDIRS = ("movielens-100k", "ml-100k")
+
+
+def ratings_path(data_dir: str | Path | None) -> Path:
+    """Where ``u.data`` is: in ``data_dir`` itself or its ``movielens-100k/`` (or ``ml-100k/``) folder."""
+    if data_dir is None:
+        raise DataError("MovieLens-100K needs a data directory holding u.data (pass --data-dir or set "
+                        "data.data_dir); download ml-100k.zip from https://grouplens.org/datasets/movielens/100k/")
+    root = Path(data_dir).expanduser()
+    for candidate in (root / RATINGS_FILE, *(root / sub / RATINGS_FILE for sub in _SUBDIRS)):
+        if candidate.is_file():
+            return candidate
+    raise DataError(f"no MovieLens-100K ratings file {RATINGS_FILE} in {root} or its "
+                    f"{' or '.join(s + '/' for s in _SUBDIRS)} folder (download ml-100k.zip from "
+                    "https://grouplens.org/datasets/movielens/100k/ and unpack it there)")
+
+
+def read_ratings(path: Path) -> np.ndarray:
+    """The ``(R, 3)`` int64 array ``user, item, rating`` of ``u.data`` (0-based ids); DataError naming the
+    file and line when it is not four integer columns with ids >= 1 and ratings in 1..5."""
+    try:
+        text = path.read_text(encoding="latin-1")
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {exc.strerror}") from None
+    rows = [line.split() for line in text.splitlines() if line.strip()]
+    if not rows:
+        raise DataError(f"{path} holds no ratings")
+    for number, row in enumerate(rows, start=1):
+        if len(row) != 4 or not all(value.lstrip("-").isdigit() for value in row):
+            raise DataError(f"{path}, line {number}: expected 4 integers 'user item rating timestamp', got "
+                            f"{' '.join(row)[:80]!r}")
+    table = np.asarray(rows, dtype=np.int64)[:, :3]
+    bad = np.flatnonzero((table[:, 0] < 1) | (table[:, 1] < 1) | (table[:, 2] < 1) | (table[:, 2] > 5))
+    if len(bad):
+        raise DataError(f"{path}, line {bad[0] + 1}: user and item ids start at 1 and ratings lie in 1..5, got "
+                        f"{' '.join(map(str, table[bad[0]]))}")
+    return table - np.array([1, 1, 0])
+
+
+def als_features(users: np.ndarray, items: np.ndarray, ratings: np.ndarray, n_users: int, n_items: int,
+                 rank: int, reg: float, iterations: int, seed: int) -> np.ndarray:
+    """Item factors ``(n_items, rank)`` of weighted-lambda ALS (Zhou et al. 2008) on the given ratings.
+
+    Each sweep solves, for every user at once and then every item at once, the ridge problem
+    ``(V_u^T V_u + reg * n_u I) u = V_u^T r_u`` (``n_u``: ratings of u; items without ratings keep a
+    zero factor).  Gram matrices are one product of the rating mask with the outer products of the
+    factors, so a sweep is a few dense matrix products and one batched solve."""
+    mask = np.zeros((n_users, n_items))
+    values = np.zeros((n_users, n_items))
+    mask[users, items] = 1.0
+    values[users, items] = ratings
+    rng = np.random.default_rng(seed)
+    item_factors = rng.normal(0.0, 0.1, (n_items, rank))
+    user_factors = np.zeros((n_users, rank))
+
+    def solve(weights: np.ndarray, targets: np.ndarray, factors: np.ndarray) -> np.ndarray:
+        outer = (factors[:, :, None] * factors[:, None, :]).reshape(len(factors), rank * rank)
+        gram = (weights @ outer).reshape(-1, rank, rank)
+        counts = weights.sum(axis=1)
+        gram += (reg * np.maximum(counts, 1.0))[:, None, None] * np.eye(rank)
+        return np.linalg.solve(gram, (targets @ factors)[:, :, None])[:, :, 0]
+
+    for _ in range(iterations):
+        user_factors = solve(mask, values, item_factors)
+        item_factors = solve(mask.T, values.T, user_factors)
+    return item_factors
+
+
+def knn_graph(vectors: np.ndarray, k: int) -> np.ndarray:
+    """Symmetric 0/1 weights: W_ij = 1 when j is among the ``k`` most cosine-similar rows to i, or i to j."""
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    unit = vectors / np.where(norms > 0, norms, 1.0)
+    similarity = unit @ unit.T
+    np.fill_diagonal(similarity, -np.inf)
+    n = len(vectors)
+    k = min(k, n - 1)
+    nearest = np.argpartition(-similarity, k - 1, axis=1)[:, :k]
+    adjacency = np.zeros((n, n))
+    adjacency[np.repeat(np.arange(n), k), nearest.ravel()] = 1.0
+    return np.maximum(adjacency, adjacency.T)
+
+
+def load_movielens(data_dir: str | Path | None, seed: int, *, test_fraction: float = 0.2,
+                   validation: bool = False, rank: int = 20, als_reg: float = 0.1, als_iterations: int = 15,
+                   neighbours: int = 10) -> PersonalData:
+    """MovieLens-100K as one regression task per user (module docstring); deterministic given ``seed``."""
+    path = ratings_path(data_dir)
+    table = read_ratings(path)
+    users, items, ratings = table[:, 0], table[:, 1], table[:, 2].astype(np.float64)
+    n_users, n_items = int(users.max()) + 1, int(items.max()) + 1
+    rng = np.random.default_rng(seed)
+    test = holdout_masks(users, test_fraction, rng)
+    if validation:  # tune on a fifth of the training ratings; the test ratings are never read
+        keep = ~test
+        held = np.zeros(len(users), dtype=bool)
+        held[np.flatnonzero(keep)] = holdout_masks(users[keep], test_fraction, rng)
+        users, items, ratings, test = users[keep | held], items[keep | held], ratings[keep | held], held[keep | held]
+    train = ~test
+    counts = np.bincount(users[train], minlength=n_users)
+    means = np.bincount(users[train], weights=ratings[train], minlength=n_users) / np.maximum(counts, 1)
+    centred = ratings - means[users]
+    features = als_features(users[train], items[train], centred[train], n_users, n_items, rank, als_reg,
+                            als_iterations, seed)
+    vectors = np.zeros((n_users, n_items))
+    vectors[users[train], items[train]] = ratings[train]
+    weights = knn_graph(vectors, neighbours)
+    x_train, y_train, owner_train = sort_by_owner(features[items[train]], centred[train], users[train])
+    x_test, y_test, owner_test = sort_by_owner(features[items[test]], centred[test], users[test])
+    info = {"source": str(path), "users": n_users, "items": n_items, "ratings": len(table),
+            "train_ratings": int(train.sum()), "evaluation_ratings": int(test.sum()),
+            "evaluated_on": "validation (a fifth of the training ratings)" if validation else "test",
+            "als": {"rank": rank, "reg": als_reg, "iterations": als_iterations}, "neighbours": neighbours,
+            "edges": int(weights.sum() // 2)}
+    return PersonalData(x_train, y_train, owner_train, x_test, y_test, owner_test, weights, "regression", info)

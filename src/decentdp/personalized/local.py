@@ -1,0 +1,71 @@
+"""Purely local models, and the private warm start of Bellet et al. (supplementary C; specs D.4).
+
+* :func:`local_models`: each agent's minimiser of L_i(theta) = (1/m_i) sum_k l + lambda_i ||theta||^2
+  on its own data alone (the "purely local" baseline; nothing is released).  Squared loss: one
+  batched ridge solve; logistic loss: batched Newton steps; with per-sample clipping (the loss
+  then is C-Lipschitz, as output perturbation requires), gradient steps on the clipped loss follow.
+* :func:`output_perturbation`: Chaudhuri et al. (2011, Theorem 6): the minimiser of
+  (1/m) sum l + (Lambda/2)||theta||^2 with a C-Lipschitz loss has l2 sensitivity 2C/(m Lambda) under
+  replace-one; adding b with density proportional to exp(-eps ||b|| / Delta) (norm ~ Gamma(p, Delta/eps),
+  uniform direction) is pure eps-DP.  Here Lambda = 2 lambda_i, so Delta_i = C / (m_i lambda_i).
+  Approximately minimised objectives weaken this guarantee slightly (as in Chaudhuri et al.'s experiments).
+* The warm start is then :func:`~decentdp.personalized.solver.model_propagation` of the private
+  local models: post-processing, no further privacy cost.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decentdp.personalized.objective import Problem, agent_grams, data_gradient_sums
+from decentdp.rng import AgentRandom, Stream
+
+#: Round of the warm start's noise keys (the setup phase, before any update).
+WARM_START_ROUND = -1
+NEWTON_STEPS = 25
+CLIPPED_STEPS = 200
+
+
+def local_models(problem: Problem, clip: float | None = None) -> torch.Tensor:
+    """Each agent's local minimiser (module docstring), ``(n, p)`` float64; zero for an agent without data."""
+    n, p = problem.n_agents, problem.dim
+    eye = torch.eye(p, dtype=torch.float64, device=problem.x.device)
+    counts = problem.counts.clamp(min=1).double()[:, None, None]
+    ridge = (problem.reg[:, None, None] * eye).expand(n, p, p)
+    agents = torch.arange(n, device=problem.x.device)
+    if problem.task == "regression":
+        gram = agent_grams(problem.x, problem.owner, problem.offsets) / counts
+        target = torch.zeros(n, p, dtype=torch.float64, device=problem.x.device)
+        target.index_add_(0, problem.owner, problem.x * problem.y.unsqueeze(1))
+        theta = torch.linalg.solve(gram + ridge, (target / counts[:, :, 0]).unsqueeze(2))[:, :, 0]
+    else:
+        theta = torch.zeros(n, p, dtype=torch.float64, device=problem.x.device)
+        for _ in range(NEWTON_STEPS):
+            margin = torch.einsum("rp,rp->r", problem.x, theta[problem.owner])
+            curvature = torch.sigmoid(margin) * torch.sigmoid(-margin)
+            hessian = agent_grams(problem.x, problem.owner, problem.offsets, curvature) / counts + 2 * ridge
+            gradient = data_gradient_sums(problem, theta, agents) / counts[:, :, 0] + 2 * problem.reg[:, None] * theta
+            theta = theta - torch.linalg.solve(hessian, gradient.unsqueeze(2))[:, :, 0]
+    if clip is not None:
+        step = (1.0 / problem.local_smoothness).unsqueeze(1)
+        for _ in range(CLIPPED_STEPS):
+            gradient = data_gradient_sums(problem, theta, agents, clip, 2) / counts[:, :, 0] \
+                + 2 * problem.reg[:, None] * theta
+            theta = theta - step * gradient
+    return theta
+
+
+def output_perturbation(problem: Problem, theta: torch.Tensor, clip: float, epsilon: float,
+                        rng: AgentRandom) -> torch.Tensor:
+    """``theta`` plus Chaudhuri et al.'s output-perturbation noise (module docstring), keyed per agent at
+    :data:`WARM_START_ROUND`; agents without data are returned unchanged (nothing to protect)."""
+    n, p = theta.shape
+    ids = list(range(n))
+    directions = rng.normal(ids, p, WARM_START_ROUND, Stream.NOISE, 0, dtype=torch.float64)
+    uniforms = rng.normal(ids, p, WARM_START_ROUND, Stream.NOISE, 1, dtype=torch.float64, uniform=True)
+    gamma = -torch.log1p(-uniforms.to(theta.device)).sum(dim=1)  # Gamma(p, 1): a sum of p Exp(1) draws
+    sensitivity = clip / (problem.counts.clamp(min=1).double() * problem.reg)
+    norm = gamma * sensitivity / epsilon
+    unit = directions.to(theta.device) / torch.linalg.vector_norm(directions, dim=1, keepdim=True).to(theta.device)
+    noise = torch.where((problem.counts > 0).unsqueeze(1), unit * norm.unsqueeze(1), 0.0)
+    return theta + noise

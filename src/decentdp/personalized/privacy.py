@@ -1,0 +1,135 @@
+"""Privacy of Bellet et al.'s private updates: noise per wake-up, its calibration and three accountings.
+
+Agent i's k-th update releases (through its broadcast) its clipped local gradient plus noise
+(eq. (6)).  In library terms it releases the clipped *sum* ``S_i = sum_k clip(grad l_k)`` with noise of
+scale ``z_ik C`` (``C`` = ``privacy.clip``, which replaces L_0 as in the paper's MovieLens setup), then
+divides by m_i: the mean gets noise ``z_ik C / m_i``.  Under replace-one neighbouring (the paper's
+relation) the l1 (Laplace) or l2 (Gaussian) sensitivity of the sum is 2C, so
+
+* Laplace: s_i = 2C / (eps_i(t) m_i) (Theorem 1 with Lemma 1) is ``z = 2 / eps_i(t)``;
+* Gaussian: s_i = 2C sqrt(2 ln(2/delta_i(t))) / (eps_i(t) m_i) is ``z = 2 sqrt(2 ln(2/delta_i(t))) / eps_i(t)``.
+  Remark 2 (Remark 4 of the supplementary) prints s_i *without* 1/m_i; Lemma 1's argument gives
+  2C/m_i, so the printed formula is a typo and we implement the corrected one (specs D.3).
+
+Under add-remove the sensitivity is C and the factor 2 becomes 1.  Each release is one
+``dp_accounting`` event (:func:`~decentdp.privacy.events.laplace_event` or ``gaussian_event``)
+charged to the agent's ledger row; a release the budget does not allow is refused and the agent
+stops.  The releases are not subsampled, so a replace-one release of multiplier z (sensitivity 2C)
+has exactly the privacy loss of an add-remove release of multiplier z/2: events are written in that
+add-remove form (``UpdateNoise.event``) and priced with the add-remove accountants.
+
+Per-update budgets (``allocation``): equal over the T_i planned wake-ups, or Proposition 2's
+eps_i(t) proportional to C^{t/3}, C = 1 - sigma / (n L_max), over the ticks t at which agent i wakes.
+Calibration: ``tight`` takes the smallest z whose composition, priced by ``privacy.accountant``
+(PLD, RDP, or the smaller), stays within (eps-bar, delta-bar); ``paper`` uses Theorem 1's Kairouz
+et al. (2015) composition (:func:`kairouz_epsilon`), which is looser.  Whatever the calibration, the
+spent epsilon is reported three ways: the paper's formula, PLD and RDP.  For the Gaussian variant
+the paper's per-update delta_i(t) is delta-bar / T_i (the paper leaves it open), so its total delta
+is 1 - (1 - delta-bar) prod_t (1 - delta_i(t)), about 2 delta-bar.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import dp_accounting
+import numpy as np
+
+from decentdp.errors import PrivacyError
+from decentdp.privacy.accounting import calibrate_scale
+from decentdp.privacy.events import gaussian_event, laplace_event
+
+
+def kairouz_terms(epsilons: np.ndarray, delta: float) -> np.ndarray:
+    """Theorem 1's epsilon-bar for the per-update epsilons in the last axis (zeros: no update):
+
+    min{ sum eps, sum (e^eps - 1) eps / (e^eps + 1) + sqrt(2 sum eps^2 log(e + sqrt(sum eps^2) / delta)),
+         sum (e^eps - 1) eps / (e^eps + 1) + sqrt(2 sum eps^2 log(1 / delta)) }  (Kairouz et al. 2015)."""
+    eps = np.asarray(epsilons, dtype=np.float64)
+    total = eps.sum(axis=-1)
+    drift = (np.expm1(eps) * eps / (np.exp(eps) + 1.0)).sum(axis=-1)
+    square = (eps * eps).sum(axis=-1)
+    second = drift + np.sqrt(2.0 * square * np.log(math.e + np.sqrt(square) / delta))
+    third = drift + np.sqrt(2.0 * square * math.log(1.0 / delta))
+    return np.minimum(total, np.minimum(second, third))
+
+
+def kairouz_epsilon(epsilons: np.ndarray, delta: float) -> np.ndarray:
+    """:func:`kairouz_terms`, with infinity for any infinite (non-private) update."""
+    eps = np.asarray(epsilons, dtype=np.float64)
+    infinite = np.isinf(eps).any(axis=-1)
+    return np.where(infinite, np.inf, kairouz_terms(np.where(np.isinf(eps), 0.0, eps), delta))
+
+
+def optimal_profile(update_ticks: np.ndarray, contraction: float) -> np.ndarray:
+    """Proposition 2's shape C^{t/3} at each agent's update ticks (``-1``: no update, weight 0)."""
+    root = contraction ** (1.0 / 3.0)
+    return np.where(update_ticks >= 0, root ** np.maximum(update_ticks, 0).astype(np.float64), 0.0)
+
+
+@dataclass(frozen=True)
+class UpdateNoise:
+    """Each agent's noise multipliers for its updates, and what they are under the paper's accounting.
+
+    ``multipliers[i, k]`` is z of agent i's k-th update (0 = no noise); ``paper_epsilons[i, k]`` and
+    ``paper_delta`` the per-update (eps, delta) Theorem 1 (or Remark 2) attributes to it."""
+
+    mechanism: str
+    multipliers: np.ndarray
+    paper_epsilons: np.ndarray
+    paper_delta: float
+    sensitivity_factor: float  # 2 under replace-one, 1 under add-remove
+
+    def event(self, multiplier: float) -> dp_accounting.DpEvent:
+        """The (add-remove) dp_accounting event of one update with noise multiplier ``multiplier``."""
+        return _event(self.mechanism, multiplier / self.sensitivity_factor)
+
+
+def _event(mechanism: str, multiplier: float) -> dp_accounting.DpEvent:
+    return (laplace_event if mechanism == "laplace" else gaussian_event)(multiplier)
+
+
+def _reciprocal(mechanism: str, factor: float, per_update_delta: float) -> Callable[[np.ndarray], np.ndarray]:
+    """z from a per-update epsilon, and back (the map is its own inverse): factor / eps (Laplace),
+    factor sqrt(2 ln(2/delta)) / eps (Gaussian); 0 stays 0 (no update)."""
+    scale = factor if mechanism == "laplace" else factor * math.sqrt(2.0 * math.log(2.0 / per_update_delta))
+    return lambda eps: np.where(eps > 0, scale / np.where(eps > 0, eps, 1.0), 0.0)
+
+
+def calibrate_updates(mechanism: str, calibration: str, budget: float, delta: float, shape: np.ndarray,
+                      accountant: str, relation: str) -> UpdateNoise:
+    """Noise multipliers for updates whose per-update budgets follow ``shape`` (``(n, T)``: the allocation,
+    zero where no update is planned), scaled so that each agent's composition meets (budget, delta).
+
+    ``tight`` with an equal allocation calibrates one z for T releases with :func:`calibrate_scale`
+    under ``accountant``; ``paper`` scales each agent's shape so that :func:`kairouz_epsilon` equals
+    the budget (a vectorised bisection over agents)."""
+    planned = shape.shape[1]
+    factor = 2.0 if relation == "replace-one" else 1.0
+    per_update_delta = delta / planned
+    invert = _reciprocal(mechanism, factor, per_update_delta)  # eps -> z and z -> eps alike
+    if math.isinf(budget):
+        zeros = np.zeros_like(shape, dtype=np.float64)
+        return UpdateNoise(mechanism, zeros, np.where(shape > 0, np.inf, 0.0), per_update_delta, factor)
+    if calibration == "tight":
+        if not np.all((shape == 0) | (shape == shape.max())):
+            raise PrivacyError("tight calibration supports the equal allocation only")
+        z = factor * calibrate_scale(lambda scale: _event(mechanism, scale), planned, budget, delta, accountant,
+                                     describe=f"{planned} {mechanism} updates", relation="add-remove")
+        multipliers = np.where(shape > 0, z, 0.0)
+        return UpdateNoise(mechanism, multipliers, invert(multipliers), per_update_delta, factor)
+    low = np.zeros(len(shape))
+    high = np.full(len(shape), budget / np.maximum(shape.sum(axis=1), 1e-300))  # sum eps = budget: feasible
+    while True:  # the advanced terms may allow more than the sum: grow the bracket
+        grow = kairouz_terms(shape * (2 * high)[:, None], delta) <= budget
+        if not grow.any() or high.max() > 1e9:
+            break
+        high = np.where(grow, 2 * high, high)
+    for _ in range(80):
+        middle = (low + high) / 2
+        fits = kairouz_terms(shape * middle[:, None], delta) <= budget
+        low, high = np.where(fits, middle, low), np.where(fits, high, middle)
+    epsilons = shape * low[:, None]  # the safe end of each bracket
+    return UpdateNoise(mechanism, invert(epsilons), epsilons, per_update_delta, factor)

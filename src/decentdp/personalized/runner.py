@@ -1,0 +1,264 @@
+"""A personalized run from a config with a ``[personalized]`` section: data, problem, schedule, privacy,
+the chosen method, evaluation, and the results folder (``decentdp run CONFIG --json``).
+
+Everything that depends on user input (data files, graph, calibration) is built and checked before
+the results folder is touched.  The summary's keys: ``rmse_mean`` (regression: per-agent test RMSE
+averaged over agents, as the paper reports) or ``accuracy_mean`` (classification), ``epsilon_max``
+(``privacy.accountant``), ``epsilon_max_pld``, ``epsilon_max_rdp``, ``epsilon_max_paper`` (Theorem 1's
+Kairouz et al. composition of the same releases), ``wall_seconds``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from decentdp.config import ExperimentConfig
+from decentdp.data.movielens import load_movielens
+from decentdp.data.personal import PersonalData
+from decentdp.data.synthetic_linear import synthetic_linear
+from decentdp.errors import ConfigError, PrivacyError
+from decentdp.personalized.admm import gossip_admm
+from decentdp.personalized.local import local_models, output_perturbation
+from decentdp.personalized.objective import Problem, build_problem, objective
+from decentdp.personalized.privacy import UpdateNoise, calibrate_updates, kairouz_epsilon, optimal_profile
+from decentdp.personalized.schedule import WakeupPlan, plan_wakeups, poisson_ticks
+from decentdp.personalized.settings import PersonalizedSection
+from decentdp.personalized.solver import PrivateUpdates, coordinate_descent, model_propagation
+from decentdp.privacy.ledger import PrivacyLedger
+from decentdp.results import epsilon_json, provenance, write_json, write_jsonl, write_toml
+
+
+def load_personal_data(settings: PersonalizedSection, data_dir: str | Path | None, seed: int) -> PersonalData:
+    """The dataset a ``[personalized]`` section names."""
+    if settings.dataset == "movielens-100k":
+        return load_movielens(data_dir, seed, test_fraction=settings.test_fraction, validation=settings.validation,
+                              rank=settings.als_rank, als_reg=settings.als_reg,
+                              als_iterations=settings.als_iterations, neighbours=settings.neighbours)
+    data = synthetic_linear(settings.agents, settings.dim, min_points=settings.min_points,
+                            max_points=settings.max_points, test_points=settings.test_points,
+                            label_noise=settings.label_noise, gamma=settings.gamma, seed=seed)
+    if settings.validation:
+        raise ConfigError("personalized.validation", "the synthetic generator draws fresh problems: tune on "
+                                                     "another seed instead")
+    return data
+
+
+def evaluate(data: PersonalData, theta: torch.Tensor) -> dict[str, float]:
+    """Per-agent test RMSE (regression) or accuracy (classification), averaged over agents with test data."""
+    x = torch.as_tensor(data.x_test, dtype=torch.float64, device=theta.device)
+    owner = torch.as_tensor(data.owner_test, device=theta.device)
+    y = torch.as_tensor(data.y_test, dtype=torch.float64, device=theta.device)
+    prediction = torch.einsum("rp,rp->r", x, theta[owner])
+    counts = torch.bincount(owner, minlength=data.n_agents).double()
+    per_row = (prediction - y) ** 2 if data.task == "regression" else (torch.sign(prediction) == y).double()
+    totals = torch.zeros(data.n_agents, dtype=torch.float64, device=theta.device).index_add_(0, owner, per_row)
+    present = counts > 0
+    per_agent = totals[present] / counts[present]
+    if data.task == "regression":
+        rmse = per_agent.sqrt()
+        return {"rmse_mean": float(rmse.mean()), "rmse_min": float(rmse.min()), "rmse_max": float(rmse.max())}
+    return {"accuracy_mean": float(per_agent.mean()), "accuracy_min": float(per_agent.min()),
+            "accuracy_max": float(per_agent.max())}
+
+
+@dataclass
+class PersonalizedRun:
+    """Everything a run needs, built and checked before anything is written."""
+
+    config: ExperimentConfig
+    data: PersonalData
+    problem: Problem
+    plan: WakeupPlan | None
+    noise: UpdateNoise | None
+    ledger: PrivacyLedger
+    setup: dict[str, Any] = field(default_factory=dict)
+
+
+def _noise(settings: PersonalizedSection, config: ExperimentConfig, problem: Problem,
+           plan: WakeupPlan) -> UpdateNoise:
+    """Per-update noise multipliers for the budget and allocation (see :mod:`decentdp.personalized.privacy`)."""
+    planned = settings.wakeups
+    has_data = (problem.counts > 0).cpu().numpy()
+    if settings.allocation == "equal":
+        shape = np.ones((problem.n_agents, planned))
+    else:
+        contraction = 1.0 - problem.strong_convexity / (problem.n_agents * float(problem.block_lipschitz.max()))
+        shape = optimal_profile(plan.update_ticks(planned), contraction)
+    shape[~has_data] = 0.0
+    try:
+        return calibrate_updates(settings.mechanism, settings.calibration, config.privacy.epsilon or math.inf,
+                                 config.privacy.delta, shape, config.privacy.accountant, config.privacy.neighbouring)
+    except PrivacyError as error:
+        raise ConfigError("privacy.epsilon", str(error)) from None
+
+
+def build_run(config: ExperimentConfig, data_dir: str | Path | None = None,
+              device: torch.device | str = "cpu") -> PersonalizedRun:
+    """Data, problem, schedule and calibrated noise; raises DecentDPError on bad input."""
+    settings = config.personalized
+    assert settings is not None
+    seed = config.experiment.seed
+    data = load_personal_data(settings, data_dir if data_dir is not None else config.data.data_dir, seed)
+    problem = build_problem(data, settings.mu, device)
+    private = config.privacy.private
+    if settings.warm_start and config.privacy.neighbouring != "replace-one":
+        raise ConfigError("personalized.warm_start", "output perturbation's guarantee (Chaudhuri et al. 2011) is "
+                                                     "for replace-one neighbours: set privacy.neighbouring = "
+                                                     "'replace-one'")
+    plan = noise = None
+    if settings.method in ("cd", "admm"):
+        ticks = settings.wakeups * problem.n_agents
+        plan = plan_wakeups(poisson_ticks(seed, problem.n_agents, ticks), data.weights, settings.wakeups)
+    if settings.method == "cd":
+        noise = _noise(settings, config, problem, plan)
+    budget = (config.privacy.epsilon or math.inf) if settings.method == "cd" else math.inf
+    # Events are written in add-remove form (see decentdp.personalized.privacy), whatever the relation.
+    ledger = PrivacyLedger(problem.n_agents, budget, config.privacy.delta,
+                           budget_accountant=config.privacy.accountant, relation="add-remove")
+    setup = {"n_agents": problem.n_agents, "dim": problem.dim, "data": data.info, "method": settings.method,
+             "agent_sizes": problem.counts.tolist(), "step": problem.step.tolist(),
+             "confidence": problem.confidence.tolist(), "mu": settings.mu,
+             "ticks": None if plan is None else plan.total_ticks,
+             "levels": None if plan is None else plan.n_levels,
+             "updates_per_agent": None if plan is None else plan.updates_per_agent().tolist(),
+             "private": private and settings.method == "cd"}
+    if noise is not None:
+        setup["noise_multipliers_first_update"] = noise.multipliers[:, 0].tolist()
+        setup["calibration"] = {"mechanism": noise.mechanism, "calibration": settings.calibration,
+                                "allocation": settings.allocation, "accountant": config.privacy.accountant,
+                                "relation": config.privacy.neighbouring, "paper_per_update_delta": noise.paper_delta}
+    return PersonalizedRun(config, data, problem, plan, noise, ledger, setup)
+
+
+def _epsilons(run: PersonalizedRun, warm: float) -> dict[str, Any]:
+    """Each agent's spent epsilon three ways (plus the warm start's, by composition)."""
+    settings, privacy = run.config.personalized, run.config.privacy
+    assert settings is not None
+    n = run.problem.n_agents
+    if settings.method == "local":
+        zero = np.zeros(n)
+        return {"tight": zero, "pld": zero, "rdp": zero, "paper": zero, "paper_delta": 0.0}
+    if settings.method != "cd" or run.noise is None or not privacy.private:
+        infinite = np.full(n, math.inf)
+        return {"tight": infinite, "pld": infinite, "rdp": infinite, "paper": infinite, "paper_delta": 1.0}
+    made = run.ledger.releases()
+    paper_eps = np.where(np.arange(settings.wakeups)[None, :] < made[:, None], run.noise.paper_epsilons, 0.0)
+    per_update_deltas = np.where(np.arange(settings.wakeups)[None, :] < made[:, None], run.noise.paper_delta, 0.0)
+    paper_delta = 1 - (1 - privacy.delta) * np.prod(1 - per_update_deltas, axis=1) \
+        if settings.mechanism == "gaussian" else np.full(n, privacy.delta)
+    spent: dict[str, Any] = {"paper": kairouz_epsilon(paper_eps, privacy.delta) + warm,
+                             "paper_delta": float(paper_delta.max())}
+    for name in ("pld", "rdp"):
+        try:
+            spent[name] = run.ledger.epsilon(name) + warm
+        except PrivacyError:
+            spent[name] = np.full(n, math.nan)
+    spent["tight"] = run.ledger.epsilon(privacy.accountant) + warm
+    return spent
+
+
+def run_personalized(config: ExperimentConfig, out_dir: str | Path | None = None, *,
+                     data_dir: str | Path | None = None, log: Callable[[str], None] | None = None,
+                     device: torch.device | str = "cpu") -> tuple[dict[str, Any], list[dict[str, Any]], torch.Tensor]:
+    """Build, run and record one personalized experiment; returns (summary, metrics, final models)."""
+    emit = log or print
+    folder = Path(out_dir) if out_dir is not None else None
+    if folder is not None and folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise ConfigError("--out", f"{folder} already holds files or is not a directory; choose an empty directory")
+    clock = time.perf_counter()
+    run = build_run(config, data_dir, device)
+    settings, privacy = config.personalized, config.privacy
+    assert settings is not None
+    problem, data = run.problem, run.data
+    emit(f"personalized {settings.method} on {settings.dataset}: {problem.n_agents} agents, p = {problem.dim}, "
+         f"{int(problem.counts.sum())} training records"
+         + ("" if run.plan is None else f", {run.plan.total_ticks} ticks in {run.plan.n_levels} levels"))
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_toml(folder / "config.toml", config.to_toml_dict())
+        write_json(folder / "provenance.json", provenance(config.experiment.seed))
+        write_json(folder / "setup.json", run.setup)
+
+    device = problem.x.device
+    rng = _rng(config, problem.n_agents, device)
+    warm = 0.0
+    theta = torch.zeros(problem.n_agents, problem.dim, dtype=torch.float64, device=device)
+    if settings.method in ("local", "propagation", "admm") or settings.warm_start:
+        private_local = settings.warm_start and privacy.private
+        local = local_models(problem, privacy.clip if private_local else None)
+        if private_local:
+            local = output_perturbation(problem, local, privacy.clip, settings.warm_start_epsilon, rng)
+            warm = settings.warm_start_epsilon
+        theta = local if settings.method in ("local", "admm") else model_propagation(problem, local)
+    metrics: list[dict[str, Any]] = []
+
+    def record(ticks: int, current: torch.Tensor) -> None:
+        row = {"ticks": ticks, "wakeups_per_agent": ticks / problem.n_agents, "objective": objective(problem, current),
+               **evaluate(data, current), "wall_seconds": time.perf_counter() - clock}
+        metrics.append(row)
+
+    record(0, theta)
+    if run.plan is not None:
+        plan = run.plan
+        every = config.experiment.eval_every * problem.n_agents
+        boundaries = {int(np.searchsorted(plan.ticks[plan.level_starts[1:] - 1], mark, side="right"))
+                      for mark in range(every, plan.total_ticks + every, every)}
+
+        def after_level(level: int, current: torch.Tensor) -> None:
+            if level + 1 in boundaries and level + 1 < plan.n_levels:
+                record(int(plan.ticks[plan.level(level)].max()) + 1, current)
+
+        if settings.method == "cd":
+            private = None
+            if privacy.private:
+                assert run.noise is not None
+                private = PrivateUpdates(run.noise, privacy.clip, run.ledger, rng, problem.counts > 0)
+            stopped = torch.zeros(problem.n_agents, dtype=torch.bool, device=device)
+            theta = coordinate_descent(problem, theta, plan, private=private, stopped=stopped,
+                                       after_level=after_level)
+        else:
+            theta = gossip_admm(problem, theta, poisson_ticks(config.experiment.seed, problem.n_agents,
+                                                              plan.total_ticks), config.experiment.seed,
+                                rho=settings.admm_rho, local_steps=settings.admm_local_steps)
+        record(plan.total_ticks, theta)
+    wall = time.perf_counter() - clock
+    spent = _epsilons(run, warm)
+    final = metrics[-1]
+    summary = {"method": settings.method, "dataset": settings.dataset, "n_agents": problem.n_agents,
+               **{key: value for key, value in final.items() if key not in ("ticks", "wall_seconds")},
+               "epsilon_max": epsilon_json(float(np.max(spent["tight"]))),
+               "epsilon_accountant": privacy.accountant,
+               "epsilon_max_pld": epsilon_json(float(np.max(spent["pld"]))),
+               "epsilon_max_rdp": epsilon_json(float(np.max(spent["rdp"]))),
+               "epsilon_max_paper": epsilon_json(float(np.max(spent["paper"]))),
+               "delta_paper": spent["paper_delta"], "delta": privacy.delta,
+               "epsilon_budget": epsilon_json(privacy.epsilon), "warm_start_epsilon": warm,
+               "epsilon_per_agent": epsilon_json(spent["tight"]),
+               "updates_per_agent_mean": float(run.ledger.releases().mean()) if settings.method == "cd" else None,
+               "refused_releases": int(run.ledger.refused.sum()),
+               "wall_seconds": wall, "finished": True}
+    if folder is not None:
+        write_jsonl(folder / "metrics.jsonl", metrics)
+        write_json(folder / "privacy.json", {key: epsilon_json(value) if key != "paper_delta" else value
+                                             for key, value in spent.items()})
+        write_json(folder / "summary.json", summary)
+    headline = (f"RMSE mean {final['rmse_mean']:.4f}" if "rmse_mean" in final
+                else f"accuracy mean {final['accuracy_mean']:.4f}")
+    emit(f"{headline}; epsilon max {summary['epsilon_max']} ({privacy.accountant}), paper's formula "
+         f"{summary['epsilon_max_paper']}; {wall:.1f} s")
+    return summary, metrics, theta
+
+
+def _rng(config: ExperimentConfig, n_agents: int, device: torch.device) -> Any:
+    """The run's keyed randomness (simulation or secure), as every other run builds it."""
+    from decentdp.run.build import random_source
+
+    return random_source(config, n_agents, device)

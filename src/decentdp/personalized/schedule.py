@@ -1,0 +1,99 @@
+"""Asynchronous wake-ups under Poisson clocks, and their exact batching into levels.
+
+Every agent has a rate-1 Poisson clock; tick ``t`` wakes the one agent whose clock rang, drawn by
+the library's :class:`~decentdp.runtime.scheduler.Scheduler` (``poisson-clocks``) from the public
+stream of (seed, t): a seeded, recorded schedule.  An agent makes at most ``T_i`` updates; its later
+ticks do nothing (Bellet et al.: it stops after T_i updates).
+
+Exact asynchronous semantics, computed in batches: the update at tick t reads its own model and its
+neighbours' latest broadcasts, and writes its own.  Give each update the *level*
+``1 + max(level of the last update of the agent and of each neighbour)``; updates of one level then
+touch disjoint, non-adjacent agents, none reads what another of its level writes, and every read
+sees exactly the writes that precede it in tick order.  Running levels in order, each as one
+vectorised (Jacobi) step, therefore reproduces the one-agent-at-a-time run exactly, with a few
+hundred tensor operations instead of tens of thousands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from decentdp.rng import AgentRandom
+from decentdp.runtime.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class _Everyone:
+    """The ``Network`` view the scheduler needs to plan a tick: the global ids of the rows (all agents)."""
+
+    agent_ids: torch.Tensor
+
+
+def poisson_ticks(seed: int, n_agents: int, ticks: int, start: int = 0) -> np.ndarray:
+    """The agent that wakes at each tick of ``[start, start + ticks)``, from the ``poisson-clocks`` scheduler."""
+    scheduler = Scheduler("poisson-clocks", AgentRandom(seed), n_agents)
+    view = _Everyone(torch.arange(n_agents))
+    return np.array([int(torch.nonzero(scheduler.plan(tick, view).active)[0, 0])
+                     for tick in range(start, start + ticks)], dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class WakeupPlan:
+    """The updates a run makes, grouped into levels (module docstring).
+
+    ``agents[u]``, ``ticks[u]``, ``index[u]`` (the agent's update number k, from 0) describe update u;
+    updates are sorted by level, then tick, and ``level_starts[l]:level_starts[l + 1]`` is level l.
+    """
+
+    agents: np.ndarray
+    ticks: np.ndarray
+    index: np.ndarray
+    level_starts: np.ndarray
+    total_ticks: int
+    n_agents: int
+
+    @property
+    def n_levels(self) -> int:
+        return len(self.level_starts) - 1
+
+    def level(self, number: int) -> slice:
+        return slice(int(self.level_starts[number]), int(self.level_starts[number + 1]))
+
+    def updates_per_agent(self) -> np.ndarray:
+        return np.bincount(self.agents, minlength=self.n_agents)
+
+    def update_ticks(self, max_updates: int) -> np.ndarray:
+        """``(n, max_updates)`` tick of each agent's k-th update, -1 where it makes fewer."""
+        table = np.full((self.n_agents, max_updates), -1, dtype=np.int64)
+        table[self.agents, self.index] = self.ticks
+        return table
+
+
+def plan_wakeups(woken: np.ndarray, weights: np.ndarray, max_updates: int) -> WakeupPlan:
+    """Drop the ticks of agents past ``max_updates`` updates and level the rest (module docstring)."""
+    n = len(weights)
+    adjacency = weights > 0
+    indptr = np.concatenate([[0], np.cumsum(adjacency.sum(axis=1))])
+    neighbours = np.nonzero(adjacency)[1]
+    done = np.zeros(n, dtype=np.int64)
+    last = np.full(n + 1, -1, dtype=np.int64)  # last[n] = -1 pads agents without neighbours
+    agents, ticks, index, levels = [], [], [], []
+    for tick, agent in enumerate(woken.tolist()):
+        if done[agent] >= max_updates:
+            continue
+        around = neighbours[indptr[agent]:indptr[agent + 1]]
+        level = max(int(last[agent]), int(last[around].max()) if len(around) else -1) + 1
+        last[agent] = level
+        agents.append(agent)
+        ticks.append(tick)
+        index.append(int(done[agent]))
+        levels.append(level)
+        done[agent] += 1
+    agents_a, ticks_a, index_a, levels_a = (np.asarray(v, dtype=np.int64) for v in (agents, ticks, index, levels))
+    order = np.lexsort((ticks_a, levels_a))
+    counts = np.bincount(levels_a, minlength=int(levels_a.max()) + 1 if len(levels_a) else 0)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    return WakeupPlan(agents_a[order], ticks_a[order], index_a[order], starts, len(woken), n)

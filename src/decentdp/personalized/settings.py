@@ -1,0 +1,71 @@
+"""The ``[personalized]`` config section: Bellet et al. (2018) personalized peer-to-peer learning.
+
+A config with this section runs :func:`decentdp.personalized.runner.run_personalized` instead of
+the round-based simulator: per-agent linear models on a similarity graph, asynchronous block
+coordinate descent under Poisson clocks, and its baselines.  The privacy budget, delta, clipping
+bound, accountant and neighbouring relation come from ``[privacy]`` as in every other run
+(``epsilon`` is each agent's budget epsilon-bar over its own wake-ups, ``delta`` its delta-bar).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Method = Literal["cd", "local", "admm", "propagation"]
+
+
+class PersonalizedSection(BaseModel):
+    """What to learn, how, and on which data (every field typed and ranged; unknown keys are errors)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
+
+    method: Method = Field("cd", description="cd: (private) coordinate descent, eq. (6); local: purely local "
+                                             "models; admm: the decentralized ADMM of Vanhaesebrouck et al. "
+                                             "(non-private); propagation: model propagation of local models, eq. (16)")
+    dataset: Literal["movielens-100k", "synthetic"] = Field("synthetic", description="movielens-100k (u.data "
+                                                            "under the data directory) or the synthetic generator")
+    mu: float = Field(0.04, gt=0.0, description="trade-off between smoothness over the graph and local loss")
+    wakeups: int = Field(10, ge=1, description="T_i = T/n: updates per agent; the run lasts T = wakeups * n "
+                                               "Poisson-clock ticks and an agent stops after its T_i updates")
+    mechanism: Literal["laplace", "gaussian"] = Field("laplace", description="noise of the private updates: "
+                                                      "Laplace (Theorem 1, l1 clipping) or Gaussian (Remark 2, l2)")
+    allocation: Literal["equal", "optimal"] = Field("equal", description="an agent's budget across its wake-ups: "
+                                                    "equal, or Proposition 2's allocation for a known schedule")
+    calibration: Literal["tight", "paper"] = Field(
+        "tight", description="tight: the per-update noise is the smallest whose composition, priced by "
+                             "privacy.accountant, stays within epsilon-bar; paper: the Kairouz et al. composition "
+                             "of Theorem 1 (looser: more noise for the same budget)")
+    warm_start: bool = Field(False, description="start from DP local models (output perturbation) smoothed by "
+                                                "model propagation (supplementary C)")
+    warm_start_epsilon: float = Field(0.05, gt=0.0, description="pure epsilon of the warm start's local models; "
+                                                                "it adds to epsilon-bar by composition")
+    admm_rho: float = Field(1.0, gt=0.0, description="ADMM penalty (not reported by the papers)")
+    admm_local_steps: int = Field(10, ge=1, description="gradient steps of each ADMM primal update")
+    validation: bool = Field(False, description="evaluate on a held-out fifth of each agent's training data "
+                                                "instead of its test data (for tuning wakeups)")
+    # MovieLens-100K (specs D.5)
+    test_fraction: float = Field(0.2, gt=0.0, lt=1.0)
+    als_rank: int = Field(20, ge=1, description="p: dimension of the public movie features")
+    als_reg: float = Field(0.1, gt=0.0)
+    als_iterations: int = Field(15, ge=1)
+    neighbours: int = Field(10, ge=1, description="k of the k-nearest-neighbour similarity graph")
+    # synthetic (specs D.7)
+    agents: int = Field(100, ge=2)
+    dim: int = Field(100, ge=2)
+    min_points: int = Field(10, ge=0)
+    max_points: int = Field(100, ge=1)
+    test_points: int = Field(100, ge=1)
+    label_noise: float = Field(0.05, ge=0.0, lt=0.5)
+    gamma: float = Field(0.1, gt=0.0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PersonalizedSection:
+        if self.min_points > self.max_points:
+            raise ValueError(f"min_points: {self.min_points} exceeds max_points = {self.max_points}")
+        if self.allocation == "optimal" and self.calibration != "paper":
+            raise ValueError("allocation: 'optimal' is Proposition 2's allocation under the paper's composition; "
+                             "set personalized.calibration = 'paper' (the tight accountants price every release "
+                             "separately, so they would allocate differently)")
+        return self

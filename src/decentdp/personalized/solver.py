@@ -1,0 +1,134 @@
+"""Asynchronous block coordinate descent on Q_L (Bellet et al. 2018, eq. (5) and, private, eq. (6)).
+
+When agent i wakes it updates from its neighbours' last broadcasts and broadcasts the result:
+
+    Theta_i <- (1 - alpha_i) Theta_i + alpha_i ( sum_j (W_ij / D_ii) Theta_j - mu c_i (grad L_i(Theta_i) + eta_i) )
+
+with eta_i = 0 (non-private CD) or Laplace/Gaussian noise on the clipped gradient
+(:mod:`decentdp.personalized.privacy`).  Levels of the :class:`~decentdp.personalized.schedule.WakeupPlan`
+run one after the other, each as one vectorised step over its agents, which reproduces the
+one-agent-at-a-time run exactly.  Noise for agent i's k-th update is keyed (seed, i, k), so a run
+stopped after any level and continued gives the same models bit for bit.
+
+Also here: model propagation (eq. (16)), the non-private post-processing of the warm start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from decentdp.personalized.objective import Problem, data_gradient_sums
+from decentdp.personalized.privacy import UpdateNoise
+from decentdp.personalized.schedule import WakeupPlan
+from decentdp.privacy.ledger import PrivacyLedger
+from decentdp.privacy.mechanisms import GaussianMechanism, LaplaceMechanism, NoiseDraw
+from decentdp.rng import AgentRandom
+
+#: The round of the noise keys of coordinate-descent updates (the update number is the key's slot).
+UPDATE_ROUND = 0
+
+
+@dataclass
+class PrivateUpdates:
+    """The release step of private updates: clip, charge the ledger, add keyed noise.
+
+    ``noise`` gives each update's multiplier and event; ``clip`` the per-sample bound C (l1 norm for
+    Laplace, l2 for Gaussian).  ``ledger`` charges the releasing agents; those it refuses, and
+    agents without data (nothing to protect), release no noise; the refused do not update."""
+
+    noise: UpdateNoise
+    clip: float
+    ledger: PrivacyLedger
+    rng: AgentRandom
+    has_data: torch.Tensor
+
+    def __post_init__(self) -> None:
+        values, inverse = np.unique(self.noise.multipliers, return_inverse=True)
+        ids = np.array([self.ledger.intern(self.noise.event(float(value))) for value in values], dtype=np.int64)
+        self._event_ids = ids[inverse].reshape(self.noise.multipliers.shape)
+
+    @property
+    def norm(self) -> int:
+        return 1 if self.noise.mechanism == "laplace" else 2
+
+    def release(self, tick: int, agents: torch.Tensor, index: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+        """Charge and perturb the clipped sums of ``agents`` (their ``index``-th updates) in place; the mask
+        of agents allowed to update (refused agents' sums are zeroed)."""
+        n = self.ledger.n_agents
+        rows, numbers = agents.cpu().numpy(), index.cpu().numpy()
+        data = self.has_data[agents].cpu().numpy()
+        asking = np.zeros(n, dtype=bool)
+        asking[rows[data]] = True
+        events = np.zeros(n, dtype=np.int64)
+        events[rows] = self._event_ids[rows, numbers]
+        allowed_all = self.ledger.charge(tick, events, agents=asking)
+        allowed = allowed_all[rows] | ~data
+        noisy = np.flatnonzero(allowed & data)
+        if len(noisy):
+            multipliers = torch.as_tensor(self.noise.multipliers[rows[noisy], numbers[noisy]])
+            mechanism_cls = LaplaceMechanism if self.noise.mechanism == "laplace" else GaussianMechanism
+            mechanism = mechanism_cls(multipliers, self.clip)
+            draw = NoiseDraw(self.rng, agents[noisy], UPDATE_ROUND, 0)
+            values = sums[noisy]
+            mechanism.perturb(values, torch.arange(len(noisy)), draw, slots=numbers[noisy].tolist())
+            sums[noisy] = values
+        mask = torch.as_tensor(allowed, device=sums.device)
+        sums[~mask] = 0.0
+        return mask
+
+
+def coordinate_descent(problem: Problem, theta: torch.Tensor, plan: WakeupPlan, *, start: int = 0,
+                       stop: int | None = None, private: PrivateUpdates | None = None,
+                       stopped: torch.Tensor | None = None,
+                       after_level: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+    """Run levels ``[start, stop)`` of ``plan`` on ``theta`` (``(n, p)`` float64, updated in place).
+
+    ``stopped`` (bool ``(n,)``, updated in place) marks agents refused by their budget: they make no
+    further update.  ``after_level(level, theta)`` is called after each level (metrics)."""
+    stop = plan.n_levels if stop is None else stop
+    alpha = problem.step.unsqueeze(1)
+    scale = (problem.mu * problem.confidence).unsqueeze(1)
+    counts = problem.counts.clamp(min=1).double().unsqueeze(1)
+    device = theta.device
+    all_agents = torch.as_tensor(plan.agents, device=device)
+    all_index = torch.as_tensor(plan.index, device=device)
+    for level in range(start, stop):
+        part = plan.level(level)
+        agents, index = all_agents[part], all_index[part]
+        if stopped is not None:
+            live = ~stopped[agents]
+            agents, index = agents[live], index[live]
+        if not len(agents):
+            continue
+        own = theta[agents]
+        sums = data_gradient_sums(problem, theta, agents, None if private is None else private.clip,
+                                  2 if private is None else private.norm)
+        if private is not None:
+            allowed = private.release(int(plan.ticks[part][0]), agents, index, sums)
+            if stopped is not None:
+                stopped[agents[~allowed]] = True
+        else:
+            allowed = torch.ones(len(agents), dtype=torch.bool, device=device)
+        gradient = sums / counts[agents] + 2.0 * problem.reg[agents].unsqueeze(1) * own
+        neighbours = (problem.weights[agents] @ theta) / problem.degree[agents].unsqueeze(1)
+        a = alpha[agents]
+        updated = (1.0 - a) * own + a * (neighbours - scale[agents] * gradient)
+        theta[agents] = torch.where(allowed.unsqueeze(1), updated, own)
+        if after_level is not None:
+            after_level(level, theta)
+    return theta
+
+
+def model_propagation(problem: Problem, local: torch.Tensor) -> torch.Tensor:
+    """The minimiser of Q_MP(Theta) = 1/2 (sum_{i<j} W_ij ||Theta_i - Theta_j||^2 + mu sum_i D_ii c_i
+    ||Theta_i - local_i||^2), the fixed point of eq. (16)'s block update
+    Theta_i <- (sum_j W_ij Theta_j / D_ii + mu c_i local_i) / (1 + mu c_i), solved directly: a linear
+    system with matrix diag(D (1 + mu c)) - W.  Post-processing of ``local``: no privacy cost."""
+    weights, degree = problem.weights, problem.degree
+    pull = problem.mu * problem.confidence * degree
+    system = torch.diag(degree + pull) - weights
+    return torch.linalg.solve(system, pull.unsqueeze(1) * local)
