@@ -122,6 +122,35 @@ class RoundContext:
         return self.rng.round_generator(self.round_index, Stream.PUBLIC, step)
 
 
+@dataclass(frozen=True)
+class NoisePlan:
+    """What a run plans, for an algorithm that calibrates its own noise (:meth:`Algorithm.calibrate`):
+    everything is public (budgets, sizes, graph degrees), one entry per agent where it is a list."""
+
+    budgets: list[float]          # epsilon_i
+    delta: float
+    sample_rates: list[float]     # q_i = L / |D_i|
+    sizes: list[int]              # |D_i|
+    rounds: int                   # T
+    dim: int                      # d, the number of parameters
+    clip: float                   # C
+    accountant: str               # the run's accountant (calibration and budgets)
+    relation: str                 # neighbouring relation
+    participation: float          # the probability that an agent takes part in a round (1 - offline, sampled)
+    degrees: list[int]            # neighbours per agent in the run's first graph
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """An algorithm's own calibration: the mechanism its rounds start from, the noise multiplier of
+    each agent (``setup.json`` and the summary show them), and what the paper states about it (a
+    JSON-ready dict, reported beside our accounting)."""
+
+    mechanism: Any
+    noise_multipliers: list[float]
+    paper_accounting: dict[str, Any]
+
+
 class AlgorithmSettings(BaseModel):
     """An algorithm's own settings (fields of the config's ``[algorithm]`` section besides the common
     ones); subclasses add typed, ranged fields, validated like every other config section."""
@@ -143,10 +172,20 @@ class Algorithm(ABC):
     #: (required for ``schedule.offline_probability > 0``).
     follows_plan: ClassVar[bool] = False
 
+    #: The ledger view budgets are enforced on: ``agent`` (all observers together, the default) or
+    #: ``pairwise`` (each receiver alone; the agent view is then reported as the colluding worst case).
+    budget_view: ClassVar[str] = "agent"
+
     @classmethod
     def from_settings(cls, settings: Any) -> Algorithm:
         """Build the algorithm from its validated settings (default: no settings)."""
         return cls()
+
+    def calibrate(self, plan: NoisePlan) -> Calibrated | None:
+        """The algorithm's own noise calibration for a private run, or ``None`` for the run's default (a
+        Gaussian mechanism calibrated for ``releases_per_round`` sampled releases per round).  Raise
+        :class:`~decentdp.errors.ConfigError` for a plan it cannot serve (called before anything is written)."""
+        return None
 
     @property
     def releases_per_round(self) -> int:
@@ -165,10 +204,10 @@ class Algorithm(ABC):
         the looser accounting a paper may use; the ledger still charges the joint event."""
         return True
 
-    def privacy_extras(self, networks: list[tuple[Network, int]], noise_multipliers: np.ndarray,
-                       delta: float) -> dict[str, Any]:
-        """Extra privacy results for ``privacy.json`` and the summary (e.g. Muffliato's pairwise network
-        DP), given each network with the rounds run on it; default: none."""
+    def privacy_extras(self, state: State, delta: float, local: np.ndarray) -> dict[str, Any]:
+        """Extra privacy results of a finished run from its final state and each agent's reported local
+        epsilon (e.g. Muffliato's pairwise network DP): keys ending in ``_max`` go into the summary, all
+        into ``privacy.json``; default none."""
         return {}
 
     @property
