@@ -15,6 +15,10 @@ Schemes
     Per-class agent proportions drawn from ``Dir(alpha * 1_N)``; small ``alpha`` is strongly non-IID.
 ``unequal``
     IID labels, but lognormally distributed agent sizes (see :func:`partition`).
+``pathological``
+    CGA's class split (Esfandiari et al. 2021, ``utils.py``; DPDL specs A.5.1 item 6): classes are
+    trimmed to the smallest class's size; with N <= classes, class ``c`` goes whole to agent ``c mod N``;
+    with N > classes (N a multiple of the classes), agent ``i`` gets an equal slice of class ``i mod C``.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import numpy as np
 
 from decentdp.errors import ConfigError
 
-PARTITIONS: tuple[str, ...] = ("iid", "overlap", "dirichlet", "unequal")
+PARTITIONS: tuple[str, ...] = ("iid", "overlap", "dirichlet", "unequal", "pathological")
 
 # How many Dirichlet draws to try before concluding that min_size is out of reach for this alpha.
 _DIRICHLET_TRIES = 100
@@ -153,6 +157,8 @@ def partition(
         parts = _split_by_class(labels, overlap_matrix(n_agents, n_classes, t), rng)
     elif scheme == "dirichlet":
         parts = _dirichlet(labels, n_agents, alpha, seed, min_size)
+    elif scheme == "pathological":
+        parts = _pathological(labels, n_agents, rng)
     else:
         parts = _unequal(len(labels), n_agents, size_skew, min_size, rng)
 
@@ -247,6 +253,26 @@ def _unequal(n: int, n_agents: int, size_skew: float | None, min_size: int,
     weights = rng.lognormal(mean=0.0, sigma=sigma, size=n_agents)
     sizes = min_size + _largest_remainder(n - n_agents * min_size, weights, rng)
     return np.split(rng.permutation(n), np.cumsum(sizes)[:-1])
+
+
+def _pathological(labels: np.ndarray, n_agents: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """CGA's pathological split: equal-size classes, whole classes per agent or equal slices of one class."""
+    n_classes = int(labels.max()) + 1
+    if n_agents > n_classes and n_agents % n_classes:
+        raise ConfigError("topology.agents", f"the 'pathological' partition with more agents ({n_agents}) than "
+                                             f"classes ({n_classes}) needs a multiple of {n_classes} agents")
+    by_class = [rng.permutation(np.flatnonzero(labels == c)) for c in range(n_classes)]
+    size = min(len(members) for members in by_class)  # trimmed to equal size, as the authors' code does
+    parts: list[list[np.ndarray]] = [[] for _ in range(n_agents)]
+    if n_agents <= n_classes:
+        for c, members in enumerate(by_class):
+            parts[c % n_agents].append(members[:size])
+    else:
+        share = n_agents // n_classes
+        for agent in range(n_agents):
+            slot = agent // n_classes
+            parts[agent].append(np.array_split(by_class[agent % n_classes][:size], share)[slot])
+    return [np.concatenate(chunks) for chunks in parts]
 
 
 def _check_labels(labels: np.ndarray) -> np.ndarray:
