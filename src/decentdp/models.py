@@ -354,6 +354,36 @@ def cifar_cnn(input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
     )
 
 
+@register_model("cga-cnn")
+def cga_cnn(input_shape: tuple[int, int, int], num_classes: int, *, activation: str = "none") -> nn.Module:
+    """The CNN of CGA (Esfandiari et al. 2021, ``models.py`` ``CNN(ch, fc)``; DPDL specs A.5.1 item 7):
+    ``Conv(32) -> Conv(32) -> MaxPool 2 -> Conv(64) -> MaxPool 2 -> Conv(64) -> MaxPool 2 -> Linear``,
+    all convolutions 3x3 with padding 1; ``fc`` is 576 for 28x28 inputs and 1024 for 32x32.
+
+    ``activation = "none"`` is the authors' network exactly (it has no ReLU); ``"relu"`` adds one after
+    each convolution.  The authors' ``Dropout(0.25)`` is left out: gradients are evaluated with
+    deterministic functional calls, where dropout would draw unkeyed randomness."""
+    if activation not in ("none", "relu"):
+        raise ConfigError("model.options.activation", f"expected 'none' or 'relu', got {activation!r}")
+    channels, height, width = input_shape
+    _require_size("cga-cnn", input_shape, min(height, width) >= 8, "at least 8x8 pixels")
+
+    def act() -> list[nn.Module]:
+        return [nn.ReLU()] if activation == "relu" else []
+
+    return nn.Sequential(
+        nn.Conv2d(channels, 32, kernel_size=3, padding=1), *act(),
+        nn.Conv2d(32, 32, kernel_size=3, padding=1), *act(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, kernel_size=3, padding=1), *act(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(64, 64, kernel_size=3, padding=1), *act(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * (height // 8) * (width // 8), num_classes),
+    )
+
+
 def _conv_norm_relu(in_channels: int, out_channels: int, pool: bool = False) -> nn.Sequential:
     layers: list[nn.Module] = [
         nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1, bias=False),
