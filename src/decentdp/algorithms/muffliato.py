@@ -53,7 +53,7 @@ def accelerated_gossip(network: Network, x: torch.Tensor, steps: int, gamma: flo
 
 def dense_mixing(network: Network, dtype: torch.dtype = torch.float64) -> np.ndarray:
     """The mixing matrix W, read through the network (W times the identity)."""
-    eye = torch.eye(network.n_agents, dtype=torch.float32, device=network.agent_ids.device)
+    eye = torch.eye(network.n_agents, dtype=network.in_weights.dtype, device=network.agent_ids.device)
     return network.mix(eye).to(dtype).cpu().numpy()
 
 
