@@ -186,6 +186,9 @@ def run_personalized(config: ExperimentConfig, out_dir: str | Path | None = None
         write_toml(folder / "config.toml", config.to_toml_dict())
         write_json(folder / "provenance.json", provenance(config.experiment.seed))
         write_json(folder / "setup.json", run.setup)
+        if run.plan is not None:  # the recorded schedule: tick, agent and update number of every update
+            np.savez_compressed(folder / "schedule.npz", ticks=run.plan.ticks, agents=run.plan.agents,
+                                index=run.plan.index)
 
     device = problem.x.device
     rng = _rng(config, problem.n_agents, device)

@@ -1,0 +1,296 @@
+"""Bellet et al. (2018) personalized P2P learning: objective and solver, private updates and their
+accounting, schedules, data, bad input, and the CLI path (``decentdp.personalized``)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import dp_accounting
+import numpy as np
+import pytest
+import torch
+from dp_accounting.pld import pld_privacy_accountant
+
+from decentdp.cli import main
+from decentdp.config import load_config, validate_config
+from decentdp.data.movielens import load_movielens
+from decentdp.data.personal import PersonalData
+from decentdp.data.synthetic_linear import synthetic_linear
+from decentdp.errors import ConfigError, DataError
+from decentdp.personalized.objective import build_problem, clip_rows, data_gradient_sums, objective
+from decentdp.personalized.privacy import calibrate_updates, kairouz_epsilon
+from decentdp.personalized.runner import run_personalized
+from decentdp.personalized.schedule import plan_wakeups, poisson_ticks
+from decentdp.personalized.solver import PrivateUpdates, coordinate_descent
+from decentdp.privacy.ledger import PrivacyLedger
+from decentdp.rng import AgentRandom
+from tests.conftest import SHARED_DATA
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "experiments" / "personalized" / "demo-synthetic.toml"
+DELTA = math.exp(-5)
+
+
+def _regression(n: int = 6, p: int = 3, seed: int = 0) -> PersonalData:
+    """A small quadratic instance: ring-plus-chords graph, a few records per agent, one agent without data."""
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(2, 8, n)
+    counts[-1] = 0
+    owner = np.repeat(np.arange(n), counts)
+    x = rng.normal(size=(len(owner), p))
+    y = x @ rng.normal(size=p) + 0.1 * rng.normal(size=len(owner))
+    weights = np.zeros((n, n))
+    for i in range(n):
+        weights[i, (i + 1) % n] = weights[(i + 1) % n, i] = 1.0 + i / n
+    weights[0, 3] = weights[3, 0] = 0.5
+    return PersonalData(x, y, owner, x[:4], y[:4], owner[:4], weights, "regression")
+
+
+def _optimum(problem) -> torch.Tensor:
+    """Q_L's minimiser for the squared loss: one dense linear system over all (agent, coordinate) pairs."""
+    n, p = problem.n_agents, problem.dim
+    laplacian = torch.diag(problem.degree) - problem.weights
+    system = torch.kron(laplacian, torch.eye(p, dtype=torch.float64))
+    rhs = torch.zeros(n, p, dtype=torch.float64)
+    pull = problem.mu * problem.degree * problem.confidence
+    for i in range(n):
+        rows = slice(int(problem.offsets[i]), int(problem.offsets[i + 1]))
+        x, y, m = problem.x[rows], problem.y[rows], max(int(problem.counts[i]), 1)
+        block = pull[i] * (2 * x.T @ x / m + 2 * problem.reg[i] * torch.eye(p, dtype=torch.float64))
+        system[i * p:(i + 1) * p, i * p:(i + 1) * p] += block
+        rhs[i] = pull[i] * 2 * x.T @ y / m
+    return torch.linalg.solve(system, rhs.flatten()).reshape(n, p)
+
+
+def test_noiseless_cd_decreases_the_objective_at_every_level_and_reaches_the_optimum():
+    data = _regression()
+    problem = build_problem(data, mu=0.5)
+    plan = plan_wakeups(poisson_ticks(1, problem.n_agents, 4000), data.weights, 4000)
+    theta = torch.zeros(problem.n_agents, problem.dim, dtype=torch.float64)
+    values = [objective(problem, theta)]
+    coordinate_descent(problem, theta, plan, stop=60, after_level=lambda _l, t: values.append(objective(problem, t)))
+    assert all(b <= a + 1e-12 for a, b in zip(values, values[1:], strict=False))
+    coordinate_descent(problem, theta, plan, start=60)
+    torch.testing.assert_close(theta, _optimum(problem), atol=1e-8, rtol=1e-8)
+
+
+def test_levels_reproduce_the_one_agent_at_a_time_run_exactly():
+    data = _regression()
+    problem = build_problem(data, mu=0.3)
+    woken = poisson_ticks(2, problem.n_agents, 200)
+    plan = plan_wakeups(woken, data.weights, 25)
+    batched = coordinate_descent(problem, torch.zeros(problem.n_agents, problem.dim, dtype=torch.float64), plan)
+    sequential = torch.zeros_like(batched)
+    alpha, done = problem.step, np.zeros(problem.n_agents, dtype=int)
+    for agent in woken.tolist():  # the definition: one agent at a time, from its neighbours' latest models
+        if done[agent] >= 25:
+            continue
+        done[agent] += 1
+        m = max(int(problem.counts[agent]), 1)
+        rows = slice(int(problem.offsets[agent]), int(problem.offsets[agent + 1]))
+        grad = 2 * problem.x[rows].T @ (problem.x[rows] @ sequential[agent] - problem.y[rows]) / m \
+            + 2 * problem.reg[agent] * sequential[agent]
+        average = problem.weights[agent] @ sequential / problem.degree[agent]
+        sequential[agent] = (1 - alpha[agent]) * sequential[agent] + alpha[agent] * (
+            average - problem.mu * problem.confidence[agent] * grad)
+    torch.testing.assert_close(batched, sequential, atol=1e-12, rtol=1e-10)
+    assert plan.updates_per_agent().max() <= 25
+
+
+def _private(data: PersonalData, budget: float, planned: int, ledger_budget: float | None = None,
+             mechanism: str = "laplace", seed: int = 0):
+    problem = build_problem(data, mu=0.5)
+    shape = np.ones((problem.n_agents, planned))
+    shape[(problem.counts == 0).numpy()] = 0
+    noise = calibrate_updates(mechanism, "tight", budget, DELTA, shape, "pld", "replace-one")
+    ledger = PrivacyLedger(problem.n_agents, budget if ledger_budget is None else ledger_budget, DELTA,
+                           budget_accountant="pld", relation="add-remove")
+    return problem, PrivateUpdates(noise, 1.0, ledger, AgentRandom(seed), problem.counts > 0), noise
+
+
+def test_laplace_noise_has_the_calibrated_scale():
+    data = _regression()
+    problem, private, noise = _private(data, math.inf, 1)
+    private.noise = calibrate_updates("laplace", "paper", 2.0, DELTA, np.ones((problem.n_agents, 4000)), "pld",
+                                      "replace-one")
+    private.__post_init__()
+    agent = torch.tensor([0])
+    samples = []
+    for k in range(4000):  # agent 0's updates 0..3999, each with fresh noise keyed by its number
+        sums = torch.zeros(1, problem.dim, dtype=torch.float64)
+        private.release(k, agent, torch.tensor([k]), sums)
+        samples.append(sums)
+    values = torch.cat(samples).flatten()
+    scale = float(private.noise.multipliers[0, 0]) * 1.0  # z * C, C = 1
+    # Laplace(b): E|X| = b, Var X = 2 b^2; 12,000 draws give ~1% standard errors
+    assert abs(float(values.abs().mean()) / scale - 1) < 0.04
+    assert abs(float(values.var()) / (2 * scale**2) - 1) < 0.08
+    # the paper's per-update epsilon: s = 2C / (eps m) on the mean, i.e. z = 2 / eps on the sum
+    assert private.noise.paper_epsilons[0, 0] == pytest.approx(2 / scale)
+
+
+def test_l1_clipping_bounds_the_sensitivity_of_the_sum_by_2c():
+    gradients = torch.randn(50, 7, dtype=torch.float64) * 10
+    clipped = clip_rows(gradients, 1.5, 1)
+    assert float(clipped.abs().sum(dim=1).max()) <= 1.5 + 1e-12
+    data = _regression()
+    problem = build_problem(data, mu=0.5)
+    theta = torch.randn(problem.n_agents, problem.dim, dtype=torch.float64) * 5
+    agents = torch.arange(problem.n_agents)
+    before = data_gradient_sums(problem, theta, agents, clip=1.5, norm=1)
+    x, y = data.x_train.copy(), data.y_train.copy()
+    x[0], y[0] = 100.0, -50.0  # replace agent 0's first record
+    changed = build_problem(PersonalData(x, y, data.owner_train, x, y, data.owner_train, data.weights,
+                                         "regression"), mu=0.5)
+    after = data_gradient_sums(changed, theta, agents, clip=1.5, norm=1)
+    assert float((after - before).abs().sum(dim=1).max()) <= 2 * 1.5 + 1e-9
+
+
+def test_kairouz_composition_matches_a_hand_computed_value():
+    # ten updates of eps = 0.1 at delta = e^-5, by hand: sum = 1; drift = 10 * 0.1 (e^0.1 - 1) / (e^0.1 + 1)
+    # = 0.0499584; second = drift + sqrt(0.2 * log(e + sqrt(0.1) e^5)) = 0.0499584 + 0.883741 = 0.933700;
+    # third = drift + sqrt(0.2 * 5) = 1.049958; the minimum is the second term.
+    assert float(kairouz_epsilon(np.full(10, 0.1), DELTA)) == pytest.approx(0.933700, abs=2e-6)
+    assert float(kairouz_epsilon(np.array([0.3]), DELTA)) == pytest.approx(0.3)  # one update: its own epsilon
+    assert math.isinf(float(kairouz_epsilon(np.array([0.1, math.inf]), DELTA)))
+
+
+def test_pld_epsilon_of_laplace_updates_matches_dp_accounting_directly():
+    data = _regression()
+    problem, private, noise = _private(data, 1.0, 6)
+    agents = torch.arange(problem.n_agents)
+    for k in range(6):
+        private.release(k, agents, torch.full((problem.n_agents,), k), torch.zeros(problem.n_agents, 3,
+                                                                                 dtype=torch.float64))
+    z = float(noise.multipliers[0, 0])
+    # replace-one Laplace of noise z C on a sum of l1 sensitivity 2C: the Laplace mechanism of multiplier z / 2
+    direct = pld_privacy_accountant.PLDAccountant()
+    direct.compose(dp_accounting.LaplaceDpEvent(z / 2), 6)
+    assert private.ledger.epsilon("pld")[0] == pytest.approx(direct.get_epsilon(DELTA), rel=2e-3)
+    assert private.ledger.epsilon("pld")[0] <= 1.0 + 1e-9
+    assert private.ledger.epsilon("pld")[-1] == 0.0  # the agent without data released nothing
+
+
+def test_agents_stop_at_their_budget_and_never_update_again():
+    data = _regression()
+    # noise for 6 updates at eps = 1, but a ledger that allows only eps = 0.4: about two updates each
+    problem, private, _ = _private(data, 1.0, 6, ledger_budget=0.4)
+    plan = plan_wakeups(poisson_ticks(3, problem.n_agents, 60), data.weights, 6)
+    stopped = torch.zeros(problem.n_agents, dtype=torch.bool)
+    snapshots = []
+    theta = torch.zeros(problem.n_agents, problem.dim, dtype=torch.float64)
+    coordinate_descent(problem, theta, plan, private=private, stopped=stopped,
+                       after_level=lambda _l, t: snapshots.append((stopped.clone(), t.clone())))
+    assert stopped[:-1].all() and not stopped[-1]  # every agent with data ran out; the one without never charges
+    assert (private.ledger.epsilon("pld")[:-1] <= 0.4 + 1e-9).all()
+    assert (private.ledger.releases()[:-1] < 6).all()
+    for (was, before), (_, after) in zip(snapshots, snapshots[1:], strict=False):
+        torch.testing.assert_close(after[was], before[was], rtol=0, atol=0)  # stopped agents never move
+
+
+def test_schedule_is_reproducible_and_private_runs_resume_bit_for_bit():
+    np.testing.assert_array_equal(poisson_ticks(7, 50, 500), poisson_ticks(7, 50, 500))
+    assert not np.array_equal(poisson_ticks(7, 50, 500), poisson_ticks(8, 50, 500))
+    data = _regression()
+    problem, private, _ = _private(data, 1.0, 8)
+    plan = plan_wakeups(poisson_ticks(4, problem.n_agents, 48), data.weights, 8)
+    whole = coordinate_descent(problem, torch.zeros(problem.n_agents, 3, dtype=torch.float64), plan,
+                               private=private)
+    _, again, _ = _private(data, 1.0, 8)
+    half = plan.n_levels // 2
+    part = coordinate_descent(problem, torch.zeros(problem.n_agents, 3, dtype=torch.float64), plan, stop=half,
+                              private=again)
+    resumed = coordinate_descent(problem, part.clone(), plan, start=half, private=again)
+    assert torch.equal(whole, resumed)
+    assert np.array_equal(private.ledger.releases(), again.ledger.releases())
+
+
+def test_synthetic_generator_matches_its_specification():
+    data = synthetic_linear(40, 12, min_points=10, max_points=100, seed=5)
+    assert data.n_agents == 40 and data.dim == 12 and data.task == "classification"
+    assert data.train_counts.min() >= 10 and data.train_counts.max() <= 100
+    assert np.allclose(data.weights, data.weights.T) and (data.weights.sum(axis=1) > 0).all()
+    assert set(np.unique(data.y_train)) == {-1.0, 1.0}
+
+
+def _config(**personalized) -> dict:
+    return {"privacy": {"epsilon": 1.0, "delta": DELTA, "clip": 1.0, "accountant": "pld",
+                        "neighbouring": "replace-one"},
+            "personalized": {"dataset": "synthetic", "agents": 12, "dim": 4, "wakeups": 3, **personalized}}
+
+
+@pytest.mark.parametrize(("personalized", "field"), [
+    ({"mu": 0.0}, "personalized.mu"),
+    ({"mu": -1.0}, "personalized.mu"),
+    ({"wakeups": 0}, "personalized.wakeups"),
+    ({"allocation": "optimal"}, "personalized"),
+])
+def test_bad_settings_name_their_field(personalized, field):
+    with pytest.raises(ConfigError) as error:
+        validate_config(_config(**personalized))
+    assert field in str(error.value)
+
+
+def test_a_budget_that_leaves_no_update_is_a_config_error():
+    with pytest.raises(ConfigError, match="privacy.epsilon"):
+        validate_config({**_config(), "privacy": {**_config()["privacy"], "epsilon": 0.0}})
+    # no Laplace noise up to the largest multiplier makes even the planned updates fit this budget
+    config = validate_config({**_config(), "privacy": {**_config()["privacy"], "epsilon": 1e-7, "delta": 1e-10}})
+    with pytest.raises(ConfigError, match="privacy.epsilon"):
+        run_personalized(config, log=lambda _line: None)
+
+
+def _write_ratings(folder: Path, lines: list[str]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "u.data").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def test_movielens_files_missing_or_malformed_are_named(tmp_path):
+    with pytest.raises(DataError, match="u.data"):
+        load_movielens(tmp_path, 0)
+    _write_ratings(tmp_path / "bad", ["1\t2\t5\t881250949", "1\tx\t3\t1"])
+    with pytest.raises(DataError, match=r"u\.data, line 2"):
+        load_movielens(tmp_path / "bad", 0)
+    _write_ratings(tmp_path / "range", ["1\t2\t9\t881250949"])
+    with pytest.raises(DataError, match="ratings lie in 1..5"):
+        load_movielens(tmp_path / "range", 0)
+
+
+def test_a_user_without_ratings_gets_the_confidence_floor_and_spends_nothing(tmp_path):
+    rng = np.random.default_rng(0)
+    lines = [f"{user}\t{item}\t{rng.integers(1, 6)}\t0" for user in (1, 2, 4, 5, 6) for item in
+             rng.choice(np.arange(1, 30), 12, replace=False)]  # user 3 has no ratings
+    folder = _write_ratings(tmp_path / "ml", lines)
+    raw = _config(dataset="movielens-100k", als_rank=3, neighbours=2, wakeups=4)
+    raw["privacy"]["clip"] = 10.0
+    raw["privacy"]["delta"] = 1e-3
+    summary, _, theta = run_personalized(validate_config(raw), data_dir=folder, log=lambda _line: None)
+    assert torch.isfinite(theta).all() and math.isfinite(summary["rmse_mean"])
+    assert summary["epsilon_per_agent"][2] == 0.0 and summary["epsilon_max"] <= 1.0 + 1e-9
+
+
+def test_cli_demo_prints_the_summary_keys(capsys, tmp_path):
+    assert main(["run", str(DEMO), "--json", "--out", str(tmp_path / "out")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("accuracy_mean", "epsilon_max", "epsilon_max_paper", "epsilon_max_rdp", "wall_seconds"):
+        assert key in summary
+    assert summary["epsilon_max"] <= 1.0 + 1e-9 < summary["epsilon_max_paper"]
+    assert (tmp_path / "out" / "summary.json").is_file() and (tmp_path / "out" / "schedule.npz").is_file()
+
+
+@pytest.mark.slow
+def test_movielens_cli_path(capsys, tmp_path):
+    if not (SHARED_DATA / "movielens-100k" / "u.data").is_file():
+        pytest.skip(f"MovieLens-100K not found in {SHARED_DATA}/movielens-100k")
+    config = ROOT / "experiments" / "personalized" / "movielens-eps1.toml"
+    assert load_config(config).personalized is not None
+    assert main(["run", str(config), "--data-dir", str(SHARED_DATA), "--set", "personalized.wakeups=3",
+                 "--json", "--out", str(tmp_path / "ml")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["n_agents"] == 943
+    for key in ("rmse_mean", "epsilon_max", "epsilon_max_paper", "wall_seconds"):
+        assert summary[key] is not None
+    assert 0.9 < summary["rmse_mean"] < 1.2 and summary["epsilon_max"] <= 1.0 + 1e-9
