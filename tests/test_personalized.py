@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from dp_accounting.pld import pld_privacy_accountant
+from tests.conftest import SHARED_DATA
 
 from decentdp.cli import main
 from decentdp.config import load_config, validate_config
@@ -26,7 +27,6 @@ from decentdp.personalized.schedule import plan_wakeups, poisson_ticks
 from decentdp.personalized.solver import PrivateUpdates, coordinate_descent
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.rng import AgentRandom
-from tests.conftest import SHARED_DATA
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "experiments" / "personalized" / "demo-synthetic.toml"

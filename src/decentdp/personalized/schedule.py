@@ -25,7 +25,6 @@ import torch
 
 from decentdp.rng import AgentRandom, Stream
 
-
 #: Sub-step of the schedule stream that draws the wake-up sequence.
 WAKEUP_STEP = 1
 
