@@ -1,0 +1,96 @@
+"""The cost of DPDL's private cross-gradients: one DPDL round against one DP-DSGD round.
+
+DPDL (issue 13, target 6) evaluates on each agent's batch its own model and each neighbour's: on a
+ring of N = 10 that is 3 models per batch, so its gradient work is 3x DP-DSGD's.  The target is a
+round at most 3.5x a DP-DSGD round with the same model, data and expected batch: everything besides
+the gradients (cosine calibration, the return of cross-gradients, two mixings) must be nearly free.
+
+Setting: MNIST, Dirichlet(0.5) split over N = 10 agents on a ring (Metropolis-Hastings weights),
+expected batch 64, clip C = 10, epsilon = 1 (delta = 1e-5) for 1000 planned rounds, LeNet-5 and the
+MLP, DP-DSGD with plain SGD.  Medians of per-round seconds, the two methods timed interleaved,
+round by round, in one process (``_common.time_interleaved``).
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/dpdl_overhead.py --json     # 10 timed rounds per method
+    .venv/bin/python benchmarks/dpdl_overhead.py --quick    # 3 timed rounds, same keys
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from _common import (
+    DEFAULT_DATA_DIR,
+    EPSILON,
+    EngineRunner,
+    ExperimentFactory,
+    experiment_config,
+    machine_info,
+    print_machine,
+    print_table,
+    summarize,
+    time_interleaved,
+)
+from decentdp.util.allocator import retain_freed_memory
+
+AGENTS, BATCH = 10, 64
+MODELS = ("lenet5", "mlp")
+
+
+def config(model: str, algorithm: str) -> dict[str, Any]:
+    raw = experiment_config(model, AGENTS, BATCH, EPSILON, graph="ring", partition="dirichlet", image_size=None)
+    raw["data"]["dirichlet_alpha"] = 0.5
+    raw["algorithm"] = {"name": algorithm, "lr": 0.01, "batch_size": BATCH}
+    return raw
+
+
+def measure(model: str, factory: ExperimentFactory, warmup: int, rounds: int) -> dict[str, Any]:
+    dsgd = factory.build(config(model, "dp-dsgd"))
+    dpdl = factory.build(config(model, "dpdl"))
+    runners = {"dp_dsgd": EngineRunner(dsgd).round, "dpdl": EngineRunner(dpdl).round}
+    stats = {name: summarize(times) for name, times in time_interleaved(runners, warmup, rounds).items()}
+    return {"parameters": dpdl.model.dim, "gradient_engine": dpdl.model.backend, "round_seconds": stats,
+            "sigma_dpdl": [float(dpdl.noise_multipliers.min()), float(dpdl.noise_multipliers.max())],
+            "sigma_dp_dsgd": [float(dsgd.noise_multipliers.min()), float(dsgd.noise_multipliers.max())],
+            "dpdl_over_dsgd": stats["dpdl"]["median"] / stats["dp_dsgd"]["median"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="folder holding mnist.npz")
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds per method (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds per method first (default 2)")
+    parser.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed rounds per method")
+    parser.add_argument("--json", action="store_true", help="end with one line of JSON holding every figure")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.warmup = 3, 1
+    retain_freed_memory()
+    machine = machine_info()
+    print_machine(machine)
+    print(f"DPDL vs DP-DSGD, MNIST Dirichlet(0.5), N = {AGENTS} ring, expected batch {BATCH}; {args.rounds} timed "
+          f"rounds after {args.warmup} warm-up, interleaved; load average before: {os.getloadavg()[0]:.2f}")
+    factory = ExperimentFactory(args.data_dir)
+    results = {}
+    for model in MODELS:
+        results[model] = result = measure(model, factory, args.warmup, args.rounds)
+        print(f"{model} ({result['parameters']} parameters, {result['gradient_engine']} engine)")
+        print_table(result["round_seconds"])
+        print(f"  dpdl / dp_dsgd: {result['dpdl_over_dsgd']:.2f}x (target <= 3.5x)")
+    load_after = os.getloadavg()[0]
+    print(f"load average after: {load_after:.2f}; data: {'synthetic' if factory.synthetic else 'MNIST'}")
+    if args.json:
+        print(json.dumps({"dpdl_over_dsgd": results["lenet5"]["dpdl_over_dsgd"],
+                          "dpdl_over_dsgd_mlp": results["mlp"]["dpdl_over_dsgd"], "settings": results,
+                          "timed_rounds": args.rounds, "warmup_rounds": args.warmup,
+                          "synthetic_data": factory.synthetic, "load_average_after": load_after, **machine},
+                         sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()
