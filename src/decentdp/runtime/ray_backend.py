@@ -1,0 +1,409 @@
+"""``engine.backend = "ray"``: a run's agents sharded over Ray actor processes (the ``ray`` extra).
+
+:func:`distribute` turns a built :class:`~decentdp.run.build.Experiment` into a sharded one: it
+starts a local Ray instance bound to the loopback interface, or attaches to ``engine.address``,
+and starts ``engine.workers`` actors, each holding one contiguous shard of agents
+(:mod:`decentdp.runtime.sharded`).  The experiment's simulator is replaced by a
+:class:`RaySimulator` with the simulator's interface, so the runner (``run/loop.py``) drives the run
+unchanged: the driver starts each round on every worker, the workers exchange halo rows with their
+peers directly (Ray actor calls into each other's :class:`~decentdp.runtime.sharded.Mailbox`), and
+the driver fetches rows only when the runner evaluates or checkpoints.
+
+Faults: the driver keeps the state, ledger and scheduler of the last checkpoint round (the rounds
+the runner checkpoints), fetched from the workers.  When a worker process dies, every worker is
+replaced, the snapshot is loaded, and the rounds since it are replayed; keyed draws make the replay
+identical, and the ledgers restart from the snapshot's, so no release is counted twice or lost.
+
+Safety of a local instance: :data:`LOCAL_RAY_ENVIRONMENT` binds every Ray process to 127.0.0.1 and
+keeps Ray from contacting anything else (see ``docs/distributed.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import socket
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from decentdp.algorithms.base import State
+from decentdp.errors import ConfigError
+from decentdp.runtime.sharded import Mailbox, MailboxTransport, Payload, make_shard, merge_ledgers, shard_bounds
+from decentdp.util.profiling import NO_TIMER, PhaseTimer
+
+LOCAL_RAY_ENVIRONMENT = {
+    # no usage statistics are collected or sent
+    "RAY_USAGE_STATS_ENABLED": "0",
+    # Ray replaces a loopback node address by the machine's outward address unless multi-node clusters
+    # are disabled; with this, GCS, raylet, object store and workers all bind 127.0.0.1
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+}
+"""Environment a local Ray instance starts with (read when ``ray`` is imported, inherited by its processes)."""
+
+NO_OUTSIDE_HTTP = {
+    # Ray's head process asks cloud metadata services (169.254.169.254, metadata.google.internal) which
+    # cloud it runs on, even with usage statistics off; these send its HTTP requests to a closed loopback
+    # port instead, while gRPC between Ray's own processes stays direct (loopback is exempt)
+    "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
+    "no_proxy": "127.0.0.1,localhost,::1", "NO_PROXY": "127.0.0.1,localhost,::1",
+}
+"""Environment of the Ray processes a local start spawns (restored in this process afterwards)."""
+
+#: Seconds a worker waits for a peer's rows before it declares the peer lost.
+PEER_TIMEOUT = 300.0
+#: Seconds to wait for the workers to start (placing them may wait for free CPUs on a cluster).
+START_TIMEOUT = 300.0
+#: Worker losses a run survives before it gives up.
+MAX_RESTARTS = 3
+
+
+def import_ray(local: bool) -> Any:
+    """Ray, imported with the local-instance settings when this process will start one."""
+    if local:
+        for key, value in LOCAL_RAY_ENVIRONMENT.items():
+            os.environ.setdefault(key, value)
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("engine.backend", "'ray' needs Ray, which is not installed: "
+                                            "pip install 'decentdp[ray]'") from None
+    return ray
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def connect(address: str, workers: int) -> tuple[Any, bool]:
+    """Ray, started here on loopback (``address`` empty) or attached to a cluster; and whether this
+    process started it (and so shuts it down).  An unreachable address is a ConfigError."""
+    ray = import_ray(local=not address)
+    if ray.is_initialized():
+        return ray, False
+    if not address:
+        with _environment(NO_OUTSIDE_HTTP):
+            ray.init(address="local", num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False,
+                     log_to_driver=False, configure_logging=False, _node_ip_address="127.0.0.1")
+        return ray, True
+    if address != "auto":
+        host, _, port = address.removeprefix("ray://").rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except (OSError, ValueError) as exc:
+            raise ConfigError("engine.address", f"cannot reach a Ray cluster at {address!r} "
+                                                f"({exc.strerror if isinstance(exc, OSError) else exc}); give "
+                                                "'host:port' of a running cluster's head, 'auto', or leave it "
+                                                "empty to start Ray on this machine") from None
+    try:
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+    except (ConnectionError, RuntimeError) as exc:
+        raise ConfigError("engine.address", f"cannot attach to a Ray cluster at {address!r}: {exc}") from None
+    return ray, False
+
+
+class ShardWorker:
+    """One Ray actor: a shard of the run (its state rows, oracle, ledger, scheduler) and its mailbox."""
+
+    def __init__(self, blueprint: Any, bounds: list[int], index: int, threads: int, timeout: float) -> None:
+        torch.set_num_threads(threads)
+        self.mailbox = Mailbox(timeout)
+        self.transport = RayTransport(index, self.mailbox)
+        self.shard = make_shard(blueprint, bounds, index, self.transport)
+        self.state: State = {}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def connect(self, peers: list[Any]) -> None:
+        self.transport.peers = peers
+
+    def deliver(self, step: int, sender: int, payload: Payload) -> None:
+        self.mailbox.put(step, sender, payload)
+
+    def load(self, state: State, ledger: dict[str, Any], scheduler: dict[str, Any], rng: Any,
+             agents_per_pass: int | None) -> None:
+        self.state = state
+        self.shard.load(ledger, scheduler, rng, agents_per_pass)
+
+    def setup(self) -> tuple[float, float]:
+        self.state = self.shard.simulator.setup(self.state)
+        return self._clipping()
+
+    def round(self, round_index: int) -> tuple[float, float]:
+        self.state = self.shard.simulator.run(self.state, round_index, round_index + 1, lambda done, state: True)
+        return self._clipping()
+
+    def _clipping(self) -> tuple[float, float]:
+        """The last release's clipped fraction and the samples it is over (to combine across shards)."""
+        oracle = self.shard.oracle
+        if oracle.last_batch_sizes is None or oracle.last_authorized is None:
+            return 0.0, 0.0
+        weight = float((oracle.last_batch_sizes.cpu() * oracle.last_authorized.float()).sum())
+        return oracle.last_clipped_fraction, weight
+
+    def values(self, key: str) -> torch.Tensor:
+        return self.state[key]
+
+    def ledger_state(self) -> dict[str, Any]:
+        return self.shard.ledger.state_dict()
+
+    def scheduler_state(self) -> dict[str, Any]:
+        return self.shard.simulator.scheduler.state_dict()
+
+    def bytes_sent(self) -> int:
+        return self.transport.bytes_sent
+
+
+class RayTransport(MailboxTransport):
+    """Payloads travel as Ray actor calls into the receiving worker's mailbox (fire and forget)."""
+
+    def __init__(self, shard: int, mailbox: Mailbox) -> None:
+        super().__init__(shard, mailbox)
+        self.peers: list[Any] = []
+
+    def _send(self, peer: int, step: int, payload: Payload) -> None:
+        self.peers[peer].deliver.remote(step, self.shard, payload)
+
+
+@dataclasses.dataclass
+class _Snapshot:
+    """What a restart continues from: a round, and the state, ledger and scheduler after it."""
+
+    round_index: int
+    state: State
+    ledger: dict[str, Any]
+    scheduler: dict[str, Any]
+
+
+class ShardedState(Mapping[str, torch.Tensor]):
+    """The state after one round, held by the workers; a key's rows are fetched when first read."""
+
+    def __init__(self, engine: RaySimulator, keys: list[str]) -> None:
+        self._engine = engine
+        self._keys = keys
+        self._values: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._values:
+            if key not in self._keys:
+                raise KeyError(key)
+            parts = self._engine.ray.get([worker.values.remote(key) for worker in self._engine.workers])
+            self._values[key] = torch.cat(parts)
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+class _ShardedLedger:
+    """The run's ledger while the workers hold it: the merged shards' ledgers, fetched once per round."""
+
+    def __init__(self, engine: RaySimulator, kind: type) -> None:
+        self._engine = engine
+        self._kind = kind
+        self._merged: tuple[int, Any] | None = None
+
+    def current(self) -> Any:
+        if self._merged is None or self._merged[0] != self._engine.version:
+            states = self._engine.ray.get([worker.ledger_state.remote() for worker in self._engine.workers])
+            self._merged = (self._engine.version, merge_ledgers(self._kind, states))
+        return self._merged[1]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.current(), name)
+
+
+class _RemoteScheduler:
+    """The scheduler's checkpointed state: the workers' (all equal) once they run, else what was loaded."""
+
+    def __init__(self, engine: RaySimulator, state: dict[str, Any]) -> None:
+        self._engine = engine
+        self._state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._engine.launched:
+            return self._engine.ray.get(self._engine.workers[0].scheduler_state.remote())
+        return self._state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._state = state
+
+
+class RaySimulator:
+    """The simulator's interface (``setup``, ``run``, ``schedule``, ``scheduler``) over Ray workers."""
+
+    def __init__(self, experiment: Any, ray: Any, owns_ray: bool, workers: int) -> None:
+        self.experiment = experiment
+        self.ray = ray
+        self.owns_ray = owns_ray
+        whole = experiment.simulator
+        self.schedule = whole.schedule
+        self.scheduler = _RemoteScheduler(self, whole.scheduler.state_dict())
+        self.timer: PhaseTimer = NO_TIMER  # phases are timed inside the workers' processes, not here
+        self.wrap_network: Callable[[object], object] = lambda network: network
+        self.bounds = shard_bounds(experiment.data.n_agents, workers)
+        self.threads = max(1, torch.get_num_threads() // workers)
+        cfg = experiment.config.experiment
+        self.snapshot_every = cfg.checkpoint_every or cfg.eval_every
+        self.blueprint = ray.put(experiment)  # the whole run, built once, as every worker starts from it
+        self.workers: list[Any] = []
+        self.launched = False
+        self.version = 0  # rounds (and setup) run so far by this engine: the ledger view's cache key
+        self.restarts = 0
+        self._snapshot: _Snapshot | None = None
+        self._keys: list[str] = []
+        self._start_workers()
+
+    # -- workers -------------------------------------------------------------------------------------------
+    def _start_workers(self) -> None:
+        actor = self.ray.remote(num_cpus=1, max_concurrency=4, max_restarts=0)(ShardWorker)
+        self.workers = [actor.remote(self.blueprint, self.bounds, index, self.threads, PEER_TIMEOUT)
+                        for index in range(len(self.bounds) - 1)]
+        try:
+            self._wait([worker.connect.remote(self.workers) for worker in self.workers], START_TIMEOUT)
+        except TimeoutError:
+            self.close()
+            raise ConfigError("engine.workers", f"{len(self.bounds) - 1} workers did not start within "
+                                                f"{START_TIMEOUT:g} s (each needs a free CPU in the cluster)") from None
+
+    def worker_pids(self) -> list[int]:
+        """The workers' process ids (a test kills one)."""
+        return self.ray.get([worker.pid.remote() for worker in self.workers])
+
+    def bytes_sent(self) -> int:
+        """Bytes of rows and messages the workers have sent each other (payload tensors only)."""
+        return sum(self.ray.get([worker.bytes_sent.remote() for worker in self.workers]))
+
+    def _wait(self, futures: list[Any], timeout: float = PEER_TIMEOUT + 60) -> list[Any]:
+        """Every result, failing as soon as one worker fails (its error is raised, not a peer's timeout)."""
+        pending = list(futures)
+        while pending:
+            ready, pending = self.ray.wait(pending, num_returns=1, timeout=timeout)
+            if not ready:
+                raise TimeoutError(f"no worker finished within {timeout:g} s")
+            self.ray.get(ready[0])
+        return self.ray.get(futures)
+
+    def _load(self, snapshot: _Snapshot) -> None:
+        experiment = self.experiment
+        rng, passes = experiment.oracle.rng, experiment.oracle.agents_per_pass
+        rows = [slice(lo, hi) for lo, hi in zip(self.bounds[:-1], self.bounds[1:], strict=True)]
+        self._wait([worker.load.remote({key: value[part] for key, value in snapshot.state.items()},
+                                       snapshot.ledger, snapshot.scheduler, rng, passes)
+                    for worker, part in zip(self.workers, rows, strict=True)])
+
+    def _launch(self, state: State, round_index: int) -> None:
+        """Give the workers the run as it stands (new, or resumed from a checkpoint) and take its ledger over."""
+        experiment = self.experiment
+        self._keys = list(state)
+        self._snapshot = _Snapshot(round_index, {key: value.clone() for key, value in state.items()},
+                                   experiment.ledger.state_dict(), self.scheduler.state_dict())
+        self._load(self._snapshot)
+        self.launched = True
+        experiment.ledger = experiment.oracle.ledger = _ShardedLedger(self, type(experiment.ledger))
+
+    def _stop_workers(self) -> None:
+        for worker in self.workers:
+            with contextlib.suppress(Exception):  # a worker already gone
+                self.ray.kill(worker)
+        self.workers = []
+
+    def close(self) -> None:
+        """Stop the workers (and the Ray instance this process started)."""
+        self._stop_workers()
+        if self.owns_ray and self.ray.is_initialized():
+            self.ray.shutdown()
+
+    # -- rounds --------------------------------------------------------------------------------------------
+    def _collect(self, results: list[tuple[float, float]]) -> None:
+        total = sum(weight for _, weight in results)
+        self.experiment.oracle.last_clipped_fraction = \
+            sum(fraction * weight for fraction, weight in results) / total if total else 0.0
+        self.version += 1
+
+    def _round(self, round_index: int) -> None:
+        """Run one round on every worker; on a lost worker, restart all from the snapshot and replay."""
+        while True:
+            try:
+                self._collect(self._wait([worker.round.remote(round_index) for worker in self.workers]))
+                return
+            except (self.ray.exceptions.RayActorError, TimeoutError):
+                self._recover(round_index)
+
+    def _recover(self, round_index: int) -> None:
+        self.restarts += 1
+        if self.restarts > MAX_RESTARTS:
+            self.close()
+            raise RuntimeError(f"Ray workers were lost {self.restarts} times; giving up")
+        self._stop_workers()
+        self._start_workers()
+        snapshot = self._snapshot
+        self._load(snapshot)
+        for replayed in range(snapshot.round_index, round_index):
+            self._collect(self._wait([worker.round.remote(replayed) for worker in self.workers]))
+
+    def setup(self, state: State) -> State:
+        """The algorithm's setup phase on every worker (a new run)."""
+        self._launch(state, 0)
+        self._collect(self._wait([worker.setup.remote() for worker in self.workers]))
+        view = ShardedState(self, self._keys)
+        self._take_snapshot(0, view)
+        return view
+
+    def _take_snapshot(self, round_index: int, view: ShardedState) -> None:
+        self._snapshot = _Snapshot(round_index, dict(view), self.experiment.ledger.state_dict(),
+                                   self.scheduler.state_dict())
+
+    def run(self, state: State, start_round: int, rounds: int,
+            after_round: Callable[[int, State], bool]) -> State:
+        """Rounds ``start_round .. rounds-1`` on the workers; ``after_round`` sees each round's
+        :class:`ShardedState` (rows are fetched only when read).  The workers stop when it returns."""
+        if not self.launched:
+            self._launch(dict(state), start_round)
+        view: Mapping[str, torch.Tensor] = state
+        try:
+            for k in range(start_round, rounds):
+                self._round(k)
+                view = ShardedState(self, self._keys)
+                if (k + 1) % self.snapshot_every == 0:
+                    self._take_snapshot(k + 1, view)
+                if not after_round(k + 1, view):
+                    break
+            final, ledger = dict(view), self.experiment.ledger.current()  # kept once the workers are gone
+        finally:
+            self.close()
+        self.experiment.ledger = self.experiment.oracle.ledger = ledger
+        return final
+
+
+def distribute(experiment: Any) -> None:
+    """Shard ``experiment`` over ``engine.workers`` Ray workers (replacing its simulator), checking the
+    engine settings before anything is written."""
+    engine = experiment.config.engine
+    agents = experiment.data.n_agents
+    if engine.workers > agents:
+        raise ConfigError("engine.workers", f"{engine.workers} workers for {agents} agent(s): each worker holds "
+                                            "at least one agent")
+    ray, owns = connect(engine.address, engine.workers)
+    try:
+        experiment.simulator = RaySimulator(experiment, ray, owns, engine.workers)
+    except BaseException:
+        if owns and ray.is_initialized():
+            ray.shutdown()
+        raise

@@ -1,0 +1,428 @@
+"""Agents sharded over processes: a :class:`Network` over one contiguous shard, with halo exchange.
+
+A sharded run splits the global agent ids ``0..N-1`` into contiguous shards (:func:`shard_bounds`).
+Each shard holds its agents' rows of every state tensor, their data, batches, noise streams and
+ledger rows, and runs the *same* algorithm code as the simulator through :class:`ShardNetwork`,
+which implements every method of :class:`~decentdp.algorithms.base.Network` over the shard:
+
+* ``mix``, ``mix_add``, ``neighbor_sum``, ``broadcast`` need the rows of remote neighbours: each
+  shard sends each peer shard once per call the rows *its* neighbours there need (the halo of the
+  graph cut), never the whole ``(N, d)`` matrix;
+* ``exchange`` delivers per-edge messages: an edge's message crosses to the shard holding its
+  receiver only when that shard differs from the sender's;
+* ``swap`` sends each paired agent's row to the shard of its partner.
+
+Every network call is a *collective*: all shards make the same calls in the same order (the
+algorithms do, since their control flow depends on public values only), and each call is one
+:meth:`Transport.exchange` with the shard's peers.  The transport is the only part that knows
+processes exist (:mod:`decentdp.runtime.ray_backend` implements it with Ray actors;
+:class:`LocalTransport` with threads, for tests and for measuring the sharding itself).
+
+Draws are keyed by global agent id (:mod:`decentdp.rng`), Poisson sampling draws the round-wide
+vector and keeps the shard's slice (:class:`ShardSampler`), and the scheduler plans globally and
+keeps the shard's rows, so a shard selects exactly the batches, noise and plans of the simulator;
+only float summation orders differ.  Ledgers are split and merged by :func:`split_ledger` and
+:func:`merge_ledgers`, so that a checkpoint is the simulator's and resumes on any number of shards.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from decentdp.algorithms.base import RoundPlan
+from decentdp.privacy.events import EventTable
+from decentdp.privacy.ledger import PrivacyLedger
+from decentdp.privacy.mechanisms import Mechanism, NoiseDraw
+from decentdp.privacy.oracle import DataOracle
+from decentdp.privacy.sampling import AgentData, PoissonSampler
+from decentdp.rng import AgentRandom
+from decentdp.runtime.network import GraphSequence, SimulatedNetwork
+from decentdp.runtime.scheduler import Scheduler
+from decentdp.runtime.simulator import Simulator
+from decentdp.topology import Topology
+
+Payload = Any
+"""What one shard sends another in one collective: a tensor, or a tuple of tensors."""
+
+
+def shard_bounds(n_agents: int, shards: int) -> list[int]:
+    """Boundaries of ``shards`` contiguous, balanced shards: shard ``s`` holds ids ``b[s] .. b[s+1]-1``."""
+    if not 1 <= shards <= n_agents:
+        raise ValueError(f"{shards} shards for {n_agents} agents")
+    return [n_agents * s // shards for s in range(shards + 1)]
+
+
+def payload_bytes(payload: Payload) -> int:
+    """Bytes of the tensors in a payload (what crosses between processes, without framing)."""
+    if isinstance(payload, torch.Tensor):
+        return payload.numel() * payload.element_size()
+    return sum(payload_bytes(item) for item in payload)
+
+
+class Transport(Protocol):
+    """Moves payloads between shards; the only part of a sharded run that knows processes exist."""
+
+    bytes_sent: int
+
+    def exchange(self, outgoing: Mapping[int, Payload]) -> dict[int, Payload]:
+        """One collective step: send ``outgoing[t]`` to each peer shard ``t`` and return what each of
+        them sent this shard in the same step (every peer sends one payload per step)."""
+        ...
+
+
+class Mailbox:
+    """Payloads delivered to one shard, keyed by (collective step, sender), awaited by the shard's round."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._items: dict[tuple[int, int], Payload] = {}
+        self._ready = threading.Condition()
+
+    def put(self, step: int, sender: int, payload: Payload) -> None:
+        with self._ready:
+            self._items[(step, sender)] = payload
+            self._ready.notify_all()
+
+    def take(self, step: int, senders: Sequence[int]) -> dict[int, Payload]:
+        """Wait for every sender's payload of ``step``; a peer silent for ``timeout`` seconds is lost."""
+        keys = [(step, sender) for sender in senders]
+        with self._ready:
+            if not self._ready.wait_for(lambda: all(key in self._items for key in keys), timeout=self.timeout):
+                missing = [sender for step_, sender in keys if (step_, sender) not in self._items]
+                raise TimeoutError(f"no message from shard(s) {missing} in step {step} after {self.timeout:g} s")
+            return {sender: self._items.pop((step, sender)) for sender in senders}
+
+
+class MailboxTransport:
+    """A transport whose payloads land in the receiving shard's :class:`Mailbox`; ``_send`` moves them."""
+
+    def __init__(self, shard: int, mailbox: Mailbox) -> None:
+        self.shard = shard
+        self.mailbox = mailbox
+        self.step = 0
+        self.bytes_sent = 0
+
+    def _send(self, peer: int, step: int, payload: Payload) -> None:
+        raise NotImplementedError
+
+    def exchange(self, outgoing: Mapping[int, Payload]) -> dict[int, Payload]:
+        step, self.step = self.step, self.step + 1
+        for peer, payload in outgoing.items():
+            self.bytes_sent += payload_bytes(payload)
+            self._send(peer, step, payload)
+        return self.mailbox.take(step, list(outgoing))
+
+
+class LocalTransport(MailboxTransport):
+    """Shards as threads of one process (tests, and the sharding's own cost); payloads are copied, as a
+    transport between processes delivers copies."""
+
+    def __init__(self, shard: int, mailboxes: Sequence[Mailbox]) -> None:
+        super().__init__(shard, mailboxes[shard])
+        self.mailboxes = mailboxes
+
+    def _send(self, peer: int, step: int, payload: Payload) -> None:
+        copied = payload.clone() if isinstance(payload, torch.Tensor) else tuple(item.clone() for item in payload)
+        self.mailboxes[peer].put(step, self.shard, copied)
+
+
+class ShardNetwork(SimulatedNetwork):
+    """The :class:`~decentdp.algorithms.base.Network` of shard ``shard`` (global ids ``bounds[shard] ..
+    bounds[shard+1]-1``) of a run over ``topology``.
+
+    Rows are the shard's agents; the halo is every remote agent with a neighbour here.  ``mix`` and
+    ``neighbor_sum`` apply the shard's rows of W (resp. the adjacency), restricted to the columns of
+    local and halo agents, to the local rows extended by the halo rows received (dense, or CSR blocks
+    as in :class:`SimulatedNetwork`).  ``global_edges`` (the public graph) lets the scheduler pair
+    agents exactly as the simulator does.
+    """
+
+    def __init__(self, topology: Topology, bounds: Sequence[int], shard: int, transport: Transport,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        self.topology = topology
+        self.device = torch.device(device)
+        self.transport = transport
+        lo, hi = bounds[shard], bounds[shard + 1]
+        self.shard, self.lo = shard, lo
+        self.n_agents = hi - lo
+        self.n_total = topology.n_agents
+        self.agent_ids = torch.arange(lo, hi, device=self.device)
+        edges = np.asarray(topology.edges(), dtype=np.int64).reshape(-1, 2)
+        owner = np.searchsorted(np.asarray(bounds), np.arange(self.n_total), side="right") - 1  # shard of each id
+        local_src, local_dst = owner[edges[:, 0]] == shard, owner[edges[:, 1]] == shard
+        out_edges, in_edges = edges[local_src], edges[local_dst]
+        as_tensor = lambda array: torch.as_tensor(array, dtype=torch.long, device=self.device)  # noqa: E731
+        self.global_edges = as_tensor(edges)
+        self.out_edges, self.in_edges = as_tensor(out_edges), as_tensor(in_edges)
+
+        # The halo: remote sources of in-edges, ascending (hence grouped by shard); what each peer needs.
+        halo = np.unique(in_edges[owner[in_edges[:, 0]] != shard, 0])
+        self.peers = sorted({int(owner[agent]) for agent in halo})
+        self._send = {peer: as_tensor(np.unique(out_edges[owner[out_edges[:, 1]] == peer, 0]) - lo)
+                      for peer in self.peers}
+        self.halo_ids = as_tensor(halo)
+        columns = np.concatenate([np.arange(lo, hi), halo])  # local rows, then the halo
+        column_of = np.full(self.n_total, -1, dtype=np.int64)
+        column_of[columns] = np.arange(len(columns))
+        adjacency = topology.adjacency()
+        self.degrees = torch.tensor(adjacency[lo:hi].sum(axis=1), dtype=dtype, device=self.device)
+        self._mixing = self._operator(topology.mixing[lo:hi][:, columns], dtype)
+        self._adjacency = self._operator(adjacency[lo:hi][:, columns], dtype)
+        self.in_weights = torch.tensor(topology.mixing[in_edges[:, 1], in_edges[:, 0]], dtype=dtype,
+                                       device=self.device)
+        self._in_source_column = as_tensor(column_of[in_edges[:, 0]])
+        self._in_rows = as_tensor(in_edges[:, 1] - lo)
+
+        # Per-edge messages: edges between two shards, in global edge order on both sides.
+        out_owner, in_owner = owner[out_edges[:, 1]], owner[in_edges[:, 0]]
+        self._edges_local = (as_tensor(np.flatnonzero(out_owner == shard)),
+                             as_tensor(np.flatnonzero(in_owner == shard)))
+        self._edges_out = {peer: as_tensor(np.flatnonzero(out_owner == peer)) for peer in self.peers}
+        self._edges_in = {peer: as_tensor(np.flatnonzero(in_owner == peer)) for peer in self.peers}
+        self._neighbours = {(int(s), int(d)) for s, d in out_edges.tolist()}
+        self._owner = as_tensor(owner)
+
+    def rows(self, agent_ids: torch.Tensor) -> torch.Tensor:
+        return agent_ids - self.lo
+
+    def _with_halo(self, x: torch.Tensor) -> torch.Tensor:
+        """The local rows followed by the halo rows, received from the peers (one collective step)."""
+        received = self.transport.exchange({peer: x.index_select(0, rows) for peer, rows in self._send.items()})
+        return torch.cat([x, *(received[peer] for peer in self.peers)]) if self.peers else x
+
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
+        return self._apply(self._mixing, self._with_halo(x))
+
+    def mix_add(self, x: torch.Tensor, into: torch.Tensor, alpha: float) -> torch.Tensor:
+        return super().mix_add(self._with_halo(x), into, alpha)
+
+    def neighbor_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return self._apply(self._adjacency, self._with_halo(x))
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        return self._with_halo(x).index_select(0, self._in_source_column)
+
+    def exchange(self, messages: torch.Tensor) -> torch.Tensor:
+        out = messages.new_empty(len(self.in_edges), *messages.shape[1:])
+        local_out, local_in = self._edges_local
+        out[local_in] = messages[local_out]
+        received = self.transport.exchange({peer: messages[rows] for peer, rows in self._edges_out.items()})
+        for peer, rows in self._edges_in.items():
+            out[rows] = received[peer]
+        return out
+
+    def aggregate(self, received: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        if weights is not None:
+            received = received * weights.reshape(-1, *([1] * (received.dim() - 1)))
+        out = torch.zeros(self.n_agents, *received.shape[1:], dtype=received.dtype, device=received.device)
+        return out.index_add_(0, self._in_rows, received)
+
+    def swap(self, x: torch.Tensor, partner: torch.Tensor) -> torch.Tensor:
+        """Row ``i`` gets agent ``partner[i]``'s row; a remote partner's shard sends that row with the
+        pair's ids, so that both ends check that the pairing is mutual."""
+        ids = self.agent_ids
+        paired = partner != ids
+        for agent, other in zip(ids[paired].tolist(), partner[paired].tolist(), strict=True):
+            if (agent, other) not in self._neighbours:
+                raise ValueError(f"agents {agent} and {other} are not a pair of neighbours in this round")
+        partner_shard = self._owner[partner]
+        with_shard = {peer: torch.nonzero(paired & (partner_shard == peer)).squeeze(1)
+                      for peer in [self.shard, *self.peers]}
+        received = self.transport.exchange({peer: (ids[rows], partner[rows], x.index_select(0, rows))
+                                            for peer, rows in with_shard.items() if peer != self.shard})
+        out = x.clone()
+        local = with_shard[self.shard]
+        sources = self.rows(partner[local])
+        if not torch.equal(partner[sources], ids[local]):
+            raise ValueError("a pairing is not mutual in this round")
+        out[local] = x[sources]
+        for peer, (their_ids, their_partners, values) in received.items():
+            rows = with_shard[peer][torch.argsort(partner[with_shard[peer]])]  # ordered as the peer sends
+            if not (torch.equal(their_ids, partner[rows]) and torch.equal(their_partners, ids[rows])):
+                raise ValueError(f"a pairing with shard {peer}'s agents is not mutual in this round")
+            out[rows] = values
+        return out
+
+
+class ShardGraphs:
+    """The shard's view of a run's :class:`~decentdp.runtime.network.GraphSequence`: the same graph of
+    each round (fixed or redrawn), as a :class:`ShardNetwork` built once per graph."""
+
+    def __init__(self, graphs: GraphSequence, bounds: Sequence[int], shard: int, transport: Transport,
+                 device: torch.device) -> None:
+        self.graphs = graphs
+        self.bounds, self.shard, self.transport, self.device = bounds, shard, transport, device
+        self._source: SimulatedNetwork | None = None
+        self._network: ShardNetwork | None = None
+
+    def at(self, round_index: int) -> ShardNetwork:
+        network = self.graphs.at(round_index)
+        if network is not self._source:
+            self._source = network
+            self._network = ShardNetwork(network.topology, self.bounds, self.shard, self.transport,
+                                         device=self.device)
+        return self._network
+
+
+@dataclass(frozen=True)
+class _GlobalGraph:
+    """What the scheduler reads of a network: the public graph's edges and the rows to keep."""
+
+    out_edges: torch.Tensor
+    agent_ids: torch.Tensor
+
+
+class ShardScheduler(Scheduler):
+    """A :class:`Scheduler` that plans over the whole public graph (every shard computes the same pairs)
+    and keeps the shard's rows."""
+
+    def plan(self, round_index: int, network: ShardNetwork) -> RoundPlan:
+        return super().plan(round_index, _GlobalGraph(network.global_edges, network.agent_ids))
+
+
+class ShardSampler(PoissonSampler):
+    """Poisson batches of the agents ``lo .. hi-1`` of ``data``: the round-wide draw over every slot of
+    the run, of which this shard keeps its own contiguous slice, so its batches are the simulator's."""
+
+    def __init__(self, data: AgentData, sample_rates: torch.Tensor, rng: Any, lo: int, hi: int) -> None:
+        super().__init__(AgentData(data.x, data.y, data.indices[lo:hi]), sample_rates[lo:hi], rng)
+        self.all_lengths = [len(index) for index in data.indices]
+        self.first_slot = sum(self.all_lengths[:lo])
+
+    def draws(self, round_index: int, step: int = 0) -> torch.Tensor:
+        everyone = self.rng.record_uniforms(round_index, step, self.all_lengths)
+        return everyone[self.first_slot:self.first_slot + self.n_slots]
+
+
+class ShardMechanism:
+    """A run's mechanism seen from a shard: its per-agent tables are indexed by global id, the shard's
+    owners are local rows, so owners are shifted by the shard's first id on the way in and noise rows
+    shifted back on the way to the shard's :class:`~decentdp.privacy.mechanisms.NoiseDraw`."""
+
+    def __init__(self, mechanism: Mechanism, lo: int) -> None:
+        self.mechanism = mechanism
+        self.lo = lo
+
+    def perturb(self, values: torch.Tensor, owners: torch.Tensor, noise: NoiseDraw,
+                slots: Sequence[int] | None = None) -> None:
+        self.mechanism.perturb(values, owners + self.lo, _ShiftedNoise(noise, self.lo), slots)
+
+    def agent_event(self, owner: int, sample_rate: float, rows: int) -> Any:
+        return self.mechanism.agent_event(owner + self.lo, sample_rate, rows)
+
+    def receiver_event(self, owner: int, sample_rate: float) -> Any:
+        return self.mechanism.receiver_event(owner + self.lo, sample_rate)
+
+    def __getattr__(self, name: str) -> Any:  # the mechanism's own settings (e.g. a clipping bound)
+        return getattr(self.mechanism, name)
+
+
+class _ShiftedNoise:
+    """A shard's :class:`~decentdp.privacy.mechanisms.NoiseDraw` taking global rows (see :class:`ShardMechanism`)."""
+
+    def __init__(self, noise: NoiseDraw, lo: int) -> None:
+        self.noise = noise
+        self.lo = lo
+
+    def normal(self, rows: Sequence[int], out: torch.Tensor, slots: Sequence[int] | None = None,
+               workers: int = 1) -> torch.Tensor:
+        return self.noise.normal([row - self.lo for row in rows], out, slots, workers)
+
+    def laplace(self, rows: Sequence[int], out: torch.Tensor, slots: Sequence[int] | None = None) -> torch.Tensor:
+        return self.noise.laplace([row - self.lo for row in rows], out, slots)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.noise, name)
+
+
+@dataclass
+class Shard:
+    """What one process of a sharded run holds: its agents' rows of everything, and the round loop."""
+
+    bounds: list[int]
+    index: int
+    oracle: DataOracle
+    simulator: Simulator
+
+    @property
+    def rows(self) -> slice:
+        """This shard's rows of a global ``(N, ...)`` tensor."""
+        return slice(self.bounds[self.index], self.bounds[self.index + 1])
+
+    @property
+    def ledger(self) -> PrivacyLedger:
+        return self.oracle.ledger
+
+    def load(self, ledger: dict[str, Any], scheduler: dict[str, Any], rng: AgentRandom,
+             agents_per_pass: int | None) -> None:
+        """Continue a run: the shard's rows of its (whole-run) ledger, the scheduler's state, the run's
+        random source (its keys, for a secure run) and pass size, as a checkpoint holds them."""
+        self.oracle.ledger = split_ledger(type(self.oracle.ledger), ledger, self.rows.start, self.rows.stop)
+        self.simulator.scheduler.load_state_dict(scheduler)
+        for part in (self.oracle, self.oracle.sampler, self.simulator, self.simulator.scheduler):
+            part.rng = rng
+        self.oracle.agents_per_pass = agents_per_pass
+
+
+def make_shard(experiment: Any, bounds: list[int], index: int, transport: Transport) -> Shard:
+    """Shard ``index`` of a run from its fully built :class:`~decentdp.run.build.Experiment`: the same data,
+    model, calibration, algorithm and schedules, restricted to the agents ``bounds[index] ..
+    bounds[index+1]-1`` (keyed draws make their batches and noise the simulator's)."""
+    lo, hi = bounds[index], bounds[index + 1]
+    full = experiment.oracle
+    device = full.device
+    sampler = ShardSampler(experiment.data, experiment.sample_rates, full.rng, lo, hi)
+    ledger = split_ledger(type(experiment.ledger), experiment.ledger.state_dict(), lo, hi)
+    mechanism = None if full.mechanism is None else ShardMechanism(full.mechanism, lo)
+    oracle = DataOracle(full.model, sampler, ledger, full.rng, mechanism, full.clip_norm,
+                        agents_per_pass=full.agents_per_pass, agent_ids=torch.arange(lo, hi, device=device))
+    whole = experiment.simulator
+    scheduler = ShardScheduler(whole.scheduler.kind, full.rng, whole.scheduler.n_total,
+                               whole.scheduler.offline_probability, whole.scheduler.participation, device=device)
+    graphs = ShardGraphs(whole.graphs, bounds, index, transport, device)
+    simulator = Simulator(experiment.algorithm, graphs, oracle, scheduler, whole.schedule, full.rng)
+    return Shard(bounds, index, oracle, simulator)
+
+
+def split_ledger(kind: type[PrivacyLedger], state: dict[str, Any], lo: int, hi: int) -> PrivacyLedger:
+    """The agents ``lo .. hi-1`` of a whole run's ledger saved with ``state_dict`` (row ``i`` = agent ``i``)."""
+    if state["agent_ids"][lo:hi] != list(range(lo, hi)):
+        raise ValueError("a shard's agents must be contiguous rows of the ledger")
+    broadcast = state["broadcast_runs"]
+    return kind.from_state_dict({
+        **state,
+        **{key: state[key][lo:hi] for key in ("agent_ids", "budgets", "refused", "agent_runs")},
+        "broadcast_runs": None if broadcast is None else broadcast[lo:hi],
+        "pairs": [[row - lo, receiver, runs] for row, receiver, runs in state["pairs"] if lo <= row < hi],
+    })
+
+
+def merge_ledgers(kind: type[PrivacyLedger], states: Sequence[dict[str, Any]]) -> PrivacyLedger:
+    """One ledger of every agent from the shards' ``state_dict`` (in shard order): the simulator's ledger
+    of the same run (the same histories of the same events; event ids renumbered)."""
+    table = EventTable()
+    merged: dict[str, Any] = {**states[0], "agent_ids": [], "budgets": [], "refused": [], "agent_runs": [],
+                              "pairs": []}
+    broadcast: list[Any] = []
+    any_broadcast = any(state["broadcast_runs"] is not None for state in states)
+    for state in states:
+        events = EventTable.from_json(state["events"])
+        ids = [table.intern(events[event]) for event in range(len(events))]
+        remap = lambda runs, ids=ids: [[ids[event], count, first, last]  # noqa: E731
+                                       for event, count, first, last in runs]
+        offset = len(merged["agent_ids"])
+        for key in ("agent_ids", "budgets", "refused"):
+            merged[key] += state[key]
+        merged["agent_runs"] += [remap(runs) for runs in state["agent_runs"]]
+        if any_broadcast:  # a shard without per-receiver releases broadcast everything so far
+            broadcast += [remap(runs) for runs in (state["broadcast_runs"] or state["agent_runs"])]
+        merged["pairs"] += [[row + offset, receiver, remap(runs)] for row, receiver, runs in state["pairs"]]
+    merged["events"] = table.to_json()
+    merged["broadcast_runs"] = broadcast if any_broadcast else None
+    return kind.from_state_dict(merged)
