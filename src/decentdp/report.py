@@ -1,0 +1,626 @@
+"""``decentdp report``: one table (and figures) from any set of results folders.
+
+Every finished run's folder holds its resolved ``config.toml``, ``summary.json`` (final metrics, epsilon
+spent) and ``metrics.jsonl`` (one row per evaluation); see :mod:`decentdp.run.record`.  The report
+
+1. finds the runs under the given paths (a results folder, or any folder holding results folders);
+2. flattens each run's config to dotted fields (``privacy.epsilon``) and groups the runs by the fields
+   that differ between them, seeds aside (so each group is one setting over its seeds);
+3. gives each group the mean and sample standard deviation over seeds of the final metric, the worst
+   agent, the epsilon spent (the largest over agents and seeds, as the run's accountant reports it),
+   and optionally the paper's value read from a small TOML file (``--paper``);
+4. writes a Markdown table, a CSV file and two figures (metric against round, metric against epsilon
+   spent) to ``--out``, or prints the table (``--json``: one JSON line with one object per group).
+
+Runs that cannot share a table are refused with a message naming the folders: runs on different
+datasets (their accuracies are on different test sets), unfinished runs, and runs without the metric.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import statistics
+import tomllib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from decentdp.errors import ConfigError, DecentDPError
+from decentdp.results import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, write_atomic
+
+#: Fields that never define a group: the seed (what a group averages over), labels, where data was
+#: read from, how often the run evaluated or checkpointed, and how it computed (``engine.*`` changes
+#: results only by floating-point rounding).
+IGNORED_FIELDS = ("experiment.seed", "experiment.name", "experiment.eval_every", "experiment.checkpoint_every",
+                  "data.data_dir")
+IGNORED_SECTIONS = ("engine.",)
+
+#: Fields shown first when several could label the groups, in this order; the rest follow by name.
+PRIORITY_FIELDS = ("algorithm.name", "privacy.epsilon", "topology.graph", "topology.fiedler", "data.overlap_t",
+                   "data.partition", "data.dataset", "topology.agents", "model.name", "experiment.rounds")
+
+#: Settings named in the "shared by all runs" line when every run has the same value.
+SHARED_SUMMARY = ("data.dataset", "data.partition", "data.overlap_t", "topology.agents", "topology.graph",
+                  "model.name", "algorithm.name", "experiment.rounds", "privacy.epsilon", "privacy.delta")
+
+#: Column titles of a few well-known fields; any other field is shown by its last dotted part.
+SHORT_NAMES = {"algorithm.name": "algorithm", "model.name": "model", "data.dataset": "dataset",
+               "topology.graph": "graph", "topology.agents": "agents", "experiment.rounds": "rounds"}
+
+PAPER_UNITS = {"percent": 0.01, "fraction": 1.0}
+
+
+@dataclass
+class Run:
+    """One finished run's results folder, read once."""
+
+    path: Path
+    fields: dict[str, Any]  # the resolved config, flattened to dotted names
+    summary: dict[str, Any]
+    curve: list[dict[str, Any]]  # metrics.jsonl rows
+
+    @property
+    def seed(self) -> int:
+        return int(self.fields.get("experiment.seed", 0))
+
+
+@dataclass
+class Group:
+    """Runs of one setting (every non-ignored field equal) over their seeds."""
+
+    key: tuple[Any, ...]
+    runs: list[Run] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"privacy": {"epsilon": 1.0}}`` as ``{"privacy.epsilon": 1.0}``; ``model.options`` stays one value.
+    Infinite values, which results files spell "inf", become ``math.inf`` so that they compare and sort."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and name != "model.options":
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = _number(value)
+    return out
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, str) and value.strip().lower() in {"inf", "infinity"}:
+        return math.inf
+    if isinstance(value, list):
+        return tuple(_number(item) for item in value)
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True)
+    return value
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DecentDPError(f"cannot read {path}: {exc}") from None
+
+
+def read_run(folder: Path) -> Run:
+    """The run in ``folder``; a clear error when it is not a finished results folder."""
+    summary_file, config_file = folder / SUMMARY_FILE, folder / CONFIG_FILE
+    if not config_file.is_file():
+        raise DecentDPError(f"{folder} is not a results folder (no {CONFIG_FILE})")
+    if not summary_file.is_file():
+        raise DecentDPError(f"{folder}: the run has not finished (no {SUMMARY_FILE}); finish it with "
+                            f"`decentdp run CONFIG --resume --out {folder}`, or leave it out of the report")
+    summary = _read_json(summary_file)
+    if not isinstance(summary, dict) or "finished" not in summary:
+        raise DecentDPError(f"{summary_file} is not a decentdp run summary")
+    if summary.get("finished") is False:
+        raise DecentDPError(f"{folder}: the run stopped after round {summary.get('rounds')} of "
+                            f"{summary.get('config', {}).get('experiment', {}).get('rounds', '?')}; resume it "
+                            "or leave it out of the report")
+    try:
+        config = summary["config"] if isinstance(summary.get("config"), dict) else \
+            tomllib.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise DecentDPError(f"cannot read {config_file}: {exc}") from None
+    curve: list[dict[str, Any]] = []
+    metrics_file = folder / METRICS_FILE
+    if metrics_file.is_file():
+        try:
+            curve = [json.loads(line) for line in metrics_file.read_text(encoding="utf-8").splitlines() if line]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise DecentDPError(f"cannot read {metrics_file}: {exc}") from None
+    return Run(folder, flatten(config), summary, curve)
+
+
+def find_runs(paths: Sequence[str | Path]) -> list[Run]:
+    """Every results folder at or below ``paths`` (a folder holding a ``config.toml`` is one run; any
+    other folder is searched), each once, in path order."""
+    folders: dict[Path, None] = {}
+    for given in paths:
+        path = Path(given)
+        if not path.exists():
+            raise DecentDPError(f"no such results folder: {path}")
+        if not path.is_dir():
+            raise DecentDPError(f"{path} is a file; give results folders (or folders that hold them)")
+        found = [path] if (path / CONFIG_FILE).is_file() else \
+            sorted(config.parent for config in path.rglob(CONFIG_FILE) if not config.parent.name.startswith("."))
+        if not found:
+            raise DecentDPError(f"no results folder under {path} (a results folder holds {CONFIG_FILE} and "
+                                f"{SUMMARY_FILE})")
+        folders.update((folder.resolve(), None) for folder in found)
+    return [read_run(folder) for folder in folders]
+
+
+def check_compatible(runs: Sequence[Run], metric: str) -> None:
+    """Refuse runs that cannot share a table: different datasets, or runs without the metric."""
+    datasets: dict[Any, list[Path]] = {}
+    for run in runs:
+        datasets.setdefault((run.fields.get("data.dataset"), run.fields.get("data.image_size")), []).append(run.path)
+    if len(datasets) > 1:
+        listing = "; ".join(f"{name}{'' if size is None else f' at {size}px'}: {_paths(paths)}"
+                            for (name, size), paths in datasets.items())
+        raise DecentDPError(f"these runs were evaluated on different test sets, so their {metric} values do not "
+                            f"belong in one table ({listing}); report each dataset separately")
+    missing = [run.path for run in runs if not isinstance(run.summary.get(metric), (int, float))]
+    if missing:
+        raise DecentDPError(f"{_paths(missing)}: no numeric '{metric}' in {SUMMARY_FILE} (choose another --metric, "
+                            "or leave these runs out)")
+
+
+def _paths(paths: Sequence[Path]) -> str:
+    shown = ", ".join(str(path) for path in paths[:3])
+    return shown + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+
+
+# ----------------------------------------------------------------------------- grouping
+
+
+def varying_fields(runs: Sequence[Run], ignore: Iterable[str] = ()) -> list[str]:
+    """The config fields whose values differ between runs (seeds, labels and ``engine.*`` aside), in
+    :data:`PRIORITY_FIELDS` order, then by name."""
+    ignored = set(IGNORED_FIELDS) | set(ignore)
+    names = sorted({name for run in runs for name in run.fields})
+    differing = [name for name in names if name not in ignored and not name.startswith(IGNORED_SECTIONS)
+                 and len({_hashable(run.fields.get(name)) for run in runs}) > 1]
+    return sorted(differing, key=lambda name: (PRIORITY_FIELDS.index(name) if name in PRIORITY_FIELDS
+                                               else len(PRIORITY_FIELDS), name))
+
+
+def _hashable(value: Any) -> Any:
+    return json.dumps(value, sort_keys=True, default=str) if isinstance(value, (dict, list)) else value
+
+
+def group_runs(runs: Sequence[Run], fields: Sequence[str]) -> list[Group]:
+    """Runs with equal values of ``fields``, ordered by those values (numbers numerically)."""
+    groups: dict[tuple[Any, ...], Group] = {}
+    for run in runs:
+        key = tuple(_hashable(run.fields.get(name)) for name in fields)
+        groups.setdefault(key, Group(key)).runs.append(run)
+    for group in groups.values():
+        group.runs.sort(key=lambda run: run.seed)
+    return sorted(groups.values(), key=lambda group: tuple(_sort_key(value) for value in group.key))
+
+
+def _sort_key(value: Any) -> tuple[int, Any]:
+    if value is None:
+        return (0, 0)
+    if isinstance(value, bool):
+        return (1, int(value))
+    if isinstance(value, (int, float)):
+        return (1, value)
+    return (2, str(value))
+
+
+def label_fields(groups: Sequence[Group], fields: Sequence[str]) -> list[str]:
+    """The fewest of ``fields`` (taken in order) that still tell every group apart: the others are implied,
+    e.g. a learning rate chosen per (algorithm, epsilon)."""
+    def distinct(names: Sequence[str]) -> int:
+        return len({tuple(group.key[fields.index(name)] for name in names) for group in groups})
+
+    chosen: list[str] = []
+    for name in fields:
+        if distinct(chosen) == len(groups):
+            break
+        if distinct([*chosen, name]) > distinct(chosen):
+            chosen.append(name)
+    return chosen
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float | None]:
+    """Mean, and the sample standard deviation (None for a single seed)."""
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def _epsilon(value: Any) -> float:
+    """An epsilon as summaries store it (a number; null or "inf" when not private)."""
+    if value is None:
+        return math.inf
+    return float(value)
+
+
+def group_row(group: Group, fields: Sequence[str], metric: str) -> dict[str, Any]:
+    """One group's statistics over its seeds, with its config fields (dotted names) as keys."""
+    values = [float(run.summary[metric]) for run in group.runs]
+    mean, std = _mean_std(values)
+    spent = [_epsilon(run.summary.get("epsilon_max")) for run in group.runs]
+    first = group.runs[0]
+    row: dict[str, Any] = {name: first.fields.get(name) for name in fields}
+    row.update({
+        "n": len(group.runs),
+        "seeds": [run.seed for run in group.runs],
+        "metric": metric,
+        "mean": mean,
+        "std": std,
+        "min": min(values),
+        "max": max(values),
+        "epsilon_spent": max(spent),
+        "epsilon_spent_mean": statistics.fmean(spent),
+        "epsilon_accountant": first.summary.get("epsilon_accountant"),
+        "epsilon_target": _epsilon(first.summary.get("epsilon_target", first.fields.get("privacy.epsilon"))),
+        "delta": first.fields.get("privacy.delta"),
+        "rounds": first.summary.get("rounds"),
+        "wall_seconds": statistics.fmean(float(run.summary.get("wall_seconds") or 0.0) for run in group.runs),
+        "runs": [str(run.path) for run in group.runs],
+    })
+    if metric == "accuracy_mean" and all(isinstance(run.summary.get("accuracy_min"), (int, float))
+                                         for run in group.runs):
+        row["worst_agent"] = statistics.fmean(float(run.summary["accuracy_min"]) for run in group.runs)
+    return row
+
+
+# ----------------------------------------------------------------------------- paper values
+
+
+@dataclass(frozen=True)
+class PaperRow:
+    match: dict[str, Any]
+    value: float
+    std: float | None
+
+
+def read_paper(path: Path) -> tuple[str, list[PaperRow]]:
+    """A paper-values file: ``source``, ``unit`` ("percent" or "fraction") and ``[[row]]`` entries, each
+    ``match = {dotted field = value, ...}``, ``value`` and optionally ``std``.  Values come back as
+    fractions when the unit is percent."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError("--paper", f"no such file: {path}") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError("--paper", f"cannot read {path} as TOML: {exc}") from None
+    unit = data.get("unit", "percent")
+    if unit not in PAPER_UNITS:
+        raise ConfigError("--paper", f"{path}: unit must be one of {', '.join(PAPER_UNITS)}, got {unit!r}")
+    unknown = sorted(set(data) - {"source", "unit", "row"})
+    if unknown:
+        raise ConfigError("--paper", f"{path}: unknown key(s) {', '.join(unknown)}; allowed: source, unit, row")
+    rows = []
+    for index, entry in enumerate(data.get("row", [])):
+        where = f"{path}: row {index + 1}"
+        if not isinstance(entry, dict) or not isinstance(entry.get("match"), dict) or not entry["match"]:
+            raise ConfigError("--paper", f"{where} needs match = {{field = value, ...}}")
+        if not isinstance(entry.get("value"), (int, float)):
+            raise ConfigError("--paper", f"{where} needs a numeric value")
+        extra = sorted(set(entry) - {"match", "value", "std"})
+        if extra:
+            raise ConfigError("--paper", f"{where}: unknown key(s) {', '.join(extra)}; allowed: match, value, std")
+        std = entry.get("std")
+        scale = PAPER_UNITS[unit]
+        rows.append(PaperRow({name: _number(value) for name, value in entry["match"].items()},
+                             entry["value"] * scale, None if std is None else std * scale))
+    return str(data.get("source", path.name)), rows
+
+
+def paper_value(paper: Sequence[PaperRow], fields: dict[str, Any], file: Path) -> PaperRow | None:
+    """The most specific paper row whose every ``match`` field equals the run's; None if no row matches."""
+    matching = [row for row in paper if all(fields.get(name) == value for name, value in row.match.items())]
+    if not matching:
+        return None
+    best = max(len(row.match) for row in matching)
+    top = [row for row in matching if len(row.match) == best]
+    if len({(row.value, row.std) for row in top}) > 1:
+        raise ConfigError("--paper", f"{file}: rows {', '.join(str(row.match) for row in top)} all match one "
+                                     "group; make one of them more specific")
+    return top[0]
+
+
+def check_paper_fields(paper: Sequence[PaperRow], runs: Sequence[Run], file: Path) -> None:
+    known = {name for run in runs for name in run.fields}
+    for row in paper:
+        unknown = sorted(set(row.match) - known)
+        if unknown:
+            raise ConfigError("--paper", f"{file}: match field(s) {', '.join(unknown)} are not config fields of "
+                                         "these runs (write dotted names such as privacy.epsilon)")
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+@dataclass
+class Report:
+    """The groups' rows, the fields that label them and the context a table states once."""
+
+    metric: str
+    fields: list[str]  # every field that differs between groups
+    labels: list[str]  # the fewest of them that tell the groups apart (the table's columns)
+    shared: dict[str, Any]
+    rows: list[dict[str, Any]]
+    groups: list[Group]
+    paper_source: str | None = None
+
+
+def build_report(runs: Sequence[Run], metric: str = "accuracy_mean", ignore: Iterable[str] = (),
+                 paper_file: Path | None = None) -> Report:
+    """Group ``runs`` and compute every group's row (see the module docstring)."""
+    check_compatible(runs, metric)
+    ignore = list(ignore)
+    known = {name for run in runs for name in run.fields}
+    for name in ignore:
+        if name not in known:
+            raise ConfigError("--ignore", f"{name} is not a config field of these runs (dotted, e.g. "
+                                          "experiment.rounds)")
+    fields = varying_fields(runs, ignore)
+    groups = group_runs(runs, fields)
+    labels = label_fields(groups, fields)
+    shared = {name: runs[0].fields.get(name) for name in SHARED_SUMMARY
+              if name in known and name not in fields and name not in ignore}
+    if shared.get("data.partition") != "overlap":
+        shared.pop("data.overlap_t", None)  # A(t) applies to the overlap partition only
+    rows = [group_row(group, fields, metric) for group in groups]
+    source = None
+    if paper_file is not None:
+        source, paper = read_paper(paper_file)
+        check_paper_fields(paper, runs, paper_file)
+        for row, group in zip(rows, groups, strict=True):
+            found = paper_value(paper, group.runs[0].fields, paper_file)
+            row["paper"] = None if found is None else found.value
+            row["paper_std"] = None if found is None else found.std
+            row["difference"] = None if found is None else row["mean"] - found.value
+    return Report(metric, fields, labels, shared, rows, groups, source)
+
+
+def _scale(metric: str) -> float:
+    """Accuracies are shown in percent."""
+    return 100.0 if metric.startswith("accuracy") else 1.0
+
+
+def _value_text(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return "inf" if math.isinf(value) else f"{value:g}"
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_value_text(item) for item in value) + "]"
+    return str(value)
+
+
+def _column_names(fields: Sequence[str]) -> dict[str, str]:
+    short = {name: SHORT_NAMES.get(name, name.rsplit(".", 1)[-1]) for name in fields}
+    counts = {title: list(short.values()).count(title) for title in short.values()}
+    return {name: title if counts[title] == 1 else name for name, title in short.items()}
+
+
+def _epsilon_text(value: float) -> str:
+    return "inf" if math.isinf(value) else f"{value:.3f}"
+
+
+def markdown(report: Report) -> str:
+    """The report as Markdown: a heading line, the shared settings, the table, and what it means."""
+    scale = _scale(report.metric)
+    unit = " %" if scale == 100 else ""
+    titles = _column_names([*report.labels, *report.shared])
+    paper = report.paper_source is not None
+    has_worst = all("worst_agent" in row for row in report.rows)
+    header = [titles[name] for name in report.labels] + ["seeds", f"{report.metric}{unit} (mean ± std)"]
+    header += ["worst agent" + unit] if has_worst else []
+    header += ["ε spent", "ε target"]
+    header += [f"paper{unit}", "ours − paper"] if paper else []
+    lines = [f"{len(report.rows)} settings from {sum(row['n'] for row in report.rows)} runs; "
+             f"{report.metric} of the last evaluation, mean ± sample std over seeds.", ""]
+    if report.shared:
+        lines += ["Shared by all runs: " + ", ".join(f"{titles.get(name, name)} = {_value_text(value)}"
+                                                     for name, value in report.shared.items()) + ".", ""]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(report.labels) + "---:|" * (len(header)
+                                                                                                  - len(report.labels))]
+    for row in report.rows:
+        std = "" if row["std"] is None else f" ± {scale * row['std']:.2f}"
+        cells = [_value_text(row[name]) for name in report.labels]
+        cells += [str(row["n"]), f"{scale * row['mean']:.2f}{std}"]
+        cells += [f"{scale * row['worst_agent']:.2f}"] if has_worst else []
+        cells += [_epsilon_text(row["epsilon_spent"]), _epsilon_text(row["epsilon_target"])]
+        if paper:
+            if row["paper"] is None:
+                cells += ["—", "—"]
+            else:
+                paper_std = "" if row["paper_std"] is None else f" ± {scale * row['paper_std']:.2f}"
+                cells += [f"{scale * row['paper']:.2f}{paper_std}", f"{scale * row['difference']:+.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    implied = [name for name in report.fields if name not in report.labels]
+    lines.append("")
+    accountants = sorted({str(row["epsilon_accountant"]) for row in report.rows})
+    lines.append(f"ε spent: the largest over agents and seeds ({', '.join(accountants).upper()} accountant); "
+                 f"δ = {', '.join(sorted({_value_text(row['delta']) for row in report.rows}))}.")
+    if implied:
+        lines.append(f"Also differing, set by the columns above: {', '.join(implied)} (all values in the CSV).")
+    if paper:
+        lines.append(f"Paper values: {report.paper_source}.")
+    return "\n".join(lines) + "\n"
+
+
+def csv_text(report: Report) -> str:
+    """Every group with every differing field and unrounded statistics."""
+    columns = [*report.fields, "n", "seeds", "metric", "mean", "std", "min", "max", "worst_agent", "epsilon_spent",
+               "epsilon_spent_mean", "epsilon_accountant", "epsilon_target", "delta", "rounds", "wall_seconds",
+               "paper", "paper_std", "difference", "runs"]
+    columns = [name for name in columns if any(name in row for row in report.rows)]
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(columns)
+    for row in report.rows:
+        writer.writerow([" ".join(map(str, row[name])) if isinstance(row.get(name), list) else
+                         _value_text(row.get(name)) if row.get(name) is None or isinstance(row.get(name), tuple)
+                         else row.get(name) for name in columns])
+    return buffer.getvalue()
+
+
+def json_rows(report: Report) -> dict[str, Any]:
+    """The report as one JSON-ready object: ``rows`` (one per group), infinities as null (epsilon) or "inf"."""
+    def clean(value: Any) -> Any:
+        if isinstance(value, float) and math.isinf(value):
+            return None
+        if isinstance(value, tuple):
+            return [clean(item) for item in value]
+        return value
+
+    rows = [{key: clean(value) for key, value in row.items()} for row in report.rows]
+    return {"metric": report.metric, "fields": report.fields, "labels": report.labels,
+            "shared": {key: clean(value) for key, value in report.shared.items()}, "rows": rows,
+            "paper_source": report.paper_source}
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def _label(row: dict[str, Any], names: Sequence[str]) -> str:
+    titles = _column_names(names)
+    return ", ".join(f"{titles[name]}={_value_text(row[name])}" for name in names) or "all runs"
+
+
+def plot_report(report: Report, out: Path) -> list[Path]:
+    """``{metric}_vs_round.png`` (mean over seeds, band ± std) and, when some run is private,
+    ``{metric}_vs_epsilon.png`` (ε spent on a log axis; one series per setting of the other columns;
+    non-private groups as dashed lines)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scale = _scale(report.metric)
+    ylabel = report.metric + (" (%)" if scale == 100 else "")
+    written = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row, group in zip(report.rows, report.groups, strict=True):
+        rounds, means, stds = _curve(group.runs, report.metric)
+        if not rounds:
+            continue
+        line, = ax.plot(rounds, [scale * m for m in means], label=_label(row, report.labels))
+        if len(group.runs) > 1:
+            ax.fill_between(rounds, [scale * (m - s) for m, s in zip(means, stds, strict=True)],
+                            [scale * (m + s) for m, s in zip(means, stds, strict=True)], alpha=0.2,
+                            color=line.get_color())
+    ax.set_xlabel("round")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if len(report.rows) <= 20:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    written.append(_save(fig, out / f"{report.metric}_vs_round.png"))
+    plt.close(fig)
+
+    if any(math.isfinite(row["epsilon_spent"]) for row in report.rows):
+        others = [name for name in report.labels if not name.startswith("privacy.")]
+        series: dict[str, list[dict[str, Any]]] = {}
+        for row in report.rows:
+            series.setdefault(_label(row, others), []).append(row)
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name, rows in series.items():
+            private = sorted((row for row in rows if math.isfinite(row["epsilon_spent"])),
+                             key=lambda row: row["epsilon_spent_mean"])
+            line = ax.errorbar([row["epsilon_spent_mean"] for row in private],
+                               [scale * row["mean"] for row in private],
+                               yerr=[scale * (row["std"] or 0.0) for row in private], marker="o", capsize=3,
+                               label=name)
+            for row in rows:
+                if not math.isfinite(row["epsilon_spent"]):
+                    ax.axhline(scale * row["mean"], linestyle="--", color=line[0].get_color(), alpha=0.7)
+        ax.set_xscale("log")
+        ax.set_xlabel("ε spent (largest over agents)")
+        ax.set_ylabel(ylabel)
+        ax.set_title("dashed: non-private", fontsize=8)
+        ax.grid(alpha=0.3)
+        if len(series) <= 20:
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(_save(fig, out / f"{report.metric}_vs_epsilon.png"))
+        plt.close(fig)
+    return written
+
+
+def _curve(runs: Sequence[Run], metric: str) -> tuple[list[int], list[float], list[float]]:
+    """Mean and std over seeds at the rounds every run evaluated."""
+    per_run = [{int(row["round"]): float(row[metric]) for row in run.curve
+                if isinstance(row.get(metric), (int, float))} for run in runs]
+    rounds = sorted(set.intersection(*(set(values) for values in per_run))) if per_run else []
+    means, stds = [], []
+    for k in rounds:
+        mean, std = _mean_std([values[k] for values in per_run])
+        means.append(mean)
+        stds.append(std or 0.0)
+    return rounds, means, stds
+
+
+def _save(fig: Any, path: Path) -> Path:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=120)
+    write_atomic(path, buffer.getvalue())
+    return path
+
+
+# ----------------------------------------------------------------------------- command
+
+
+def add_parser(commands: Any) -> None:
+    """Register ``decentdp report`` on the CLI's subcommands."""
+    report = commands.add_parser(
+        "report", help="one table and figures from any set of results folders",
+        description="Collect results folders into a table grouped by the config fields that differ (mean ± "
+                    "std over seeds, epsilon spent), with figures of the metric against round and against "
+                    "epsilon, and optionally a column of a paper's values.",
+        epilog="Paper file (TOML): source = '...', unit = 'percent', then [[row]] entries with "
+               "match = { 'algorithm.name' = 'dp-dsgt', 'privacy.epsilon' = 1.0 }, value = 89.24, std = 0.27. "
+               "A group takes the most specific row whose fields all match its config.")
+    report.add_argument("results", nargs="+", metavar="RESULTS_DIR",
+                        help="results folders, or folders holding them (searched recursively)")
+    report.add_argument("--metric", default="accuracy_mean",
+                        help="summary.json key to tabulate (default: %(default)s)")
+    report.add_argument("--paper", type=Path, metavar="FILE", help="TOML file of the paper's values")
+    report.add_argument("--ignore", action="append", default=[], metavar="FIELD",
+                        help="config field (dotted) that does not define a group, e.g. experiment.rounds "
+                             "(repeatable)")
+    report.add_argument("--out", type=Path, metavar="DIR",
+                        help="write report.md, report.csv, report.json and the figures here")
+    report.add_argument("--json", action="store_true", help="print one JSON line with a 'rows' list instead of "
+                                                            "the table")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``decentdp report``: read, check, group; print the table or JSON; write files with ``--out``."""
+    report = build_report(find_runs(args.results), args.metric, args.ignore, args.paper)
+    table = markdown(report)
+    if args.out is not None:
+        try:
+            args.out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError("--out", f"cannot create {args.out}: {exc.strerror or exc}") from None
+        write_atomic(args.out / "report.md", table)
+        write_atomic(args.out / "report.csv", csv_text(report))
+        write_atomic(args.out / "report.json", json.dumps(json_rows(report), indent=2) + "\n")
+        plot_report(report, args.out)
+    if args.json:
+        print(json.dumps(json_rows(report)))
+    else:
+        print(table, end="")
+        if args.out is not None:
+            print(f"\nwritten to {args.out}: report.md, report.csv, report.json and figures")
+    return 0

@@ -1,0 +1,174 @@
+"""``decentdp report``: grouping by the fields that differ, statistics over seeds, paper values, figures,
+and clear refusals of folders that cannot share a table."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomli_w
+
+from decentdp.cli import main
+from decentdp.config import validate_config
+from decentdp.report import build_report, find_runs, markdown, read_paper
+
+from conftest import tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def fake_run(folder: Path, accuracy: float, *, seed: int = 0, epsilon: float = 5.0, spent: float | None = 4.2,
+             finished: bool = True, curve: tuple[float, ...] = (0.1, 0.5), **sections: dict[str, Any]) -> Path:
+    """A results folder as `decentdp run` writes it (resolved config, summary, metrics), without training."""
+    raw = tiny_config(**sections)
+    raw["experiment"]["seed"] = seed
+    raw["privacy"]["epsilon"] = epsilon
+    config = validate_config(raw).to_toml_dict()
+    folder.mkdir(parents=True)
+    (folder / "config.toml").write_text(tomli_w.dumps(config))
+    summary = {"name": config["experiment"]["name"], "finished": finished, "rounds": 4, "accuracy_mean": accuracy,
+               "accuracy_min": accuracy - 0.01, "epsilon_max": spent, "epsilon_target": epsilon if
+               math.isfinite(epsilon) else None, "epsilon_accountant": "pld", "delta": 1e-5, "wall_seconds": 1.0,
+               "config": config}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    rows = [{"round": 2 * k, "accuracy_mean": value} for k, value in enumerate((*curve, accuracy))]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return folder
+
+
+def report_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    assert main(["report", *args, "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    return json.loads(lines[0])
+
+
+def test_groups_by_differing_fields_with_mean_and_std_over_seeds(tmp_path: Path, capsys) -> None:
+    accuracies = {1.0: [0.70, 0.74, 0.72], 8.0: [0.80, 0.86]}
+    for epsilon, values in accuracies.items():
+        for seed, accuracy in enumerate(values):
+            fake_run(tmp_path / "runs" / f"e{epsilon}-s{seed}", accuracy, seed=seed, epsilon=epsilon,
+                     spent=0.9 * epsilon + 0.01 * seed)
+    result = report_json(capsys, str(tmp_path / "runs"))
+    assert result["fields"] == ["privacy.epsilon"]
+    rows = result["rows"]
+    assert [row["privacy.epsilon"] for row in rows] == [1.0, 8.0]
+    for row, values in zip(rows, accuracies.values(), strict=True):
+        assert row["n"] == len(values)
+        assert row["mean"] == pytest.approx(statistics.fmean(values))
+        assert row["std"] == pytest.approx(statistics.stdev(values))
+        assert row["seeds"] == list(range(len(values)))
+    assert rows[0]["epsilon_spent"] == pytest.approx(0.9 + 0.02)  # the largest over seeds
+    assert rows[1]["worst_agent"] == pytest.approx(statistics.fmean(values) - 0.01)
+
+
+def test_implied_fields_are_not_columns_but_stay_in_the_rows(tmp_path: Path) -> None:
+    # The learning rate is chosen per algorithm, so the algorithm column alone tells the groups apart.
+    fake_run(tmp_path / "a", 0.7, algorithm={"name": "dp-dsgt", "lr": 0.1})
+    fake_run(tmp_path / "b", 0.6, algorithm={"name": "dp-dsgd", "lr": 0.3})
+    report = build_report(find_runs([tmp_path]))
+    assert report.fields[:2] == ["algorithm.name", "algorithm.lr"]  # then DSGD's own settings
+    assert report.labels == ["algorithm.name"]
+    assert {row["algorithm.lr"] for row in report.rows} == {0.1, 0.3}
+    assert "Also differing, set by the columns above: algorithm.lr, " in markdown(report)
+
+
+def test_seeds_names_and_engine_settings_do_not_split_groups(tmp_path: Path) -> None:
+    fake_run(tmp_path / "a", 0.7, seed=0, experiment={"name": "first"}, engine={"threads": 1})
+    fake_run(tmp_path / "b", 0.8, seed=1, experiment={"name": "second"}, engine={"threads": 2})
+    report = build_report(find_runs([tmp_path / "a", tmp_path / "b", tmp_path / "a"]))  # a folder given twice
+    assert len(report.rows) == 1 and report.rows[0]["n"] == 2
+
+
+def test_paper_values_match_the_most_specific_row(tmp_path: Path, capsys) -> None:
+    fake_run(tmp_path / "runs" / "a", 0.90, epsilon=1.0)
+    fake_run(tmp_path / "runs" / "b", 0.95, epsilon=10.0)
+    paper = tmp_path / "paper.toml"
+    paper.write_text('source = "test paper"\nunit = "percent"\nrow = [\n'
+                     '  { value = 80.0, match = { "algorithm.name" = "dp-dsgt" } },\n'
+                     '  { value = 89.0, std = 0.5, match = { "algorithm.name" = "dp-dsgt", '
+                     '"privacy.epsilon" = 1.0 } },\n]\n')
+    rows = report_json(capsys, str(tmp_path / "runs"), "--paper", str(paper))["rows"]
+    assert rows[0]["paper"] == pytest.approx(0.89) and rows[0]["paper_std"] == pytest.approx(0.005)
+    assert rows[0]["difference"] == pytest.approx(0.01)
+    assert rows[1]["paper"] == pytest.approx(0.80)
+
+
+def test_out_writes_table_csv_json_and_figures(tmp_path: Path, capsys) -> None:
+    for seed in range(2):
+        fake_run(tmp_path / "runs" / f"p{seed}", 0.7 + seed / 100, seed=seed, epsilon=2.0, spent=1.8)
+        fake_run(tmp_path / "runs" / f"n{seed}", 0.9, seed=seed, epsilon=math.inf, spent=None)
+    out = tmp_path / "report"
+    assert main(["report", str(tmp_path / "runs"), "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| epsilon | seeds |" in table and "| inf | 2 | 90.00 ± 0.00 |" in table
+    assert {path.name for path in out.iterdir()} == {"report.md", "report.csv", "report.json",
+                                                     "accuracy_mean_vs_round.png", "accuracy_mean_vs_epsilon.png"}
+    assert (out / "report.csv").read_text().splitlines()[0].startswith("privacy.epsilon,n,seeds,metric,mean,std")
+    assert json.loads((out / "report.json").read_text())["rows"][1]["epsilon_spent"] is None
+
+
+def test_consensus_paper_file_reads_and_names_config_fields() -> None:
+    source, rows = read_paper(REPO / "experiments" / "consensus" / "paper.toml")
+    assert "Bayrooti" in source and len(rows) > 100
+    dsgt_eps1 = [row for row in rows if row.match == {"data.dataset": "mnist", "algorithm.name": "dp-dsgt",
+                                                      "privacy.epsilon": 1.0, "topology.graph": "complete",
+                                                      "data.overlap_t": 1.0}]
+    assert [row.value for row in dsgt_eps1] == [pytest.approx(0.8924)]
+
+
+@pytest.mark.parametrize(("setup", "args", "message"), [
+    ("mixed-datasets", [], "different test sets"),
+    ("unfinished", [], "has not finished"),
+    ("stopped", [], "stopped after round"),
+    ("empty", [], "no results folder under"),
+    ("missing", [], "no such results folder"),
+    ("plain", ["--metric", "loss_max"], "no numeric 'loss_max'"),
+    ("plain", ["--ignore", "privacy.nothing"], "--ignore: privacy.nothing is not a config field"),
+    ("plain", ["--paper", "PAPER:unit = 'points'"], "unit must be one of"),
+    ("plain", ["--paper", "PAPER:row = [{ value = 1.0, match = { 'privacy.nope' = 1 } }]"], "privacy.nope"),
+    ("plain", ["--paper", "PAPER:row = [{ value = 1.0, match = { 'algorithm.name' = 'dp-dsgt' } },"
+                                      "{ value = 2.0, match = { 'privacy.epsilon' = 5.0 } }]"], "all match one group"),
+])
+def test_bad_input_is_one_clear_error(tmp_path: Path, capsys, setup: str, args: list[str], message: str) -> None:
+    runs = tmp_path / "runs"
+    if setup == "mixed-datasets":
+        fake_run(runs / "a", 0.7)
+        fake_run(runs / "b", 0.7, data={"dataset": "mnist"})
+    elif setup == "unfinished":
+        fake_run(runs / "a", 0.7)
+        (runs / "b").mkdir()
+        (runs / "b" / "config.toml").write_text((runs / "a" / "config.toml").read_text())
+    elif setup == "stopped":
+        fake_run(runs / "a", 0.7, finished=False)
+    elif setup == "empty":
+        runs.mkdir()
+    elif setup == "plain":
+        fake_run(runs / "a", 0.7)
+    if args and args[-1].startswith("PAPER:"):
+        paper = tmp_path / "paper.toml"
+        paper.write_text(args[-1].removeprefix("PAPER:") + "\n")
+        args = [*args[:-1], str(paper)]
+    out = tmp_path / "out"
+    assert main(["report", str(runs), *args, "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "Traceback" not in captured.err
+    assert not out.exists()  # nothing written
+
+
+@pytest.mark.slow
+def test_report_reads_a_real_run(tmp_path: Path, capsys) -> None:
+    """A real run through `decentdp run`, then `decentdp report --json` on its folder."""
+    config = tmp_path / "tiny.toml"
+    config.write_text(tomli_w.dumps(tiny_config()))
+    assert main(["run", str(config), "--out", str(tmp_path / "run"), "--no-progress", "--threads", "1"]) == 0
+    capsys.readouterr()
+    (row,) = report_json(capsys, str(tmp_path))["rows"]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert row["n"] == 1 and row["seeds"] == [0] and row["std"] is None
+    assert row["mean"] == summary["accuracy_mean"] and row["epsilon_spent"] == summary["epsilon_max"]
+    assert 0 < row["epsilon_spent"] <= 5.0
