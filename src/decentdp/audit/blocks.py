@@ -1,0 +1,249 @@
+"""Many independent trainings in one simulation: M copies of a small graph as one block-diagonal network.
+
+An audit needs thousands of trainings of the same small problem (Bayrooti et al., App. D: 5,000
+models on each of two datasets).  Instead of one process per model, :func:`block_simulation`
+stacks M blocks of the config's n agents into one run of M * n agents: the mixing matrix is
+``I_M (x) W`` (:class:`BlockNetwork` applies ``W`` to each block in one batched product, never
+forming the Mn x Mn matrix), every agent's batches and noise come from its own keyed streams, so
+blocks are independent trainings, and the stacked gradient engine computes all of them per round
+in a few kernels.  Each block is a world: its target agent owns the audited record or not.
+
+The run is the library's: the algorithm from the registry, the run's Poisson sampler,
+:class:`~decentdp.privacy.oracle.DataOracle`, a Gaussian mechanism calibrated for the planned
+releases, the scheduler and the simulator.  Two things differ from ``decentdp run``, both public
+and the same in both worlds: sampling rates and noise are those of the larger world (the record
+present), as add/remove DP requires; and the ledger records every event without enforcing
+budgets (the calibration already fits exactly the planned releases; checking 10^5 identical
+budgets would cost more than the training).  The target agent's epsilon is recomputed from its
+ledger history and reported beside the nominal one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from decentdp.algorithms.base import State
+from decentdp.audit.bounds import audit_bound, split_sizes
+from decentdp.errors import ConfigError
+from decentdp.gradients.flat_model import FlatModel
+from decentdp.privacy.accounting import epsilon_of_history
+from decentdp.privacy.ledger import PrivacyLedger
+from decentdp.privacy.mechanisms import GaussianMechanism, Mechanism
+from decentdp.privacy.oracle import DataOracle
+from decentdp.privacy.sampling import AgentData, PoissonSampler
+from decentdp.rng import AgentRandom, Stream, round_stream_seed
+from decentdp.run.build import Experiment, _calibrate, planned_releases
+from decentdp.runtime.network import GraphSequence, check_pairs
+from decentdp.runtime.scheduler import Scheduler
+from decentdp.runtime.schedules import Schedule
+from decentdp.runtime.simulator import Simulator
+from decentdp.topology import Topology
+
+if TYPE_CHECKING:
+    from decentdp.audit.settings import AuditSection
+
+
+class BlockNetwork:
+    """The :class:`~decentdp.algorithms.base.Network` of ``blocks`` disjoint copies of one topology.
+
+    Agent ``b * n + a`` is agent ``a`` of block ``b``; ``(M n, d)`` tensors are viewed as
+    ``(M, n, d)`` and mixed by one batched product with the block's ``(n, n)`` matrix.
+    """
+
+    def __init__(self, topology: Topology, blocks: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.block_size = topology.n_agents
+        self.blocks = blocks
+        self.n_agents = self.n_total = blocks * self.block_size
+        self.agent_ids = torch.arange(self.n_agents, device=self.device)
+        local = torch.tensor(topology.edges(), dtype=torch.long, device=self.device).reshape(-1, 2)
+        offsets = (torch.arange(blocks, device=self.device) * self.block_size).repeat_interleave(len(local))
+        self.out_edges = self.in_edges = local.repeat(blocks, 1) + offsets[:, None]
+        adjacency = topology.adjacency()
+        self._mixing = torch.tensor(topology.mixing, dtype=dtype, device=self.device)
+        self._adjacency = torch.tensor(adjacency, dtype=dtype, device=self.device)
+        self.degrees = torch.tensor(adjacency.sum(axis=1), dtype=dtype, device=self.device).repeat(blocks)
+        weights = topology.mixing[local[:, 1].cpu().numpy(), local[:, 0].cpu().numpy()]
+        self.in_weights = torch.tensor(weights, dtype=dtype, device=self.device).repeat(blocks)
+        self._neighbours = {(int(s), int(d)) for s, d in self.out_edges.tolist()}
+
+    def rows(self, agent_ids: torch.Tensor) -> torch.Tensor:
+        return agent_ids
+
+    def _apply(self, matrix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        blocks = x.reshape(self.blocks, self.block_size, -1)
+        return torch.matmul(matrix, blocks).reshape(x.shape)
+
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
+        return self._apply(self._mixing, x)
+
+    def mix_add(self, x: torch.Tensor, into: torch.Tensor, alpha: float) -> torch.Tensor:
+        return into.mul_(alpha).add_(self._apply(self._mixing, x))
+
+    def neighbor_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return self._apply(self._adjacency, x)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        return self.exchange(x[self.out_edges[:, 0]])
+
+    def exchange(self, messages: torch.Tensor) -> torch.Tensor:
+        return messages
+
+    def aggregate(self, received: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        if weights is not None:
+            received = received * weights.reshape(-1, *([1] * (received.dim() - 1)))
+        out = torch.zeros(self.n_agents, *received.shape[1:], dtype=received.dtype, device=received.device)
+        return out.index_add_(0, self.in_edges[:, 1], received)
+
+    def swap(self, x: torch.Tensor, partner: torch.Tensor) -> torch.Tensor:
+        check_pairs(partner.tolist(), self._neighbours)
+        return x[partner]
+
+
+@dataclass
+class BlockRun:
+    """A built block simulation: run it with :meth:`train`; ``targets`` are the target agents' rows."""
+
+    experiment: Experiment
+    simulator: Simulator
+    oracle: DataOracle
+    network: BlockNetwork
+    ledger: PrivacyLedger
+    targets: torch.Tensor        # (M,) row of each block's target agent
+    member: np.ndarray           # (M,) whether the block's target owns the record
+    noise_multipliers: list[float]
+
+    def train(self, rounds: int | None = None) -> State:
+        """Every block's training from the experiment's initial parameters (identical in every block)."""
+        params = self.experiment.model.initial_parameters().to(self.oracle.device)
+        state = self.experiment.algorithm.init_state(params.unsqueeze(0).repeat(self.network.n_agents, 1))
+        state = self.simulator.setup(state)
+        total = self.experiment.config.experiment.rounds if rounds is None else rounds
+        return self.simulator.run(state, 0, total, lambda _k, _state: True)
+
+    def target_epsilon(self) -> float:
+        """The first target agent's epsilon, recomputed from the events its ledger recorded."""
+        config = self.experiment.config
+        history = self.ledger.history(int(self.targets[0]))
+        return float(epsilon_of_history(history, config.privacy.delta, config.privacy.accountant,
+                                        relation=config.privacy.neighbouring))
+
+
+_CALIBRATED: dict[tuple[int, str, tuple[float, ...], int, tuple[int, ...]], list[float]] = {}
+
+
+def _sigmas(experiment: Experiment, budgets: list[float], rates: list[float], planned: int,
+            sums: np.ndarray) -> list[float]:
+    """Each block agent's calibrated multiplier, computed once per audit (every chunk asks for the same)."""
+    key = (id(experiment), experiment.config.model_dump_json(), tuple(rates), planned, tuple(sums.tolist()))
+    if key not in _CALIBRATED:
+        _CALIBRATED.clear()
+        _CALIBRATED[key] = _calibrate(budgets, rates, experiment.config, planned, sums,
+                                      experiment.algorithm.joint_accounting)
+    return _CALIBRATED[key]
+
+
+def block_simulation(experiment: Experiment, x: torch.Tensor, y: torch.Tensor, parts: Sequence[np.ndarray],
+                     target: int, record: int, member: np.ndarray, seed: int,
+                     model: FlatModel | None = None,
+                     wrap_mechanism: Callable[[Mechanism], Mechanism] | None = None) -> BlockRun:
+    """M = ``len(member)`` trainings of ``experiment``'s algorithm on the records ``x``, ``y``.
+
+    ``parts[a]`` are the rows agent ``a`` of every block owns; agent ``target`` of block ``b`` also
+    owns row ``record`` when ``member[b]``.  ``seed`` keys the batches and noise (give each chunk of
+    an audit its own).  ``model`` replaces the gradient engine (e.g. one that plants a canary
+    gradient), ``wrap_mechanism`` the calibrated mechanism (fault injection in tests).
+    """
+    config = experiment.config
+    if config.topology.redraw_every:
+        raise ConfigError("topology.redraw_every", "audits run one fixed graph per block; set it to 0")
+    block = len(parts)
+    if block != experiment.topology.n_agents:
+        raise ValueError(f"{block} parts for a block of {experiment.topology.n_agents} agents")
+    blocks = len(member)
+    device = experiment.device
+    indices = []
+    for b in range(blocks):
+        for a, rows in enumerate(parts):
+            owned = np.append(rows, record) if a == target and member[b] else rows
+            indices.append(torch.as_tensor(owned, dtype=torch.long, device=device))
+    data = AgentData(x.to(device), y.to(device), tuple(indices))
+    # rates and noise of the world with the record, in both worlds (add/remove DP: the mechanism is fixed)
+    sizes = [len(rows) + (a == target) for a, rows in enumerate(parts)]
+    rates = [min(1.0, config.algorithm.batch_size / size) for size in sizes]
+    budgets = [min(config.privacy.budgets)] * block
+    planned = planned_releases(config, experiment.algorithm)
+    sums = experiment.algorithm.sums_per_batch(experiment.topology.adjacency().sum(axis=1).astype(np.int64))
+    private = config.privacy.private
+    sigmas = _sigmas(experiment, budgets, rates, planned, sums) if private else [0.0] * block
+    rng = AgentRandom(seed, device=device)
+    sample_rates = torch.tensor(rates * blocks, dtype=torch.float64)
+    mechanism: Mechanism | None = GaussianMechanism(torch.tensor(sigmas * blocks, dtype=torch.float32),
+                                                    config.privacy.clip) if private else None
+    if mechanism is not None and wrap_mechanism is not None:
+        mechanism = wrap_mechanism(mechanism)
+    ledger = PrivacyLedger(blocks * block, float("inf"), config.privacy.delta,
+                           budget_accountant=config.privacy.accountant, relation=config.privacy.neighbouring)
+    oracle = DataOracle(model or experiment.model, PoissonSampler(data, sample_rates, rng), ledger, rng, mechanism,
+                        config.privacy.clip, agents_per_pass=config.engine.agents_per_pass)
+    network = BlockNetwork(experiment.topology, blocks, device=device)
+    scheduler = Scheduler(config.schedule_kind, rng, network.n_total, config.schedule.offline_probability,
+                          config.schedule.participation, device=device)
+    algo = config.algorithm
+    schedule = Schedule(algo.lr_schedule, algo.lr, algo.lr_final or algo.lr, config.experiment.rounds)
+    simulator = Simulator(experiment.algorithm, GraphSequence(network), oracle, scheduler, schedule, rng)
+    targets = torch.arange(blocks, device=device) * block + target
+    return BlockRun(experiment, simulator, oracle, network, ledger, targets, np.asarray(member, dtype=bool),
+                    sigmas)
+
+
+@dataclass(frozen=True)
+class AuditOutcome:
+    """An audit's summary (the bound, its test, the nominal epsilon, timing) and every run's score."""
+
+    summary: dict[str, Any]
+    scores: np.ndarray      # (2 M,) in the order the runs were made
+    member: np.ndarray      # (2 M,) whether each run's target held the record
+
+
+def chunk_seed(seed: int, chunk: int) -> int:
+    """The key of an audit chunk's batches and noise: distinct chunks are independent trainings."""
+    return round_stream_seed(seed, chunk, Stream.SCHEDULE, step=7) % 2**63
+
+
+def audit_blocks(models: int, chunk: int) -> list[np.ndarray]:
+    """Membership of each block, chunk by chunk: worlds alternate, so each chunk holds both equally."""
+    member = np.arange(2 * models) % 2 == 0
+    return [member[start:start + 2 * chunk] for start in range(0, 2 * models, 2 * chunk)]
+
+
+def run_audit(experiment: Experiment, audit: AuditSection, kind: str,
+              build: Callable[[np.ndarray, int], BlockRun], score: Callable[[BlockRun], np.ndarray]) -> AuditOutcome:
+    """``audit.models`` trainings per world, ``audit.chunk`` at a time: ``build(member, seed)`` makes a
+    chunk's simulation, ``score(run)`` trains it and scores each block; then the bound on the scores."""
+    config = experiment.config
+    split_sizes(audit.models, audit.selection_fraction)
+    start = time.perf_counter()
+    scores, members, ledger_epsilon = [], [], None
+    for index, member in enumerate(audit_blocks(audit.models, audit.chunk)):
+        run = build(member, chunk_seed(config.experiment.seed, index))
+        scores.append(score(run))
+        members.append(run.member)
+        if ledger_epsilon is None:
+            ledger_epsilon = run.target_epsilon()
+    wall = time.perf_counter() - start
+    all_scores, member = np.concatenate(scores), np.concatenate(members)
+    bound = audit_bound(all_scores[member], all_scores[~member], config.privacy.delta, audit.selection_fraction,
+                        audit.confidence)
+    summary = {"audit": kind, "algorithm": config.algorithm.name, "models": audit.models,
+               "epsilon_nominal": min(config.privacy.budgets), "epsilon_ledger": ledger_epsilon,
+               "delta": config.privacy.delta, "rounds": config.experiment.rounds, "wall_seconds": wall,
+               "seconds_per_model": wall / (2 * audit.models), **bound.as_dict()}
+    return AuditOutcome(summary, all_scores, member)

@@ -1,0 +1,136 @@
+"""Empirical lower bounds on epsilon from a membership test (Bayrooti et al., App. D, eq. 25).
+
+A mechanism that is (epsilon, delta)-DP bounds any test that tells "trained with the record" from
+"trained without it" (Kairouz et al. 2015): ``TPR - delta <= e^epsilon FPR`` and, by the same
+argument applied to the complementary decision, ``TNR - delta <= e^epsilon FNR``.  Counting the
+test's outcomes on runs of both worlds, Clopper-Pearson intervals turn the counts into a bound that
+holds with the stated confidence: the lower end of TPR over the upper end of FPR (eq. 25).
+
+The test thresholds a score (higher: more likely a member).  As in Jagielski et al. 2020 and the
+paper, the threshold is chosen on a first part of the runs and the bound computed on the rest, so
+that the choice cannot overfit the counts it is judged on; the choice maximises the bound itself
+(Clopper-Pearson corrected), which avoids the degenerate thresholds with no false positive that
+the raw ratio ``(TPR - delta) / FPR`` would pick.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+from scipy import stats
+
+from decentdp.errors import ConfigError
+
+#: Runs per world that each part of the split must hold at least.
+MIN_RUNS_PER_PART = 10
+
+
+def clopper_pearson(successes: np.ndarray | int, trials: np.ndarray | int,
+                    confidence: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+    """Exact (Clopper-Pearson) two-sided binomial intervals ``(low, high)`` at ``confidence``, vectorised.
+
+    ``low = Beta(alpha/2; k, n - k + 1)`` (0 when k = 0), ``high = Beta(1 - alpha/2; k + 1, n - k)``
+    (1 when k = n): the intervals of ``scipy.stats.binomtest(k, n).proportion_ci(method="exact")``.
+    """
+    k = np.asarray(successes, dtype=np.float64)
+    n = np.asarray(trials, dtype=np.float64)
+    if np.any(n < 1) or np.any(k < 0) or np.any(k > n):
+        raise ValueError("Clopper-Pearson intervals need 0 <= successes <= trials and trials >= 1")
+    alpha = 1.0 - confidence
+    with np.errstate(divide="ignore", invalid="ignore"):
+        low = np.where(k > 0, stats.beta.ppf(alpha / 2, k, n - k + 1), 0.0)
+        high = np.where(k < n, stats.beta.ppf(1 - alpha / 2, k + 1, n - k), 1.0)
+    return low, high
+
+
+def epsilon_from_rates(tpr_low: np.ndarray, fpr_high: np.ndarray, delta: float) -> np.ndarray:
+    """``ln((TPR - delta) / FPR)`` of eq. 25 (0 where ``TPR <= delta``: such a test shows nothing)."""
+    tpr_low, fpr_high = np.asarray(tpr_low, dtype=np.float64), np.asarray(fpr_high, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bound = np.log((tpr_low - delta) / fpr_high)
+    return np.where(tpr_low > delta, np.maximum(bound, 0.0), 0.0)
+
+
+def epsilon_from_counts(true_pos: np.ndarray | int, members: int, false_pos: np.ndarray | int, non_members: int,
+                        delta: float, confidence: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+    """The bounds of eq. 25 and of its complement, ``ln((TNR - delta) / FNR)``, from a test's counts.
+
+    ``true_pos`` of the ``members`` runs (trained with the record) and ``false_pos`` of the
+    ``non_members`` runs were called members.  Both bounds hold for an (epsilon, delta)-DP mechanism.
+    """
+    tpr_low = clopper_pearson(np.asarray(true_pos), members, confidence)[0]
+    fpr_high = clopper_pearson(np.asarray(false_pos), non_members, confidence)[1]
+    forward = epsilon_from_rates(tpr_low, fpr_high, delta)
+    # the complementary test: TNR = 1 - FPR is at least 1 - fpr_high, FNR = 1 - TPR at most 1 - tpr_low
+    backward = epsilon_from_rates(1.0 - fpr_high, 1.0 - tpr_low, delta)
+    return forward, backward
+
+
+@dataclass(frozen=True)
+class AuditBound:
+    """A lower bound on epsilon and the test that reached it."""
+
+    epsilon_lower_bound: float   # the larger of the two directions, at `confidence`
+    epsilon_eq25: float          # ln((TPR - delta) / FPR) alone, as in the paper's Table 5
+    threshold: float             # score at or above which a run is called a member
+    true_positives: int
+    members: int                 # evaluation runs trained with the record
+    false_positives: int
+    non_members: int             # evaluation runs trained without it
+    selection_runs: int          # runs per world used to choose the threshold
+    confidence: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def split_sizes(runs: int, selection_fraction: float, field: str = "--models") -> tuple[int, int]:
+    """Runs per world that choose the threshold and that evaluate it; a ConfigError when a part is too small."""
+    selection = int(round(selection_fraction * runs))
+    if min(selection, runs - selection) < MIN_RUNS_PER_PART:
+        need = math.ceil(MIN_RUNS_PER_PART / min(selection_fraction, 1 - selection_fraction))
+        raise ConfigError(field, f"{runs} runs per world leave {selection} to choose the threshold and "
+                                 f"{runs - selection} to evaluate it (fraction {selection_fraction:g}); each part "
+                                 f"needs at least {MIN_RUNS_PER_PART}: use at least {need} runs per world")
+    return selection, runs - selection
+
+
+def _counts_at(thresholds: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """How many of ``scores`` are at or above each threshold."""
+    ordered = np.sort(scores)
+    return len(ordered) - np.searchsorted(ordered, thresholds, side="left")
+
+
+def best_threshold(member_scores: np.ndarray, non_member_scores: np.ndarray, delta: float,
+                   confidence: float = 0.95) -> float:
+    """The threshold (one of the observed scores) whose Clopper-Pearson bound is largest on these runs."""
+    candidates = np.unique(np.concatenate([member_scores, non_member_scores]))
+    candidates = candidates[np.isfinite(candidates)]
+    if len(candidates) == 0:
+        return math.inf
+    tp = _counts_at(candidates, member_scores)
+    fp = _counts_at(candidates, non_member_scores)
+    forward, backward = epsilon_from_counts(tp, len(member_scores), fp, len(non_member_scores), delta, confidence)
+    return float(candidates[int(np.argmax(np.maximum(forward, backward)))])
+
+
+def audit_bound(member_scores: np.ndarray, non_member_scores: np.ndarray, delta: float,
+                selection_fraction: float = 0.2, confidence: float = 0.95) -> AuditBound:
+    """Choose a threshold on the first ``selection_fraction`` of each world's runs, bound epsilon on the rest.
+
+    Scores are ordered as the runs were made (run ``m`` of each world is independent of the others),
+    higher meaning "more likely trained with the record"; non-finite scores count as their sign says.
+    """
+    member_scores = np.nan_to_num(np.asarray(member_scores, dtype=np.float64), nan=-np.inf)
+    non_member_scores = np.nan_to_num(np.asarray(non_member_scores, dtype=np.float64), nan=-np.inf)
+    runs = min(len(member_scores), len(non_member_scores))
+    selection, _ = split_sizes(runs, selection_fraction)
+    threshold = best_threshold(member_scores[:selection], non_member_scores[:selection], delta, confidence)
+    members, non_members = member_scores[selection:runs], non_member_scores[selection:runs]
+    tp, fp = int((members >= threshold).sum()), int((non_members >= threshold).sum())
+    forward, backward = epsilon_from_counts(tp, len(members), fp, len(non_members), delta, confidence)
+    return AuditBound(float(max(forward, backward)), float(forward), threshold, tp, len(members), fp,
+                      len(non_members), selection, confidence)

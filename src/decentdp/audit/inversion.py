@@ -1,0 +1,295 @@
+"""Gradient inversion against what an agent sends (the DPDL paper's Sec. VI-D), scored by MSE, PSNR and SSIM.
+
+An eavesdropper holds one released message of an agent: the gradient of a model at a known point
+``theta`` on a batch of the agent's records (its own model: a gradient; a neighbour's model: a
+cross-gradient, the DPDL paper's ND-CG / DPDL-CG).  Without DP the message is the mean gradient; with
+DP it is the library's release, ``(sum_b clip_C(grad l_b) + sigma C xi) / B`` with sigma calibrated
+for the config's epsilon over its planned releases.  Attacks optimise a dummy batch whose gradient
+matches the message:
+
+* **DLG** (Zhu et al. 2019): squared distance of gradients, dummy images and soft labels, L-BFGS;
+* **iDLG** (Zhao et al. 2020): the label read from the sign of the last layer's bias gradient (one
+  image), then DLG on the images alone;
+* **Geiping et al. 2020** ("Inverting Gradients"): ``1 - cos(grad, message) + alpha TV(x)``, Adam on
+  signed gradients, images boxed to the data range, labels known (iDLG's rule for one image).
+
+Scores compare each reconstruction with its original in pixel space [0, 1] (optimal matching for
+batches) using scikit-image's ``mean_squared_error``, ``peak_signal_noise_ratio`` and
+``structural_similarity``.  scikit-image is the ``audit`` extra, imported only here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from decentdp.algorithms import algorithm_class
+from decentdp.audit.settings import AuditSection
+from decentdp.config import ExperimentConfig
+from decentdp.data.datasets import load_dataset
+from decentdp.gradients.flat_model import FlatModel
+from decentdp.gradients.stacked_model import gradient_model
+from decentdp.models import build_model, classification_loss
+from decentdp.privacy.mechanisms import GaussianMechanism, NoiseDraw
+from decentdp.rng import AgentRandom
+from decentdp.run.build import _calibrate, planned_releases
+
+
+@dataclass(frozen=True)
+class Reconstruction:
+    """Dummy images (``(B, C, H, W)``, the data's normalised space) and how well their gradient matched."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    objective: float
+
+
+def _gradient(model: FlatModel, theta: torch.Tensor, x: torch.Tensor, targets: torch.Tensor,
+              create_graph: bool) -> torch.Tensor:
+    """The mean loss gradient at ``theta`` on ``x``; ``targets`` are labels or, as floats, soft labels."""
+    logits = model.forward(theta, x)
+    if targets.is_floating_point():
+        loss = torch.sum(-targets * F.log_softmax(logits, dim=-1), dim=-1).mean()
+    else:
+        loss = F.cross_entropy(logits, targets)
+    (grad,) = torch.autograd.grad(loss, theta, create_graph=create_graph)
+    return grad
+
+
+def released_message(model: FlatModel, theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                     mechanism: GaussianMechanism | None, seed: int) -> torch.Tensor:
+    """The message an agent sends for the batch ``x, y`` at ``theta``: the mean gradient (no mechanism), or
+    the clipped sum plus the mechanism's noise (drawn from the run's keyed streams) over the batch size."""
+    if mechanism is None:
+        return model.batch_gradients(theta[None], x[None], y[None],
+                                     torch.full((1, len(x)), 1.0 / len(x), device=x.device))[0]
+    sums, _ = model.clipped_gradient_sums(theta[None], x[None], y[None], torch.ones(1, len(x), device=x.device),
+                                          mechanism.sensitivity)
+    owners = torch.zeros(1, dtype=torch.long, device=x.device)
+    mechanism.perturb(sums, owners, NoiseDraw(AgentRandom(seed, device=x.device), owners, 0, 0))
+    return sums[0] / len(x)
+
+
+def label_from_bias(message: torch.Tensor, classes: int) -> int:
+    """iDLG: with softmax cross-entropy, the last layer's bias gradient ``p - onehot(y)`` is negative only at y."""
+    return int(torch.argmin(message[-classes:]))
+
+
+def total_variation(x: torch.Tensor) -> torch.Tensor:
+    """Mean absolute difference of neighbouring pixels (the image prior of Geiping et al.)."""
+    return (x[..., 1:, :] - x[..., :-1, :]).abs().mean() + (x[..., :, 1:] - x[..., :, :-1]).abs().mean()
+
+
+def _cosine_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return 1.0 - F.cosine_similarity(a, b, dim=0, eps=1e-12)
+
+
+def invert(model: FlatModel, theta: torch.Tensor, message: torch.Tensor, shape: tuple[int, ...], classes: int,
+           attack: str, iterations: int, lr: float, tv_weight: float, box: tuple[float, float],
+           generator: torch.Generator, labels: torch.Tensor | None = None) -> Reconstruction:
+    """One reconstruction of a batch of ``shape[0]`` images from ``message``, from a random start.
+
+    ``labels`` are used as known by the Geiping attack (default: iDLG's rule, one image only)."""
+    theta = theta.detach().clone().requires_grad_(True)
+    batch = shape[0]
+    dummy = torch.randn(shape, generator=generator, device=theta.device).requires_grad_(True)
+    if attack == "dlg":
+        soft = torch.randn(batch, classes, generator=generator, device=theta.device).requires_grad_(True)
+        return _lbfgs(model, theta, message, dummy, [dummy, soft], lambda: soft.softmax(dim=-1), iterations, lr)
+    if labels is None:
+        if batch != 1:
+            raise ValueError("labels of a batch cannot be read from the bias gradient; pass them")
+        labels = torch.tensor([label_from_bias(message, classes)], device=theta.device)
+    if attack == "idlg":
+        return _lbfgs(model, theta, message, dummy, [dummy], lambda: labels, iterations, lr)
+    return _geiping(model, theta, message, dummy, labels, iterations, lr, tv_weight, box)
+
+
+def _lbfgs(model: FlatModel, theta: torch.Tensor, message: torch.Tensor, dummy: torch.Tensor,
+           variables: list[torch.Tensor], targets: Callable[[], torch.Tensor], iterations: int,
+           lr: float) -> Reconstruction:
+    """DLG / iDLG: minimise the squared gradient distance with L-BFGS."""
+    optimizer = torch.optim.LBFGS(variables, lr=lr, max_iter=iterations, history_size=50,
+                                  line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        distance = (_gradient(model, theta, dummy, targets(), True) - message).pow(2).sum()
+        distance.backward()
+        return distance
+
+    optimizer.step(closure)
+    with torch.enable_grad():
+        final = (_gradient(model, theta, dummy, targets(), False) - message).pow(2).sum()
+    labels = targets()
+    return Reconstruction(dummy.detach(), labels.argmax(-1) if labels.is_floating_point() else labels, float(final))
+
+
+def _geiping(model: FlatModel, theta: torch.Tensor, message: torch.Tensor, dummy: torch.Tensor,
+             labels: torch.Tensor, iterations: int, lr: float, tv_weight: float,
+             box: tuple[float, float]) -> Reconstruction:
+    """Geiping et al.: cosine distance plus TV, Adam on the gradient's sign, step decay, boxed images."""
+    optimizer = torch.optim.Adam([dummy], lr=lr)
+    milestones = [int(iterations * share) for share in (3 / 8, 5 / 8, 7 / 8)]
+    schedule = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=0.1)
+    for _ in range(iterations):
+        optimizer.zero_grad()
+        objective = _cosine_distance(_gradient(model, theta, dummy, labels, True), message) + \
+            tv_weight * total_variation(dummy)
+        objective.backward()
+        dummy.grad.sign_()
+        optimizer.step()
+        schedule.step()
+        with torch.no_grad():
+            dummy.clamp_(*box)
+    with torch.enable_grad():
+        final = _cosine_distance(_gradient(model, theta, dummy, labels, False), message)
+    return Reconstruction(dummy.detach(), labels, float(final))
+
+
+def best_of(restarts: int, attempt: Callable[[int], Reconstruction]) -> Reconstruction:
+    """The reconstruction with the smallest gradient-matching objective over ``restarts`` random starts."""
+    tries = [attempt(index) for index in range(restarts)]
+    return min(tries, key=lambda item: item.objective if math.isfinite(item.objective) else math.inf)
+
+
+# -- scores -------------------------------------------------------------------------------------------------
+
+def to_pixels(x: torch.Tensor, box: tuple[float, float]) -> np.ndarray:
+    """Normalised images ``(B, C, H, W)`` as ``(B, H, W, C)`` float64 pixels in [0, 1]."""
+    low, high = box
+    return ((x.detach().double().clamp(low, high) - low) / (high - low)).permute(0, 2, 3, 1).cpu().numpy()
+
+
+def image_scores(original: np.ndarray, reconstruction: np.ndarray) -> dict[str, float]:
+    """MSE, PSNR and SSIM (scikit-image, data range 1) of one ``(H, W, C)`` image pair in [0, 1]."""
+    from skimage.metrics import mean_squared_error, peak_signal_noise_ratio, structural_similarity
+
+    side = min(original.shape[:2])
+    window = min(7, side if side % 2 else side - 1)
+    mse = float(mean_squared_error(original, reconstruction))
+    return {"mse": mse,
+            "psnr": float(peak_signal_noise_ratio(original, reconstruction, data_range=1.0)) if mse > 0 else math.inf,
+            "ssim": float(structural_similarity(original, reconstruction, data_range=1.0, channel_axis=-1,
+                                                win_size=window))}
+
+
+def matched_scores(originals: np.ndarray, reconstructions: np.ndarray) -> list[dict[str, float]]:
+    """Scores of each original against the reconstruction an optimal matching (least total MSE) assigns it:
+    a batch's gradient does not say which dummy image stands for which record."""
+    from scipy.optimize import linear_sum_assignment
+
+    cost = ((originals[:, None] - reconstructions[None]) ** 2).mean(axis=(2, 3, 4))
+    rows, cols = linear_sum_assignment(cost)
+    return [image_scores(originals[r], reconstructions[c]) for r, c in zip(rows, cols, strict=True)]
+
+
+# -- the experiment -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class InversionOutcome:
+    """Per-image scores (rows of the CSV), the summary, and the images of the figure."""
+
+    rows: list[dict[str, float]]
+    summary: dict[str, float | str | None]
+    figure: list[tuple[str, np.ndarray]]   # (row label, (n, H, W, C) pixels) for the first batch size
+
+
+def run_inversion(config: ExperimentConfig, audit: AuditSection, data_dir: str | Path | None = None
+                  ) -> InversionOutcome:
+    """Attack the config's agent messages at every (batch size, epsilon): non-private first, then each of
+    ``audit.epsilons`` with sigma calibrated as a run would (rate ``B / |D_i|``, the planned releases)."""
+    dataset = load_dataset(config.data.dataset, data_dir if data_dir is not None else config.data.data_dir,
+                           image_size=config.data.image_size)
+    seed = config.experiment.seed
+    module = build_model(config.model.name, dataset.input_shape, dataset.num_classes, seed=seed,
+                         **config.model.options)
+    model = gradient_model(module, classification_loss, config.engine.gradients)
+    theta = model.initial_parameters() if audit.release == "gradient" else torch.cat(
+        [p.detach().reshape(-1) for p in build_model(config.model.name, dataset.input_shape, dataset.num_classes,
+                                                     seed=seed + 1, **config.model.options).parameters()])
+    algorithm = algorithm_class(config.algorithm.name).from_settings(config.algorithm.settings)
+    planned = planned_releases(config, algorithm)
+    agent_size = len(dataset.y_train) // config.topology.agents
+    box = (float(dataset.x_train.min()), float(dataset.x_train.max()))
+    rows: list[dict[str, float]] = []
+    figure: list[tuple[str, np.ndarray]] = []
+    for batch in audit.batch_sizes:
+        rate = min(1.0, batch / agent_size)
+        for epsilon in [math.inf, *audit.epsilons]:
+            mechanism = None if math.isinf(epsilon) else GaussianMechanism(
+                torch.tensor(_calibrate([epsilon], [rate], config, planned), dtype=torch.float32), config.privacy.clip)
+            shown: list[np.ndarray] = []
+            originals_shown: list[np.ndarray] = []
+            for image in range(audit.images):
+                x = dataset.x_train[image * batch:(image + 1) * batch]
+                y = dataset.y_train[image * batch:(image + 1) * batch]
+                message = released_message(model, theta, x, y, mechanism, seed + image)
+                known = None if batch == 1 else y
+
+                def attempt(restart: int, message: torch.Tensor = message, known: torch.Tensor | None = known,
+                            shape: tuple[int, ...] = tuple(x.shape), image: int = image) -> Reconstruction:
+                    generator = torch.Generator().manual_seed(seed * 100_003 + image * 101 + restart)
+                    return invert(model, theta, message, shape, dataset.num_classes, audit.attack, audit.iterations,
+                                  audit.attack_lr, audit.tv_weight, box, generator, known)
+
+                found = best_of(audit.restarts, attempt)
+                pixels = to_pixels(found.images, box)
+                originals = to_pixels(x, box)
+                for scores in matched_scores(originals, pixels):
+                    rows.append({"batch_size": batch, "epsilon": epsilon, "image": image, **scores})
+                if batch == audit.batch_sizes[0]:
+                    shown.append(pixels)
+                    if math.isinf(epsilon):
+                        originals_shown.append(originals)
+            if batch == audit.batch_sizes[0]:
+                if math.isinf(epsilon):
+                    figure.append(("original", np.concatenate(originals_shown)))
+                figure.append(("no DP" if math.isinf(epsilon) else f"eps = {epsilon:g}", np.concatenate(shown)))
+    return InversionOutcome(rows, _summary(rows, audit), figure)
+
+
+def _summary(rows: list[dict[str, float]], audit: AuditSection) -> dict[str, float | str | None]:
+    """Mean scores without DP and at ``audit.epsilons[0]`` (over batch sizes and images), plus per epsilon."""
+    def mean(key: str, epsilon: float) -> float:
+        return float(np.mean([row[key] for row in rows if row["epsilon"] == epsilon]))
+
+    summary: dict[str, float | str | None] = {"attack": audit.attack, "release": audit.release,
+                                              "epsilon_private": audit.epsilons[0]}
+    for key in ("ssim", "psnr", "mse"):
+        summary[f"{key}_nonprivate"] = mean(key, math.inf)
+        summary[f"{key}_private"] = mean(key, audit.epsilons[0])
+        for epsilon in audit.epsilons[1:]:
+            summary[f"{key}_eps{epsilon:g}"] = mean(key, epsilon)
+    return summary
+
+
+def save_figure(figure: list[tuple[str, np.ndarray]], path: Path, title: str) -> None:
+    """Originals beside reconstructions, one row per release (matplotlib, written atomically by the caller)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = max(len(images) for _, images in figure)
+    fig, axes = plt.subplots(len(figure), columns, figsize=(1.3 * columns + 1.2, 1.4 * len(figure)), squeeze=False)
+    for row, (label, images) in enumerate(figure):
+        for column in range(columns):
+            axis = axes[row][column]
+            axis.set_xticks([])
+            axis.set_yticks([])
+            if column < len(images):
+                image = images[column]
+                axis.imshow(image[..., 0] if image.shape[-1] == 1 else image, cmap="gray", vmin=0.0, vmax=1.0)
+            if column == 0:
+                axis.set_ylabel(label, fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,76 @@
+"""An audit's config: an experiment config (every section of ``decentdp run``) plus an ``[audit]`` table.
+
+The experiment sections describe the training being audited, validated exactly as for a run; the
+``[audit]`` table says how many trainings, which record, which attack.  ``--set audit.key=value``
+overrides work on both.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from decentdp.config import ExperimentConfig, apply_overrides, validate_config
+from decentdp.errors import ConfigError
+
+
+class AuditSection(BaseModel):
+    """How an audit or attack runs (fields unused by a command are ignored by it)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    # -- membership and message audits ------------------------------------------------------------------
+    models: int = Field(1000, ge=1, description="trainings per world (with and without the record)")
+    selection_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="share of each world's runs that "
+                                                                       "chooses the threshold (the paper: 1,000 "
+                                                                       "of 5,000)")
+    confidence: float = Field(0.95, gt=0.0, lt=1.0, description="Clopper-Pearson confidence of the bound")
+    chunk: int = Field(2000, ge=1, description="blocks (trainings) simulated at once; bounds memory")
+    # -- membership inference (Bayrooti et al., App. D) -------------------------------------------------
+    digits: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1,
+                              description="classes of D, one per agent (the target holds the first)")
+    per_digit: int = Field(100, ge=1, description="records of each class in D (the paper: 300 in all)")
+    # -- message audit ----------------------------------------------------------------------------------
+    target: int = Field(0, ge=0, description="the audited agent of each block")
+    records: int = Field(8, ge=1, description="records each agent holds besides the canary")
+    canary_parameter: str | None = Field(None, description="parameter (as named by the model) holding the "
+                                                           "canary's coordinate; default: the flat vector")
+    canary_index: int = Field(0, ge=0, description="coordinate of the canary within that parameter")
+    # -- gradient inversion ---------------------------------------------------------------------------------
+    attack: Literal["dlg", "idlg", "geiping"] = "geiping"
+    release: Literal["gradient", "cross-gradient"] = Field(
+        "gradient", description="what the agent sends: its gradient, or a cross-gradient (a neighbour's "
+                                "model on its data)")
+    batch_sizes: list[int] = Field(default_factory=lambda: [1], min_length=1)
+    epsilons: list[float] = Field(default_factory=lambda: [1.0], min_length=1,
+                                  description="private releases attacked besides the non-private one")
+    images: int = Field(4, ge=1, description="batches attacked per (batch size, epsilon)")
+    iterations: int = Field(300, ge=1)
+    attack_lr: float = Field(0.1, gt=0.0)
+    tv_weight: float = Field(1e-4, ge=0.0, description="total-variation prior weight (Geiping et al.)")
+    restarts: int = Field(1, ge=1, description="random restarts; the best gradient match is kept")
+
+
+def load_audit_config(path: str | Path, overrides: list[str] | None = None) -> tuple[ExperimentConfig, AuditSection]:
+    """Read ``path``, apply ``section.key=value`` overrides, validate the experiment and the ``[audit]`` table."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError("CONFIG", f"no such config file: {file}")
+    try:
+        raw: dict[str, Any] = tomllib.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError("CONFIG", f"cannot read {file} as TOML: {exc}") from None
+    raw = apply_overrides(raw, overrides or [])
+    section = raw.pop("audit", {})
+    if not isinstance(section, dict):
+        raise ConfigError("audit", "must be a table ([audit])")
+    try:
+        audit = AuditSection.model_validate(section)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise ConfigError(f"audit.{where}", error["msg"]) from None
+    return validate_config(raw), audit
