@@ -65,7 +65,7 @@ def cross_coefficients(kind: str, weights: torch.Tensor, n_total: int) -> torch.
 def calibration(received: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
     """``C_ij = sigmoid(-S_ij)`` for the cosine ``S_ij`` of each received row and its receiver's own row
     (eqs. 15-16; a zero vector has cosine 0)."""
-    dot = (received * own).sum(dim=1)
+    dot = torch.einsum("ed,ed->e", received, own)  # one batched product, no (E, d) temporary
     norms = received.norm(dim=1) * own.norm(dim=1)
     cosine = torch.where(norms > 0, dot / norms.clamp(min=torch.finfo(norms.dtype).tiny), torch.zeros_like(dot))
     return torch.sigmoid(-cosine)
@@ -107,7 +107,9 @@ class DPDL(Algorithm):
         own_at_edge = grads.own[receiver]
         weights = net.in_weights.to(params.dtype)
         calib = calibration(grads.received, own_at_edge)                         # (15)-(16)
-        aggregate = net.aggregate(grads.received, cross_coefficients(s.cross_coef, weights, net.n_total))  # (17)-(18)
+        del own_at_edge
+        scaled = grads.received.mul_(cross_coefficients(s.cross_coef, weights, net.n_total)[:, None])
+        aggregate = net.aggregate(scaled)                                        # (17)-(18), cross terms
         own_coef = s.calibration_scale * net.aggregate((weights * calib)[:, None]).squeeze(1)
         if s.include_self:                                                       # j = i: S_ii = 1 (A.7.4)
             w_self = self_weights(net).clamp(min=0.0)
