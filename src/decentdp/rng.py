@@ -1,7 +1,19 @@
-"""Keyed random streams that make runs reproducible, resumable and independent of sharding.
+"""Keyed random streams: reproducible ones for simulation, secret per-agent ones for deployment.
 
-Every random draw is keyed by ``(run seed, agent id, round, purpose, step)``: a ``torch.Generator``
-is seeded from a SHA-256 hash of that key (and of the run's secret, if any).  Consequences:
+Two modes (``privacy.noise``):
+
+* **simulation** (:class:`AgentRandom`, the default): every draw is keyed by ``(run seed, agent id,
+  round, purpose, step)`` and a ``torch.Generator`` is seeded from a SHA-256 hash of that key.
+  Anyone who knows the seed recomputes every noise vector and every batch, so the noise protects
+  nothing against a reader of the config: right for research, wrong for deployment.
+* **secure** (:class:`SecureRandom`): each agent's noise and Poisson sampling come from *its own*
+  32-byte key, drawn from the operating system's entropy and never written next to results
+  (:class:`AgentKeys`), through ChaCha20 (a cryptographic stream cipher, via the ``cryptography``
+  package); Gaussians are built in float64 and hardened as Opacus's secure mode does (see
+  :meth:`SecureRandom.normal`).  Public choices (the scheduler's, an algorithm's random neighbour)
+  stay keyed by the seed: they protect nothing and should be checkable.
+
+In simulation mode the keyed design has three consequences:
 
 * a run is bit-for-bit reproducible on CPU for a given seed;
 * resuming from a checkpoint needs no generator state: round ``k`` draws the same numbers whether
@@ -22,11 +34,17 @@ slices (see :class:`~decentdp.privacy.sampling.PoissonSampler`); its key uses th
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import secrets
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from enum import IntEnum
+from pathlib import Path
 
+import numpy as np
 import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
 
 class Stream(IntEnum):
@@ -42,48 +60,54 @@ class Stream(IntEnum):
 ROUND_WIDE = "*"
 
 
-def _key_seed(seed: int, agent: int | str, round_index: int, stream: Stream, step: int, secret: bytes,
+def _key_seed(seed: int, agent: int | str, round_index: int, stream: Stream, step: int,
               slot: int | None = None) -> int:
-    """The 63-bit seed of one key: the first 8 bytes of SHA-256(secret + key), shifted to 63 bits.
+    """The 63-bit seed of one key: the first 8 bytes of SHA-256(key), shifted to 63 bits.
 
     ``slot`` (e.g. the receiver of a per-edge message) extends the key only when given, so keys
     without one are those of earlier versions and runs stay reproducible across versions."""
     key = f"{seed}/{agent}/{round_index}/{int(stream)}/{step}" + ("" if slot is None else f"/{slot}")
-    return int.from_bytes(hashlib.sha256(secret + key.encode()).digest()[:8], "little") >> 1
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
 
-def stream_seed(seed: int, agent: int, round_index: int, stream: Stream, step: int = 0, secret: bytes = b"",
+def stream_seed(seed: int, agent: int, round_index: int, stream: Stream, step: int = 0,
                 slot: int | None = None) -> int:
-    """A 63-bit seed derived from the key (and an optional secret) by SHA-256."""
-    return _key_seed(seed, int(agent), round_index, stream, step, secret, slot)
+    """A 63-bit seed derived from the key by SHA-256."""
+    return _key_seed(seed, int(agent), round_index, stream, step, slot)
 
 
-def round_stream_seed(seed: int, round_index: int, stream: Stream, step: int = 0, secret: bytes = b"") -> int:
+def round_stream_seed(seed: int, round_index: int, stream: Stream, step: int = 0) -> int:
     """The seed of the round-wide stream of ``(round, stream, step)``; never equal to a per-agent key."""
-    return _key_seed(seed, ROUND_WIDE, round_index, stream, step, secret)
+    return _key_seed(seed, ROUND_WIDE, round_index, stream, step)
 
 
 class AgentRandom:
-    """Factory of keyed generators for one run; holds only its key, so it has no state.
+    """Simulation mode: keyed generators for one run, holding only the public seed (no state).
 
-    Privacy note: noise that anyone can recompute protects nothing.  With only the public run seed
-    (the default) the simulator reproduces the mechanism's *distribution* exactly, which is what a
-    simulation needs; with ``secret`` (``privacy.secure_noise``) the streams are also keyed by 32
-    bytes from the operating system's CSPRNG, kept only in the checkpoint (the agents' private
-    state) and never in configs, metrics or summaries, as a deployment requires.  The generator
-    behind each stream is torch's Mersenne Twister, which is not a cryptographic generator: a real
-    deployment should draw its noise from a vetted source.
+    Noise that anyone can recompute protects nothing: the simulator reproduces the mechanism's
+    *distribution* exactly, which is what a simulation needs, and every run in this mode says so
+    once (``SIMULATION_NOTICE``).  Deployments use :class:`SecureRandom`.
     """
 
-    def __init__(self, seed: int, secret: bytes = b"", device: torch.device | str = "cpu") -> None:
+    #: Whether draws are secret (per-agent keys) rather than recomputable from the seed.
+    secure = False
+    #: Precision the noise is drawn and added in (float32 here: fast and bit-reproducible).
+    noise_dtype = torch.float32
+
+    def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
         self.seed = int(seed)
-        self.secret = secret
         self.device = torch.device(device)
+
+    def record_uniforms(self, round_index: int, step: int, lengths: Sequence[int]) -> torch.Tensor:
+        """``sum(lengths)`` float64 uniforms in [0, 1) for Poisson sampling, agent ``i``'s records in its
+        slice (one round-wide draw here, see the module docstring)."""
+        generator = self.round_generator(round_index, Stream.SAMPLING, step)
+        return torch.rand(int(sum(lengths)), generator=generator, dtype=torch.float64, device=generator.device)
 
     def generator(self, agent: int, round_index: int, stream: Stream, step: int = 0) -> torch.Generator:
         """The generator agent ``agent`` uses for ``stream`` in round ``round_index`` (sub-step ``step``)."""
         generator = torch.Generator(self.device)
-        generator.manual_seed(stream_seed(self.seed, agent, round_index, stream, step, self.secret))
+        generator.manual_seed(stream_seed(self.seed, agent, round_index, stream, step))
         return generator
 
     def round_generator(self, round_index: int, stream: Stream, step: int = 0) -> torch.Generator:
@@ -93,7 +117,7 @@ class AgentRandom:
         shard) uses a fixed slice; see the module docstring.
         """
         generator = torch.Generator(self.device)
-        generator.manual_seed(round_stream_seed(self.seed, round_index, stream, step, self.secret))
+        generator.manual_seed(round_stream_seed(self.seed, round_index, stream, step))
         return generator
 
     def normal(self, agents: Sequence[int], dim: int, round_index: int, stream: Stream, step: int = 0,
@@ -119,7 +143,7 @@ class AgentRandom:
             raise ValueError(f"out: expected shape {(len(agents), dim)} with contiguous rows, "
                              f"got shape {tuple(out.shape)} with strides {out.stride()}")
         keys = [None] * len(agents) if slots is None else list(slots)
-        seeds = [stream_seed(self.seed, agent, round_index, stream, step, self.secret, slot)
+        seeds = [stream_seed(self.seed, agent, round_index, stream, step, slot)
                  for agent, slot in zip(agents, keys, strict=True)]
 
         def fill(rows: range) -> None:
@@ -138,4 +162,135 @@ class AgentRandom:
         bounds = [len(seeds) * k // groups for k in range(groups + 1)]
         with ThreadPoolExecutor(groups) as pool:
             list(pool.map(fill, [range(bounds[k], bounds[k + 1]) for k in range(groups)]))
+        return out
+
+
+SIMULATION_NOTICE = ("privacy.noise = 'simulation': every noise vector and batch is recomputable from "
+                     "experiment.seed, so this run is not private against anyone who reads its config; "
+                     "use privacy.noise = 'secure' for a deployment")
+"""Said once by every simulation-mode run (log and ``privacy.json``)."""
+
+KEY_BYTES = 32
+
+
+class AgentKeys:
+    """The secret keys of the agents one process holds: 32 bytes each, from the OS's entropy.
+
+    One key per agent, so that no agent (and no shard of a multi-machine run) can strip another
+    agent's noise.  Keys never appear in a results folder: :meth:`save` writes them to a file of its
+    own with mode 0600 in a directory of mode 0700 (see ``privacy.key_dir``), so that a resumed run
+    re-draws the *same* noise for rounds it replays after its last checkpoint (fresh noise there
+    would release those rounds twice).  ``repr`` never shows a key.
+    """
+
+    def __init__(self, keys: dict[int, bytes]) -> None:
+        if any(len(key) != KEY_BYTES for key in keys.values()):
+            raise ValueError(f"every agent key must hold {KEY_BYTES} bytes")
+        self._keys = dict(keys)
+
+    @classmethod
+    def generate(cls, agent_ids: Sequence[int]) -> AgentKeys:
+        return cls({int(agent): secrets.token_bytes(KEY_BYTES) for agent in agent_ids})
+
+    def __repr__(self) -> str:
+        return f"AgentKeys({len(self._keys)} agents)"
+
+    @property
+    def agent_ids(self) -> list[int]:
+        return sorted(self._keys)
+
+    def key(self, agent: int) -> bytes:
+        try:
+            return self._keys[int(agent)]
+        except KeyError:
+            raise KeyError(f"this process holds no key for agent {agent}") from None
+
+    def subset(self, agent_ids: Sequence[int]) -> AgentKeys:
+        """The keys of ``agent_ids`` only (what one shard of a multi-machine run receives)."""
+        return AgentKeys({int(agent): self.key(agent) for agent in agent_ids})
+
+    def save(self, path: Path) -> None:
+        """Write the keys to ``path`` (created with mode 0600; its directory with mode 0700)."""
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            json.dump({str(agent): key.hex() for agent, key in self._keys.items()}, handle)
+
+    @classmethod
+    def load(cls, path: Path) -> AgentKeys:
+        with open(path) as handle:
+            return cls({int(agent): bytes.fromhex(key) for agent, key in json.load(handle).items()})
+
+
+def _keystream(key: bytes, nonce: bytes, n_bytes: int) -> bytes:
+    """``n_bytes`` of the ChaCha20 keystream of (key, nonce): a cryptographic pseudo-random stream."""
+    cipher = Cipher(algorithms.ChaCha20(key, nonce), mode=None)
+    return cipher.encryptor().update(bytes(n_bytes))
+
+
+def _nonce(round_index: int, stream: Stream, step: int, slot: int | None) -> bytes:
+    """ChaCha20's 16-byte nonce (4-byte block counter 0, then 12 bytes naming the draw's purpose)."""
+    name = f"{round_index}/{int(stream)}/{step}" + ("" if slot is None else f"/{slot}")
+    return bytes(4) + hashlib.sha256(name.encode()).digest()[:12]
+
+
+def _uniform53(raw: bytes, count: int) -> np.ndarray:
+    """``count`` float64 uniforms in [0, 1) on the 2^-53 grid, from 8 bytes each."""
+    return (np.frombuffer(raw, dtype=np.uint64, count=count) >> np.uint64(11)) * 2.0**-53
+
+
+class SecureRandom(AgentRandom):
+    """Secure mode: each agent's noise and sampling from its own secret key through ChaCha20.
+
+    Not reproducible across runs by design.  Public streams (:meth:`round_generator` for the
+    scheduler and ``ctx.public_generator``) still come from the seed.  Keystreams are produced on
+    the host and moved to ``device``.
+    """
+
+    secure = True
+    #: Noise is drawn and added in float64, then the released value is rounded once (see :meth:`normal`).
+    noise_dtype = torch.float64
+
+    def __init__(self, seed: int, keys: AgentKeys, device: torch.device | str = "cpu") -> None:
+        super().__init__(seed, device)
+        self.keys = keys
+
+    def _uniforms(self, agent: int, count: int, round_index: int, stream: Stream, step: int,
+                  slot: int | None = None) -> np.ndarray:
+        raw = _keystream(self.keys.key(agent), _nonce(round_index, stream, step, slot), 8 * count)
+        return _uniform53(raw, count)
+
+    def record_uniforms(self, round_index: int, step: int, lengths: Sequence[int]) -> torch.Tensor:
+        """Agent ``i``'s slice drawn from agent ``i``'s key alone (the keys of the agents this process holds)."""
+        parts = [self._uniforms(agent, int(length), round_index, Stream.SAMPLING, step)
+                 for agent, length in zip(self.keys.agent_ids, lengths, strict=True)]
+        return torch.from_numpy(np.concatenate(parts)).to(self.device)
+
+    def normal(self, agents: Sequence[int], dim: int, round_index: int, stream: Stream, step: int = 0,
+               dtype: torch.dtype = torch.float64, out: torch.Tensor | None = None,
+               workers: int = 1, slots: Sequence[int] | None = None, uniform: bool = False) -> torch.Tensor:
+        """Standard normal (or, with ``uniform``, U[0, 1)) draws of shape ``(len(agents), dim)``, row
+        ``r`` from agent ``agents[r]``'s key.
+
+        Each normal is the sum of four Box–Muller normals computed in float64, divided by two
+        (Holohan & Braghin 2021, as in Opacus's secure mode): a single float sample carries
+        tell-tale low-order bits that floating-point attacks on DP samplers read off the output
+        (Mironov 2012; Jin et al. 2022), and the sum smooths them.  Callers add the noise in
+        float64 and round the released value once.  ``workers`` is accepted for the interface and
+        unused (the cipher is faster than the transforms).
+        """
+        if out is None:
+            out = torch.empty(len(agents), dim, dtype=dtype, device=self.device)
+        keys = [None] * len(agents) if slots is None else list(slots)
+        per_value = 1 if uniform else 4
+        for row, (agent, slot) in enumerate(zip(agents, keys, strict=True)):
+            u = self._uniforms(int(agent), per_value * dim, round_index, stream, step, slot)
+            if uniform:
+                values = u
+            else:
+                radius = np.sqrt(-2.0 * np.log1p(-u[: 2 * dim]))  # 1 - u lies in (0, 1]: the log is finite
+                angle = 2.0 * np.pi * u[2 * dim:]
+                pairs = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])  # 4 dim normals
+                values = pairs.reshape(4, dim).sum(axis=0) / 2.0
+            out[row].copy_(torch.from_numpy(values))
         return out

@@ -41,11 +41,12 @@ from typing import Any
 import dp_accounting
 import numpy as np
 
-from decentdp.errors import PrivacyError
 from decentdp.privacy.accounting import (
+    DEFAULT_RELATION,
     RDP_ORDERS,
     History,
     check_epsilon_delta,
+    check_relation,
     epsilon_of_history,
     rdp_curve,
     rdp_epsilon,
@@ -154,9 +155,9 @@ def _fits_rdp(prefix_rdp: np.ndarray, event: dp_accounting.DpEvent, total: int, 
 
 
 def _fits_history(history: History, event: dp_accounting.DpEvent, total: int, budget: float, delta: float,
-                  accountant: str) -> bool:
+                  accountant: str, relation: str) -> bool:
     """Whether ``history`` followed by ``total`` releases of ``event`` stays within ``budget`` (any accountant)."""
-    return epsilon_of_history((*history, (event, total)), delta, accountant) <= budget
+    return epsilon_of_history((*history, (event, total)), delta, accountant, relation) <= budget
 
 
 def _rdp_guess(prefix_rdp: np.ndarray, event: dp_accounting.DpEvent, budget: float, delta: float) -> int:
@@ -173,9 +174,10 @@ def _rdp_guess(prefix_rdp: np.ndarray, event: dp_accounting.DpEvent, budget: flo
 
 
 @lru_cache(maxsize=4096)
-def _max_count_pld(history: History, event: dp_accounting.DpEvent, budget: float, delta: float,
-                   accountant: str) -> int:
-    return _search(lambda total: _fits_history(history, event, total, budget, delta, accountant), 0)
+def _max_count(history: History, event: dp_accounting.DpEvent, budget: float, delta: float, accountant: str,
+               relation: str) -> int:
+    """Largest count of ``event`` after ``history`` within ``budget``, by any accountant (cached compositions)."""
+    return _search(lambda total: _fits_history(history, event, total, budget, delta, accountant, relation), 0)
 
 
 def _search(fits: Callable[[int], bool], guess: int) -> int:
@@ -229,11 +231,15 @@ class PrivacyLedger:
         The delta at which budgets are enforced and epsilon is reported.
     budget_accountant:
         Accountant used to enforce budgets; it should be the one that calibrated the noise, so that
-        an agent can make exactly its planned releases and no more.
+        an agent can make exactly its planned releases and no more (``tight`` by default, which is
+        also what :meth:`reported_epsilon` uses, so the reported epsilon never exceeds a budget).
+    relation:
+        The neighbouring relation every epsilon is computed under (``add-remove`` or ``replace-one``).
     """
 
     def __init__(self, agent_ids: int | Sequence[int], epsilon: float | Sequence[float], delta: float,
-                 budget_accountant: str = "rdp") -> None:
+                 budget_accountant: str = "tight", relation: str = DEFAULT_RELATION) -> None:
+        check_relation(relation)
         ids = np.arange(agent_ids) if isinstance(agent_ids, int | np.integer) else np.asarray(agent_ids)
         n = len(ids)
         budgets = np.broadcast_to(np.asarray(epsilon, dtype=np.float64), (n,)).copy()
@@ -243,6 +249,7 @@ class PrivacyLedger:
         self.budgets = budgets
         self.delta = float(delta)
         self.budget_accountant = budget_accountant
+        self.relation = relation
         self.refused = np.zeros(n, dtype=np.int64)
         self.events = EventTable()
         self._agents = _Accounts(n)
@@ -280,13 +287,17 @@ class PrivacyLedger:
         accounts = self._agents
         extends = accounts.event[agent] == event_id
         done = int(accounts.count[agent]) if extends else 0
-        if self.budget_accountant == "rdp":  # running totals: constant work whatever the history's length
+        if self._rdp_totals_apply(self.budget_accountant):  # running totals: constant work whatever the history
             prefix = accounts.closed_rdp[agent] if extends else accounts.rdp(agent, self.events)
             guess = _rdp_guess(prefix, event, budget, self.delta)
             return _search(lambda total: _fits_rdp(prefix, event, total, budget, self.delta), guess) - done
         history = self.history(agent)
-        return _max_count_pld(history[:-1] if extends else history, event, budget, self.delta,
-                              self.budget_accountant) - done
+        return _max_count(history[:-1] if extends else history, event, budget, self.delta, self.budget_accountant,
+                          self.relation) - done
+
+    def _rdp_totals_apply(self, accountant: str) -> bool:
+        """The running RDP totals price the events as they are, which is the add-remove relation."""
+        return accountant == "rdp" and self.relation == "add-remove"
 
     def charge(self, round_index: int, events: np.ndarray, *, agents: np.ndarray | None = None, count: int = 1,
                senders: np.ndarray | None = None, receivers: np.ndarray | None = None,
@@ -348,19 +359,20 @@ class PrivacyLedger:
         self._pairs.record(round_index, accounts, receiver_events[keep], count, self.events)
 
     # -- reporting -----------------------------------------------------------------------------------------
-    def epsilon(self, accountant: str = "pld", delta: float | None = None) -> np.ndarray:
+    def epsilon(self, accountant: str = "tight", delta: float | None = None) -> np.ndarray:
         """Epsilon each agent has spent so far against all observers together (agent view)."""
         at = self.delta if delta is None else float(delta)
-        if accountant == "rdp":
+        if self._rdp_totals_apply(accountant):
             return np.array([rdp_epsilon(self._agents.rdp(agent, self.events), at) for agent in range(self.n_agents)])
-        return np.array([epsilon_of_history(self.history(agent), at, accountant) for agent in range(self.n_agents)])
+        return np.array([epsilon_of_history(self.history(agent), at, accountant, self.relation)
+                         for agent in range(self.n_agents)])
 
     def reported_epsilon(self) -> tuple[np.ndarray, str]:
-        """Epsilon per agent by PLD (tight), or by RDP where PLD is impractical; with the accountant's name."""
-        try:
-            return self.epsilon("pld"), "pld"
-        except PrivacyError:
-            return self.epsilon("rdp"), "rdp"
+        """Epsilon per agent by the tightest sound accountant (the smaller of PLD and RDP), with its name.
+
+        It never exceeds a budget: budgets are enforced with ``tight`` too (unless a run asked to
+        enforce with ``rdp`` or ``pld`` alone, whose values are never below ``tight``'s)."""
+        return self.epsilon("tight"), "tight"
 
     @property
     def has_receiver_releases(self) -> bool:
@@ -377,7 +389,9 @@ class PrivacyLedger:
         table = self.events
 
         def epsilon(history: History, rdp: np.ndarray) -> float:
-            return rdp_epsilon(rdp, at) if accountant == "rdp" else epsilon_of_history(history, at, accountant)
+            if self._rdp_totals_apply(accountant):
+                return rdp_epsilon(rdp, at)
+            return epsilon_of_history(history, at, accountant, self.relation)
 
         out = np.empty((self.n_agents, width))
         for agent in range(self.n_agents):
@@ -396,6 +410,7 @@ class PrivacyLedger:
             "budgets": [float(b) for b in self.budgets],
             "delta": self.delta,
             "budget_accountant": self.budget_accountant,
+            "relation": self.relation,
             "refused": self.refused.tolist(),
             "events": self.events.to_json(),
             "agent_runs": self._agents.state(),
@@ -412,7 +427,8 @@ class PrivacyLedger:
         sampled Gaussian releases) load as the same events, so their checkpoints resume."""
         if "runs" in state:
             state = _from_runs_format(state)
-        ledger = cls(state["agent_ids"], state["budgets"], state["delta"], state["budget_accountant"])
+        ledger = cls(state["agent_ids"], state["budgets"], state["delta"], state["budget_accountant"],
+                     state.get("relation", DEFAULT_RELATION))
         ledger.refused = np.asarray(state["refused"], dtype=np.int64).reshape(ledger.n_agents).copy()
         ledger.events = EventTable.from_json(state["events"])
         ledger._agents = _Accounts.from_state(state["agent_runs"], ledger.events)

@@ -51,6 +51,11 @@ class NoiseDraw:
         self.release = release
         self._used: set[tuple[int, int | None]] = set()
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """Precision the noise is drawn in: float32 in simulation, float64 in secure mode (see :func:`add_noise`)."""
+        return self.rng.noise_dtype
+
     def _claim(self, rows: Sequence[int], slots: Sequence[int] | None) -> list[int]:
         keys = list(zip(rows, slots if slots is not None else [None] * len(rows), strict=True))
         if len(set(keys)) != len(keys) or not self._used.isdisjoint(keys):
@@ -69,7 +74,7 @@ class NoiseDraw:
     def laplace(self, rows: Sequence[int], out: torch.Tensor, slots: Sequence[int] | None = None) -> torch.Tensor:
         """Standard Laplace draws (scale 1) into ``out``, by inverting the CDF of float64 uniforms."""
         agents = self._claim(rows, slots)
-        uniform = torch.empty(out.shape, dtype=torch.float64, device=out.device)
+        uniform = torch.empty(out.shape, dtype=torch.float64, device=out.device)  # (from the agents' streams)
         self.rng.normal(agents, out.shape[1], self.round_index, Stream.NOISE, self.release, out=uniform,
                         slots=slots, uniform=True)
         centred = uniform - 0.5  # in [-1/2, 1/2): |centred| = 1/2 only for a draw of exactly 0
@@ -92,6 +97,16 @@ class Mechanism(Protocol):
     def receiver_event(self, owner: int, sample_rate: float) -> dp_accounting.DpEvent:
         """What a receiver of one of the agent's rows (a per-edge message) learns from it alone."""
         ...
+
+
+def add_noise(values: torch.Tensor, draws: torch.Tensor, scale: torch.Tensor) -> None:
+    """``values += draws * scale`` in place (``scale`` per row).  Secure-mode draws are float64: the sum is
+    formed in float64 and the released value rounded once, so that its low-order bits depend on the
+    noise as a whole rather than on the raw sample (the floating-point attacks of Mironov 2012)."""
+    if draws.dtype == values.dtype:
+        values.add_(draws.mul_(scale[:, None].to(draws.dtype)))
+    else:
+        values.copy_(values.to(draws.dtype).add_(draws.mul_(scale[:, None].to(draws.dtype))))
 
 
 def round_up_to_float32(values: torch.Tensor) -> torch.Tensor:
@@ -130,14 +145,14 @@ class GaussianMechanism(_ScaledNoise):
         owner_rows = owners.tolist()
         # At most an eighth of the rows per block, so that small runs do not hold a full second copy either.
         rows = max(1, min(-(-count // 8), NOISE_BLOCK_BYTES // (4 * dim)))
-        buffer = torch.empty(rows, dim, dtype=values.dtype, device=values.device)
+        buffer = torch.empty(rows, dim, dtype=noise.dtype, device=values.device)
         # Threads pay off only on large blocks (starting them costs about a millisecond).
         workers = torch.get_num_threads() if rows * dim >= PARALLEL_NOISE_ELEMENTS else 1
         for start in range(0, count, rows):
             stop = min(count, start + rows)
             draws = noise.normal(owner_rows[start:stop], buffer[: stop - start],
                                  None if slots is None else slots[start:stop], workers=workers)
-            values[start:stop].add_(draws.mul_(scale[start:stop, None]))
+            add_noise(values[start:stop], draws, scale[start:stop])
 
     def agent_event(self, owner: int, sample_rate: float, rows: int) -> dp_accounting.DpEvent:
         return joint_gaussian_event(self.multiplier(owner), sample_rate, rows)
@@ -155,8 +170,8 @@ class LaplaceMechanism(_ScaledNoise):
 
     def perturb(self, values: torch.Tensor, owners: torch.Tensor, noise: NoiseDraw,
                 slots: Sequence[int] | None = None) -> None:
-        draws = noise.laplace(owners.tolist(), torch.empty_like(values), slots)
-        values.add_(draws.mul_(self.scales.to(values.device)[owners][:, None]))
+        draws = noise.laplace(owners.tolist(), torch.empty_like(values, dtype=noise.dtype), slots)
+        add_noise(values, draws, self.scales.to(values.device)[owners])
 
     def agent_event(self, owner: int, sample_rate: float, rows: int) -> dp_accounting.DpEvent:
         return laplace_event(self.multiplier(owner) / rows, sample_rate)
