@@ -20,9 +20,11 @@ ledger history and reported beside the nominal one.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,15 +32,17 @@ import torch
 
 from decentdp.algorithms.base import State
 from decentdp.audit.bounds import audit_bound, split_sizes
+from decentdp.config import ExperimentConfig
 from decentdp.errors import ConfigError
 from decentdp.gradients.flat_model import FlatModel
+from decentdp.models import validate_for_dp
 from decentdp.privacy.accounting import epsilon_of_history
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.privacy.mechanisms import GaussianMechanism, Mechanism
 from decentdp.privacy.oracle import DataOracle
 from decentdp.privacy.sampling import AgentData, PoissonSampler
 from decentdp.rng import AgentRandom, Stream, round_stream_seed
-from decentdp.run.build import Experiment, _calibrate, planned_releases
+from decentdp.run.build import Experiment, _calibrate, build_experiment, planned_releases
 from decentdp.runtime.network import GraphSequence, check_pairs
 from decentdp.runtime.scheduler import Scheduler
 from decentdp.runtime.schedules import Schedule
@@ -134,6 +138,18 @@ class BlockRun:
         history = self.ledger.history(int(self.targets[0]))
         return float(epsilon_of_history(history, config.privacy.delta, config.privacy.accountant,
                                         relation=config.privacy.neighbouring))
+
+
+def audit_experiment(config: ExperimentConfig, data_dir: str | Path | None = None) -> Experiment:
+    """The config's data, model, algorithm and graph, built without calibrating noise for the config's own
+    partition (the blocks calibrate for their datasets); the model is checked for DP as a run checks it."""
+    public = config.model_copy(update={"privacy": config.privacy.model_copy(
+        update={"epsilon": math.inf, "agent_epsilons": None})})
+    experiment = build_experiment(public, data_dir=data_dir)
+    experiment.config = config
+    if config.privacy.private:
+        validate_for_dp(experiment.model.module)
+    return experiment
 
 
 _CALIBRATED: dict[tuple[int, str, tuple[float, ...], int, tuple[int, ...]], list[float]] = {}

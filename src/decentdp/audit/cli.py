@@ -108,11 +108,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _audit(kind: str, config: Any, audit: Any, data_dir: str | None, out: Path | None) -> dict[str, Any]:
+    from decentdp.audit.blocks import audit_experiment
     from decentdp.audit.messages import run_message_audit
     from decentdp.audit.mia import run_membership_audit
-    from decentdp.run.build import build_experiment
 
-    experiment = build_experiment(config, data_dir=data_dir)
+    experiment = audit_experiment(config, data_dir=data_dir)
     print(f"audit {kind}: {config.algorithm.name}, {audit.models} trainings per world in blocks of "
           f"{experiment.topology.n_agents} agent(s), {audit.chunk} blocks at a time")
     outcome = (run_membership_audit if kind == "mia" else run_message_audit)(experiment, audit)

@@ -1,0 +1,106 @@
+"""The message audit: a Dirac gradient canary planted exactly, a non-private run refuted by a large bound, a
+deliberate noise bug (halved noise) caught above the nominal epsilon, the honest DP-DSGD never above it, and
+clear errors for bad inputs.  Each training is a block of 2 agents on the bundled digits, q = 1."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from decentdp.audit.blocks import BlockNetwork, audit_experiment
+from decentdp.audit.messages import CANARY_LABEL, CanaryModel, canary_coordinate, run_message_audit
+from decentdp.audit.settings import AuditSection
+from decentdp.config import validate_config
+from decentdp.errors import ConfigError
+from decentdp.privacy.mechanisms import GaussianMechanism, NoiseDraw
+from decentdp.run.build import Experiment
+from decentdp.topology import build_topology
+
+
+def _experiment(epsilon: float, rounds: int = 1, algorithm: str = "dp-dsgd") -> Experiment:
+    return audit_experiment(validate_config({
+        "experiment": {"name": "audit", "rounds": rounds}, "data": {"dataset": "digits"},
+        "topology": {"agents": 2}, "model": {"name": "linear"},
+        "algorithm": {"name": algorithm, "lr": 0.1, "batch_size": 16},
+        "privacy": {"epsilon": epsilon, "delta": 1e-5, "clip": 1.0}}))
+
+
+@pytest.fixture(scope="module")
+def private() -> Experiment:
+    return _experiment(1.0)
+
+
+class HalvedNoise(GaussianMechanism):
+    """A planted bug: half the calibrated noise is added, while the nominal event is still charged."""
+
+    def __init__(self, honest: GaussianMechanism) -> None:
+        super().__init__(honest.noise_multipliers, honest.sensitivity)
+        self.scales = honest.scales / 2
+
+    def perturb(self, values: torch.Tensor, owners: torch.Tensor, noise: NoiseDraw,
+                slots: Sequence[int] | None = None) -> None:
+        super().perturb(values, owners, noise, slots)
+
+
+def _audit(models: int, **fields: Any) -> AuditSection:
+    return AuditSection(models=models, selection_fraction=0.1, chunk=models, **fields)
+
+
+def test_the_canary_gradient_is_exactly_c_times_a_reserved_direction(private: Experiment) -> None:
+    model = private.model
+    coordinate = canary_coordinate(model, "1.bias", 3)  # linear: Flatten (0), Linear (1)
+    assert coordinate == model.numels[0] + 3
+    canary = CanaryModel(model, coordinate, clip=2.0)
+    params = model.initial_parameters().repeat(2, 1)
+    x = private.dataset.x_train[:6].reshape(2, 3, 1, 8, 8)
+    y = private.dataset.y_train[:6].reshape(2, 3).clone()
+    y[0, 2] = CANARY_LABEL
+    mask = torch.ones(2, 3)
+    sums, norms = canary.clipped_gradient_sums(params, x, y, mask, 2.0)
+    real_mask = mask.clone()
+    real_mask[0, 2] = 0.0
+    real, _ = model.clipped_gradient_sums(params, x, y.clamp(min=0), real_mask, 2.0)
+    assert sums[0, coordinate] == 2.0 and sums[1, coordinate] == 0.0
+    others = torch.ones(model.dim, dtype=torch.bool)
+    others[coordinate] = False
+    torch.testing.assert_close(sums[:, others], real[:, others])
+    assert norms[0, 2] == 2.0
+
+
+def test_block_network_mixes_each_block_alone() -> None:
+    topology = build_topology("ring", 3)
+    network = BlockNetwork(topology, blocks=4)
+    x = torch.randn(12, 5)
+    w = torch.tensor(topology.mixing, dtype=torch.float32)
+    torch.testing.assert_close(network.mix(x), torch.cat([w @ x[3 * b:3 * b + 3] for b in range(4)]))
+    assert network.out_edges.max() == 11 and len(network.out_edges) == 4 * 6
+    assert torch.equal(network.aggregate(network.broadcast(x)), network.neighbor_sum(x))
+
+
+def test_a_non_private_release_gives_a_large_bound() -> None:
+    outcome = run_message_audit(_experiment(float("inf")), _audit(300))
+    assert outcome.summary["epsilon_nominal"] == float("inf")
+    assert outcome.summary["epsilon_lower_bound"] > 3.0  # 270 runs per world separate perfectly: ln(270 / 3.7)
+
+
+@pytest.mark.slow
+def test_halved_noise_is_caught_above_the_nominal_epsilon(private: Experiment) -> None:
+    honest = run_message_audit(private, _audit(25_000))
+    bugged = run_message_audit(private, _audit(25_000), wrap_mechanism=HalvedNoise)
+    assert honest.summary["epsilon_ledger"] == pytest.approx(1.0, abs=1e-3)  # the ledger charged the nominal event
+    assert 0.3 < honest.summary["epsilon_lower_bound"] <= 1.0
+    assert bugged.summary["epsilon_lower_bound"] > 1.0
+
+
+def test_bad_inputs_are_clear_errors(private: Experiment) -> None:
+    with pytest.raises(ConfigError, match="audit.canary_index"):
+        run_message_audit(private, _audit(100, canary_index=10**6))
+    with pytest.raises(ConfigError, match="audit.canary_parameter.*no parameter"):
+        run_message_audit(private, _audit(100, canary_parameter="conv.weight"))
+    with pytest.raises(ConfigError, match="--models"):
+        run_message_audit(private, _audit(20))
+    with pytest.raises(ConfigError, match="audit.target"):
+        run_message_audit(private, _audit(100, target=2))
