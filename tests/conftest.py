@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 #: Real datasets for the tests that need them: ``$DECENTDP_DATA_DIR`` if set (a user's own copy of
 #: MNIST and the rest), else ``../shared/data`` beside the repository (the project's workplace).
@@ -21,6 +22,19 @@ def shared_data() -> Path:
         pytest.skip(f"real MNIST not found in {SHARED_DATA}: set DECENTDP_DATA_DIR to a directory holding "
                     "mnist.npz (or the IDX files) to run these tests")
     return SHARED_DATA
+
+
+#: The devices engine, oracle and algorithm tests run on: the CPU always, CUDA where torch sees it.
+DEVICES = [pytest.param("cpu", id="cpu"),
+           pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(
+               not torch.cuda.is_available(), reason="no CUDA device here: the CUDA path is tested where torch "
+                                                     "sees one (CI is CPU-only)"))]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """Each device a test runs on (a test taking it runs once per device; the CPU run is the plain test)."""
+    return torch.device(request.param)
 
 
 def tiny_config(**sections: dict[str, Any]) -> dict[str, Any]:

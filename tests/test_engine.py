@@ -61,18 +61,18 @@ def test_pairwise_swap_exchanges_between_neighbours_only() -> None:
 
 @pytest.mark.parametrize("graph,n,sparse", [("ring", 300, True), ("ring", 30, True), ("complete", 10, False),
                                              ("complete", 300, False)])
-def test_sparse_graphs_mix_with_a_sparse_operator(graph: str, n: int, sparse: bool) -> None:
-    net = SimulatedNetwork(build_topology(graph, n, seed=0))
-    x = torch.randn(n, 3)
+def test_sparse_graphs_mix_with_a_sparse_operator(graph: str, n: int, sparse: bool, device: torch.device) -> None:
+    net = SimulatedNetwork(build_topology(graph, n, seed=0), device=device)
+    x = torch.randn(n, 3, device=device)
     assert (net._mixing.layout == torch.sparse_csr) is sparse  # one CSR operator
-    dense = torch.tensor(net.topology.mixing, dtype=torch.float32)
+    dense = torch.tensor(net.topology.mixing, dtype=torch.float32, device=device)
     torch.testing.assert_close(net.mix(x), dense @ x)
 
 
 @pytest.mark.parametrize("graph,n", [("ring", 300), ("complete", 6), ("ring", 6)])
-def test_mix_add_updates_in_place(graph: str, n: int) -> None:
-    net = SimulatedNetwork(build_topology(graph, n, seed=0))
-    x, y = torch.randn(n, 4), torch.randn(n, 4)
+def test_mix_add_updates_in_place(graph: str, n: int, device: torch.device) -> None:
+    net = SimulatedNetwork(build_topology(graph, n, seed=0), device=device)
+    x, y = torch.randn(n, 4, device=device), torch.randn(n, 4, device=device)
     expected = net.mix(x) - 0.3 * y
     result = net.mix_add(x, y, -0.3)
     assert result.data_ptr() == y.data_ptr()
@@ -191,11 +191,11 @@ def test_dinno_on_a_quadratic_reaches_consensus_at_the_optimum(optimizer: SGD | 
     assert state["dual"].sum(0).abs().max() < 1e-9  # duals stay in the range of the Laplacian
 
 
-def test_dsgt_tracks_the_sum_of_the_latest_gradients() -> None:
+def test_dsgt_tracks_the_sum_of_the_latest_gradients(device: torch.device) -> None:
     """With sigma = 0 and a doubly stochastic W: sum_i y_i = sum_i G_i after every round (eq. 5)."""
     experiment = build_experiment(validate_config(tiny_config(
         privacy={"epsilon": "inf"}, topology={"graph": "erdos-renyi", "agents": 6, "p": 0.5},
-        model={"name": "mlp"})))
+        model={"name": "mlp"})), device=device)
     state = experiment.initial_state()
     for k in range(5):
         state = experiment.algorithm.round(state, experiment.simulator.context(k))
@@ -203,13 +203,13 @@ def test_dsgt_tracks_the_sum_of_the_latest_gradients() -> None:
         assert torch.count_nonzero(state["last_grad"]) > 0
 
 
-def test_private_runs_are_bit_for_bit_reproducible() -> None:
+def test_private_runs_are_bit_for_bit_reproducible(device: torch.device) -> None:
     raw = tiny_config(algorithm={"name": "dp-dsgd", "optimizer": "sgd", "momentum": 0.5})
     finals = []
     for _ in range(2):
-        experiment = build_experiment(validate_config(raw))
+        experiment = build_experiment(validate_config(raw), device=device)
         finals.append(experiment.simulator.run(experiment.initial_state(), 0, 3, lambda d, s: True)["params"])
-    assert torch.equal(finals[0], finals[1])
+    assert finals[0].device.type == device.type and torch.equal(finals[0], finals[1])
 
 
 def test_central_training_pools_all_data_into_one_agent() -> None:
@@ -222,11 +222,11 @@ def test_central_training_pools_all_data_into_one_agent() -> None:
 
 
 @pytest.mark.parametrize("name", algorithm_names())
-def test_rounds_create_every_tensor_on_an_explicit_device(name: str) -> None:
+def test_rounds_create_every_tensor_on_an_explicit_device(name: str, device: torch.device) -> None:
     """With torch's default device set to 'meta', any tensor a round creates without naming a device is
     a meta tensor and fails as soon as it meets real data: so every creation takes its device from the
     data, the parameters or the engine, as a GPU run needs."""
-    experiment = build_experiment(validate_config(tiny_config(algorithm={"name": name})))
+    experiment = build_experiment(validate_config(tiny_config(algorithm={"name": name})), device=device)
     state = experiment.initial_state()
     torch.set_default_device("meta")
     try:
@@ -234,7 +234,7 @@ def test_rounds_create_every_tensor_on_an_explicit_device(name: str) -> None:
             state = experiment.algorithm.round(state, experiment.simulator.context(k))
     finally:
         torch.set_default_device("cpu")
-    assert state["params"].device.type == "cpu" and torch.isfinite(state["params"]).all()
+    assert state["params"].device.type == device.type and torch.isfinite(state["params"]).all()
 
 
 @register
