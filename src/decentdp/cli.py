@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from decentdp import __version__
+from decentdp import report as report_command
+from decentdp import sweep as sweep_command
+from decentdp.audit import cli as audit_command
 from decentdp.errors import ConfigError, DecentDPError
 from decentdp.results import CHECKPOINT_FILE
 
@@ -92,6 +95,10 @@ def _build_parser() -> argparse.ArgumentParser:
                           "loads no data, trains nothing, writes nothing")
     run.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
     run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    run.add_argument("--diagnostics", action="store_true",
+                     help="also write operator statistics computed from the raw private data (class histograms "
+                          "in diagnostics.json, clipped fractions in metrics.jsonl), labelled as not private; "
+                          "off by default so that results folders can be shared")
     run.add_argument("--profile", action="store_true",
                      help="report where a round's time goes (per phase, and torch's busiest operators); "
                           "saved as profile.json in the results folder")
@@ -112,7 +119,7 @@ def _build_parser() -> argparse.ArgumentParser:
                                formatter_class=argparse.RawDescriptionHelpFormatter)
     epsilon.add_argument("--sigma", type=_float, required=True,
                          help="noise multiplier: noise std / clipping norm (0: no noise)")
-    for sub, default in ((sigma, "rdp"), (epsilon, "pld")):
+    for sub in (sigma, epsilon):
         sub.add_argument("--delta", type=_float, required=True, help="delta of (epsilon, delta)-DP, in (0, 1)")
         direct = sub.add_argument_group("sampling as a rate and a step count")
         direct.add_argument("--sample-rate", type=_float, metavar="Q", help="Poisson sampling rate q, in (0, 1]")
@@ -123,9 +130,13 @@ def _build_parser() -> argparse.ArgumentParser:
         opacus.add_argument("--epochs", type=_float, metavar="E", help="epochs E: expected passes over the data")
         sub.add_argument("--releases-per-step", type=int, default=1,
                          help="noisy releases per step (e.g. DP-DiNNO's primal steps T) (default: %(default)s)")
-        sub.add_argument("--accountant", choices=("rdp", "pld"), default=default,
-                         help="rdp: Renyi DP (what runs calibrate with); pld: privacy loss distributions "
-                              "(tight; what runs report) (default: %(default)s)")
+        sub.add_argument("--accountant", choices=("tight", "pld", "rdp"), default="tight",
+                         help="tight: the smaller of PLD and RDP, both sound (what runs calibrate, enforce and "
+                              "report with); pld: privacy loss distributions; rdp: Renyi DP, as Opacus "
+                              "(default: %(default)s)")
+        sub.add_argument("--neighbouring", choices=("add-remove", "replace-one"), default="add-remove",
+                         help="neighbouring relation: add or remove one record, or replace one (about 2x the "
+                              "epsilon) (default: %(default)s)")
         sub.add_argument("--json", action="store_true", help="also print the answer as one JSON object")
 
     listing = commands.add_parser("list", help="what a config can name: algorithms (with their settings), "
@@ -142,6 +153,9 @@ def _build_parser() -> argparse.ArgumentParser:
     init.add_argument("--template", default="demo", metavar="NAME",
                       help="demo, or an algorithm name from `decentdp list algorithms` (the demo with that "
                            "algorithm) (default: %(default)s)")
+    report_command.add_parser(commands)
+    sweep_command.add_parser(commands)
+    audit_command.add_parser(commands)
     return parser
 
 
@@ -177,7 +191,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         result = run_experiment(config, out, data_dir=args.data_dir, resume=args.resume,
                                 progress=not args.no_progress, log=lambda line: print(line, file=sys.stderr),
-                                profile=args.profile)
+                                profile=args.profile, diagnostics=args.diagnostics)
     except KeyboardInterrupt:
         if (out / CHECKPOINT_FILE).is_file():
             print(f"decentdp: interrupted; continue with: decentdp run {args.config} --resume --out {out} "
@@ -188,8 +202,12 @@ def _run(args: argparse.Namespace) -> int:
         return 130
     summary = result.summary
     per_agent = ", ".join(_eps(e) for e in summary["epsilon_per_agent"])
-    print(f"final test accuracy over {summary['n_agents']} agents: mean {summary['accuracy_mean']:.4f}, "
-          f"min {summary['accuracy_min']:.4f}, max {summary['accuracy_max']:.4f}")
+    if "rmse_mean" in summary:  # personalized regression (MovieLens): per-agent test RMSE
+        print(f"final per-agent test RMSE over {summary['n_agents']} agents: mean {summary['rmse_mean']:.4f}, "
+              f"min {summary['rmse_min']:.4f}, max {summary['rmse_max']:.4f}")
+    else:
+        print(f"final test accuracy over {summary['n_agents']} agents: mean {summary['accuracy_mean']:.4f}, "
+              f"min {summary['accuracy_min']:.4f}, max {summary['accuracy_max']:.4f}")
     print(f"epsilon spent per agent ({summary['epsilon_accountant'].upper()}, delta={summary['delta']:g}): "
           f"max {_eps(summary['epsilon_max'])}"
           f"  [{per_agent}]")
@@ -246,16 +264,18 @@ def _privacy(args: argparse.Namespace) -> int:
     sample_rate, steps, opacus = _sampling(args)
     if args.question == "sigma":
         sigma = calibrate_noise_multiplier(args.epsilon, args.delta, sample_rate, steps,
-                                           args.releases_per_step, accountant=args.accountant)
+                                           args.releases_per_step, accountant=args.accountant,
+                                           relation=args.neighbouring)
         epsilon = args.epsilon
         reached = epsilon_spent(sigma, args.delta, sample_rate, steps, args.releases_per_step,
-                                accountant=args.accountant)
+                                accountant=args.accountant, relation=args.neighbouring)
     else:
         sigma = args.sigma
         epsilon = epsilon_spent(sigma, args.delta, sample_rate, steps, args.releases_per_step,
-                                accountant=args.accountant)
+                                accountant=args.accountant, relation=args.neighbouring)
     releases = steps * args.releases_per_step
-    name = {"rdp": "RDP (dp_accounting RdpAccountant)", "pld": "PLD (dp_accounting PLDAccountant)"}[args.accountant]
+    name = {"rdp": "RDP (dp_accounting RdpAccountant)", "pld": "PLD (dp_accounting PLDAccountant)",
+            "tight": "the smaller of PLD and RDP (dp_accounting)"}[args.accountant]
     if args.question == "sigma":
         print(f"noise multiplier sigma = {sigma:.6g} reaches epsilon = {epsilon:g} at delta = {args.delta:g}")
         print(f"  epsilon reached with this sigma: {reached:.6g}")
@@ -265,12 +285,14 @@ def _privacy(args: argparse.Namespace) -> int:
         print(f"  sample rate q = B/N = {opacus['batch_size']}/{opacus['dataset_size']}; "
               f"steps = ceil(E * N / B) = ceil({opacus['epochs']:g} * {opacus['dataset_size']} / "
               f"{opacus['batch_size']}) = {steps}")
-    print(f"  {releases} sampled Gaussian releases at sample rate {sample_rate:g}; accountant: {name}")
+    print(f"  {releases} sampled Gaussian releases at sample rate {sample_rate:g}; accountant: {name}; "
+          f"neighbouring: {args.neighbouring}")
     if args.json:
         answer: dict[str, Any] = {"sigma": sigma, "epsilon": _finite_or_inf(epsilon)}
         if args.question == "sigma":
             answer["epsilon_reached"] = _finite_or_inf(reached)
-        answer.update({"delta": args.delta, "accountant": args.accountant, "sample_rate": sample_rate,
+        answer.update({"delta": args.delta, "accountant": args.accountant, "neighbouring": args.neighbouring,
+                       "sample_rate": sample_rate,
                        "steps": steps, "releases_per_step": args.releases_per_step, **opacus})
         print(json.dumps(answer))
     return 0
@@ -559,7 +581,9 @@ def _init(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- entry point
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"run": _run, "privacy": _privacy, "list": _list,
-                                                             "init": _init}
+                                                             "init": _init, "report": report_command.run,
+                                                             "sweep": sweep_command.run, "audit": audit_command.run,
+                                                             "attack": audit_command.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

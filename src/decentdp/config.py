@@ -18,10 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from decentdp.algorithms import algorithm_class, algorithm_names
 from decentdp.algorithms.base import AlgorithmSettings
 from decentdp.errors import ConfigError
+from decentdp.personalized.settings import PersonalizedSection
 from decentdp.topology import PARAM_USERS
 
 DatasetName = Literal["digits", "mnist", "fashion-mnist", "cifar10", "cifar100"]
-PartitionName = Literal["iid", "overlap", "dirichlet", "unequal"]
+PartitionName = Literal["iid", "overlap", "dirichlet", "unequal", "pathological"]
 GraphName = Literal["complete", "ring", "star", "path", "grid", "torus", "erdos-renyi", "geometric", "fiedler",
                     "complete-bipartite", "k-regular"]
 MixingName = Literal["metropolis-hastings", "average", "max-degree"]
@@ -50,6 +51,9 @@ class DataSection(_Section):
     dirichlet_alpha: float = Field(0.5, gt=0.0)
     size_skew: float = Field(1.0, gt=0.0)
     image_size: int | None = Field(None, ge=4, description="resize images to this side once at load")
+    validation_fraction: float = Field(0.0, ge=0.0, le=0.5, description="hold out this fraction of each agent's "
+                                       "training records and evaluate on them instead of the test set (for "
+                                       "tuning, e.g. decentdp sweep); 0 = evaluate on the test set")
 
 
 class TopologySection(_Section):
@@ -159,6 +163,20 @@ class EngineSection(_Section):
                                                                 "default: as many as fit in memory")
     threads: int | None = Field(None, ge=1, description="compute threads; default: the cores this process may "
                                                         "use (its CPU affinity)")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+                        description="where the run computes: 'auto' (CUDA when present, else the CPU), 'cpu', "
+                                    "'cuda' or 'cuda:K'")
+    backend: Literal["simulator", "ray"] = Field(
+        "simulator", description="'simulator': every agent in this process; 'ray': agents sharded over Ray worker "
+                                 "processes (pip install 'decentdp[ray]'), with the same results")
+    workers: int = Field(1, ge=1, description="worker processes of the ray backend, each holding a contiguous "
+                                              "shard of agents (at most the number of agents)")
+    address: str = Field("", description="the ray backend's cluster: empty starts Ray on this machine (bound to "
+                                         "127.0.0.1), 'auto' or 'host:port' attaches to a running cluster")
+
+
+#: Fields that say where a run computes, not what it computes: a run may resume with other values.
+PLACEMENT_FIELDS = ("engine.backend", "engine.workers", "engine.address")
 
 
 class PrivacySection(_Section):
@@ -168,10 +186,30 @@ class PrivacySection(_Section):
                                                     "given); 'inf' = a deliberately non-private run")
     delta: float = Field(1e-5, gt=0.0, lt=1.0)
     clip: float = Field(1.0, gt=0.0, allow_inf_nan=False)
-    accountant: Literal["rdp", "pld"] = Field("rdp", description="accountant used to calibrate sigma")
-    secure_noise: bool = Field(False, description="key noise and sampling with a secret, not only the seed")
+    accountant: Literal["tight", "pld", "rdp"] = Field(
+        "tight", description="accountant that calibrates sigma, enforces budgets and reports epsilon: tight (the "
+                             "smaller of PLD and RDP, both sound), pld or rdp alone")
+    neighbouring: Literal["add-remove", "replace-one"] = Field(
+        "add-remove", description="neighbouring datasets differ by adding/removing one record (the DP-SGD "
+                                  "papers' relation; assumes an agent's dataset size is not secret) or by "
+                                  "replacing one (consistent with published sizes; about 2x the epsilon)")
+    noise: Literal["simulation", "secure"] = Field(
+        "simulation", description="simulation: noise and batches reproducible from experiment.seed (not private "
+                                  "against anyone with the config); secure: per-agent secret keys from the OS, "
+                                  "ChaCha20, hardened Gaussians (not reproducible)")
+    key_dir: str | None = Field(None, description="secure mode: directory of the per-run key file (mode 0600; "
+                                                  "default $DECENTDP_KEY_DIR, else ~/.local/state/decentdp/keys); "
+                                                  "never inside the results folder")
     agent_epsilons: list[float] | None = Field(None, min_length=1,
                                                description="per-agent budgets (overrides epsilon)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "secure_noise" in data:
+            raise _FieldError("privacy.secure_noise", "was replaced by privacy.noise = 'secure' (per-agent secret "
+                                                      "keys) or 'simulation' (reproducible from the seed)")
+        return data
 
     @field_validator("epsilon", mode="before")
     @classmethod
@@ -235,6 +273,9 @@ class ExperimentConfig(_Section):
     privacy: PrivacySection  # required: a run without a stated budget must not train silently without privacy
     schedule: ScheduleSection = Field(default_factory=ScheduleSection)
     engine: EngineSection = Field(default_factory=EngineSection)
+    personalized: PersonalizedSection | None = Field(
+        None, description="Bellet et al.'s personalized models (decentdp.personalized): when present, the run uses "
+                          "this section, [privacy], [experiment] seed/eval_every and data.data_dir only")
 
     @property
     def pools_data(self) -> bool:
@@ -250,6 +291,11 @@ class ExperimentConfig(_Section):
     @model_validator(mode="after")
     def _cross_field(self) -> ExperimentConfig:
         algo, topo, privacy = self.algorithm, self.topology, self.privacy
+        if self.personalized is not None:  # its own runner: [algorithm], [model], [topology] are not read
+            if self.schedule.kind not in ("auto", "poisson-clocks"):
+                raise _FieldError("schedule.kind", "personalized runs wake agents by Poisson clocks: use 'auto' or "
+                                                   "'poisson-clocks'")
+            return self
         if algo.lr_schedule != "constant" and algo.lr_final is None:
             raise _FieldError("algorithm.lr_final", f"is required by lr_schedule = '{algo.lr_schedule}'")
         supported = algorithm_class(algo.name).schedules

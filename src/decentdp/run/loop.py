@@ -23,6 +23,7 @@ from decentdp.algorithms.base import State
 from decentdp.config import ExperimentConfig
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.results import epsilon_json
+from decentdp.rng import SIMULATION_NOTICE
 from decentdp.run.build import Experiment, build_experiment
 from decentdp.run.record import ResultsFolder, summary
 from decentdp.util.allocator import retain_freed_memory
@@ -41,10 +42,9 @@ class RunResult:
 
 
 def _restore(experiment: Experiment, checkpoint: dict[str, Any]) -> None:
-    """Put the ledger, secret, scheduler and pass sizes of a checkpoint back (bit-exact resumes)."""
+    """Put the ledger, scheduler and pass sizes of a checkpoint back (bit-exact resumes)."""
     experiment.ledger = PrivacyLedger.from_state_dict(checkpoint["ledger"])
     experiment.oracle.ledger = experiment.ledger
-    experiment.oracle.rng.secret = bytes.fromhex(checkpoint["secret"])
     if "scheduler" in checkpoint:  # checkpoints of earlier versions ran synchronous rounds only
         experiment.simulator.scheduler.load_state_dict(checkpoint["scheduler"])
     if "passes" in checkpoint:  # checkpoints written before the memory plan existed have none
@@ -55,19 +55,27 @@ def _restore(experiment: Experiment, checkpoint: dict[str, Any]) -> None:
 def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, *,
                    data_dir: str | Path | None = None, resume: bool = False, stop_after: int | None = None,
                    progress: bool = True, log: Callable[[str], None] | None = None,
-                   profile: bool = False) -> RunResult:
+                   profile: bool = False, diagnostics: bool = False) -> RunResult:
     """Build and run an experiment, writing its results folder (if ``out_dir`` is given).
 
     ``stop_after`` ends the run after that many rounds (as if killed right after a checkpoint),
     leaving a resumable folder; ``resume`` continues a run from its folder's checkpoint.
+    ``diagnostics`` adds operator statistics computed from the raw private data (not differentially
+    private): ``diagnostics.json`` (class histograms) and a labelled ``diagnostics`` entry in every
+    metrics row (the fraction of clipped gradients); shareable results hold none of them by default.
     ``profile`` times every phase of the rounds and records torch's busiest operators over a few
     rounds (see :mod:`decentdp.util.profiling`); the report is logged and saved as ``profile.json``.
     """
     retain_freed_memory()
     threads = apply_threads(config.engine.threads)  # the cores this process may use, or engine.threads
+    if config.personalized is not None:  # Bellet et al.: per-agent models, asynchronous updates (own runner)
+        return _run_personalized(config, out_dir, data_dir, resume, log, threads.threads)
     folder = ResultsFolder(Path(out_dir)) if out_dir is not None else None
     checkpoint = folder.open(config, resume) if folder is not None else None  # paths checked before the build
     experiment = build_experiment(config, data_dir)
+    if config.engine.backend == "ray":  # agents sharded over Ray worker processes (the optional `ray` extra)
+        from decentdp.runtime.ray_backend import distribute
+        distribute(experiment)
 
     state = experiment.initial_state()
     metrics: list[dict[str, Any]] = []
@@ -76,8 +84,12 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
         state, start, elapsed = checkpoint["state"], checkpoint["round"], checkpoint["wall_seconds"]
         metrics = checkpoint["metrics"]
         _restore(experiment, checkpoint)
+        if folder is not None:
+            folder.restore_keys(experiment, checkpoint)
     elif folder is not None:
         folder.start(experiment)
+    if folder is not None and diagnostics:
+        folder.diagnostics(experiment)
 
     cfg = config.experiment
     rounds = cfg.rounds
@@ -98,7 +110,8 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
     def save(round_done: int, current: State) -> None:
         if folder is not None:
             with timer.phase("checkpoint"):
-                folder.checkpoint(experiment, round_done, current, metrics, elapsed + time.perf_counter() - clock)
+                folder.checkpoint(experiment, round_done, dict(current), metrics,  # dict: a sharded state's rows
+                                  elapsed + time.perf_counter() - clock)
 
     def evaluate(done: int, current: State) -> None:
         with timer.phase("evaluation"):
@@ -106,8 +119,9 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
         row = {"round": done, "lr": experiment.simulator.schedule(max(done - 1, 0)), **evaluation,
                "epsilon_max": epsilon_json(float(experiment.ledger.epsilon(config.privacy.accountant).max())),
                "epsilon_accountant": config.privacy.accountant,
-               "clipped_fraction": experiment.oracle.last_clipped_fraction,
                "wall_seconds": elapsed + time.perf_counter() - clock}
+        if diagnostics:  # computed from raw data, not released privately: only when asked, and labelled
+            row["diagnostics"] = {"clipped_fraction": experiment.oracle.last_clipped_fraction}
         metrics.append(row)
         emit(f"round {done:>5}/{rounds}  acc {row['accuracy_mean']:.4f} "
              f"(min {row['accuracy_min']:.4f}, max {row['accuracy_max']:.4f})  "
@@ -144,15 +158,32 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
         if folder is not None:
             folder.profile(report)
     result = summary(experiment, metrics, wall, finished=last == rounds) | {"threads": threads.threads}
+    extras = experiment.algorithm.privacy_extras(state, config.privacy.delta,  # e.g. Muffliato's pairwise DP
+                                                 experiment.ledger.reported_epsilon()[0])
+    result |= {key: value for key, value in extras.items() if key.endswith("_max")}
     refused = experiment.ledger.refused
     if refused.any():
         emit(f"warning: {int((refused > 0).sum())} agent(s) ran out of privacy budget and skipped "
              f"{int(refused.sum())} release(s) in total (see privacy.json)")
     if folder is not None and last == rounds:
-        folder.finish(experiment, result, metrics)
+        folder.finish(experiment, result, metrics, extras)
     if not config.privacy.private:
         emit(NOT_PRIVATE)
     return RunResult(result, metrics, state, folder.path if folder is not None else None)
+
+
+def _run_personalized(config: ExperimentConfig, out_dir: str | Path | None, data_dir: str | Path | None,
+                      resume: bool, log: Callable[[str], None] | None, threads: int) -> RunResult:
+    """A ``[personalized]`` run (:mod:`decentdp.personalized.runner`): it finishes in seconds, so it keeps
+    no checkpoint and cannot be resumed."""
+    from decentdp.errors import ConfigError
+    from decentdp.personalized.runner import run_personalized
+
+    if resume:
+        raise ConfigError("--resume", "personalized runs keep no checkpoint (they take seconds); run again")
+    summary, metrics, theta = run_personalized(config, out_dir, data_dir=data_dir, log=log)
+    return RunResult(summary | {"threads": threads}, metrics, {"params": theta},
+                     Path(out_dir) if out_dir is not None else None)
 
 
 def summary_line(result: dict[str, Any]) -> str:
@@ -200,6 +231,8 @@ def _announce(experiment: Experiment, emit: Callable[[str], None]) -> None:
     emit(f"privacy: epsilon {budgets.min():g}..{budgets.max():g} per agent at delta {config.privacy.delta:g}, "
          f"sigma {float(sigmas.min()):.4g}..{float(sigmas.max()):.4g} for {planned} planned releases"
          if config.privacy.private else NOT_PRIVATE)
+    if config.privacy.private and not experiment.oracle.rng.secure:
+        emit(f"privacy: {SIMULATION_NOTICE}")
     emit(f"gradients: {experiment.model.backend} engine" + (
         f" (the stacked engine does not support this model: {experiment.model.fallback_reason})"
         if experiment.model.fallback_reason else ""))
