@@ -1,0 +1,96 @@
+"""`decentdp audit messages|mia` and `decentdp attack inversion`: the JSON line later checks read, the results
+folder, the non-private message, and input errors printed without a traceback (bundled digits, small runs)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import tomli_w
+
+from decentdp.cli import main
+
+#: RDP calibrates in milliseconds (tightness is the message-audit tests' concern, not these)
+_BASE = {"experiment": {"name": "audit", "rounds": 2}, "data": {"dataset": "digits"},
+         "topology": {"agents": 2}, "model": {"name": "linear"},
+         "algorithm": {"name": "dp-dsgd", "lr": 0.1, "batch_size": 16},
+         "privacy": {"epsilon": 1.0, "delta": 1e-5, "clip": 1.0, "accountant": "rdp"},
+         "audit": {"models": 200, "chunk": 100}}
+
+
+def _config(tmp_path: Path, **sections: dict) -> Path:
+    raw = {name: dict(values) for name, values in _BASE.items()}
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    path = tmp_path / "audit.toml"
+    path.write_text(tomli_w.dumps(raw))
+    return path
+
+
+def _last_json(text: str) -> dict:
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def test_audit_messages_json_and_results_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "results"
+    assert main(["audit", "messages", str(_config(tmp_path)), "--models", "150", "--json", "--out", str(out)]) == 0
+    summary = _last_json(capsys.readouterr().out)
+    assert {"epsilon_lower_bound", "epsilon_nominal", "models", "wall_seconds"} <= set(summary)
+    assert summary["models"] == 150 and summary["epsilon_nominal"] == 1.0
+    assert 0.0 <= summary["epsilon_lower_bound"] <= 1.0
+    assert json.loads((out / "audit.json").read_text())["models"] == 150
+    with (out / "scores.csv").open() as file:
+        rows = list(csv.DictReader(file))
+    assert len(rows) == 300 and sum(row["part"] == "select" for row in rows) == 2 * summary["selection_runs"]
+
+
+def test_audit_of_a_non_private_config_says_the_bound_is_unbounded(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    config = _config(tmp_path, privacy={"epsilon": "inf"})
+    assert main(["audit", "messages", str(config), "--json"]) == 0
+    text = capsys.readouterr().out
+    assert "non-private" in text and "unbounded" in text
+    summary = _last_json(text)
+    assert summary["epsilon_nominal"] is None and summary["epsilon_lower_bound"] > 3.0
+
+
+def test_audit_mia_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = _config(tmp_path, topology={"agents": 3}, model={"name": "mlp", "options": {"hidden": 16}},
+                     audit={"per_digit": 20})
+    assert main(["audit", "mia", str(config), "--models", "60", "--json"]) == 0
+    summary = _last_json(capsys.readouterr().out)
+    assert summary["audit"] == "mia" and summary["models"] == 60
+    assert summary["epsilon_ledger"] == pytest.approx(1.0, abs=1e-3)
+    assert 0.0 <= summary["epsilon_lower_bound"] <= 1.0
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--models", "8"], "--models"),
+    (["--set", "audit.canary_index=100000"], "audit.canary_index"),
+    (["--set", "audit.modles=3"], "audit.modles"),
+])
+def test_bad_audit_input_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str],
+                                            message: str) -> None:
+    assert main(["audit", "messages", str(_config(tmp_path)), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_mia_needs_one_digit_per_agent(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["audit", "mia", str(_config(tmp_path)), "--models", "50"]) == 2
+    assert "topology.agents" in capsys.readouterr().err
+
+
+def test_attack_inversion_json_and_figure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("skimage", reason="scikit-image is the audit extra")
+    config = _config(tmp_path, model={"name": "mlp", "options": {"hidden": 32}},
+                     audit={"images": 1, "iterations": 60, "epsilons": [1.0]})
+    out = tmp_path / "inversion"
+    assert main(["attack", "inversion", str(config), "--json", "--out", str(out)]) == 0
+    summary = _last_json(capsys.readouterr().out)
+    assert {"ssim_nonprivate", "ssim_private", "psnr_nonprivate", "psnr_private", "mse_nonprivate",
+            "mse_private"} <= set(summary)
+    assert summary["ssim_nonprivate"] > summary["ssim_private"]
+    assert (out / "reconstructions.png").stat().st_size > 0 and (out / "scores.csv").is_file()
