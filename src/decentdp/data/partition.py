@@ -174,6 +174,30 @@ def partition(
     return parts
 
 
+def hold_out(parts: list[np.ndarray], fraction: float, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """Carve a validation set out of the agents' training records, for tuning without the test set.
+
+    Each agent gives up ``floor(fraction * |D_i|)`` of its own records, chosen uniformly at random from
+    a stream of ``seed`` separate from the partition's, so every agent keeps its class mix in expectation.
+    Returns the agents' remaining index arrays and the sorted union of the held-out indices.  The held-out
+    records are the agents' private data too: tuning on them has a privacy cost (see the README).
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ConfigError("data.validation_fraction", f"must lie in [0, 1), got {fraction}")
+    rng = np.random.default_rng([seed, 0x5A1])  # "VAL": independent of the partition's stream
+    kept, held = [], []
+    for part in parts:
+        order = rng.permutation(len(part))
+        cut = int(fraction * len(part))
+        held.append(part[order[:cut]])
+        kept.append(np.sort(part[order[cut:]]))
+    validation = np.sort(np.concatenate(held)) if held else np.zeros(0, dtype=np.int64)
+    if fraction > 0 and len(validation) == 0:
+        raise ConfigError("data.validation_fraction", f"{fraction} of the agents' records is no record at all; "
+                                                      "raise it")
+    return kept, validation
+
+
 def class_histograms(labels: np.ndarray, parts: list[np.ndarray], n_classes: int) -> np.ndarray:
     """Count each agent's samples per class, for logging how non-IID a split is.
 

@@ -1,0 +1,520 @@
+"""``decentdp sweep SWEEP.toml``: a resumable hyper-parameter search over config fields, on Optuna.
+
+Why Optuna: its samplers cover the three kinds of search the issue asks for (``GridSampler``,
+``RandomSampler``, and the model-based ``TPESampler``), its ask-and-tell interface lets this module keep
+the process pool and the results folders, and its SQLite storage is one file that survives a kill.
+(Ray Tune's population-based training would mutate a run's hyper-parameters mid-run, which a privacy
+budget calibrated for one fixed schedule of releases does not allow.)  Optuna is an optional extra,
+``pip install decentdp[sweep]``; nothing else in decentdp imports it.
+
+A sweep file::
+
+    [sweep]
+    config = "../consensus/table1-dsgt-eps10.toml"   # the base config, relative to this file
+    method = "tpe"                 # grid | random | tpe
+    trials = 20                    # grid: at most the grid's size (default: all of it)
+    workers = 2                    # processes, one compute thread each
+    seeds = [0]                    # the objective is the mean over these seeds
+    objective = "accuracy_mean"    # a key of summary.json, measured on the validation split
+    direction = "maximize"
+    validation_fraction = 0.1      # held out of each agent's training records; never the test set
+    set = { "experiment.rounds" = 200 }   # fixed overrides of the base config
+
+    [space]
+    "algorithm.lr" = { low = 0.01, high = 1.0, log = true }
+    "algorithm.batch_size" = { values = [128, 256, 512] }
+    "privacy.clip" = { low = 1.0, high = 10.0, step = 1.0 }
+
+Each trial is a results folder ``OUT/trials/trial-NNNN[/seed-S]`` that ``decentdp report`` reads. A
+killed sweep restarted with the same command continues: finished trials are kept, the trials that were
+running resume from their checkpoints, and a changed sweep file is refused (naming what changed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import shutil
+import sys
+import tomllib
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from decentdp.errors import ConfigError, DecentDPError
+from decentdp.results import CHECKPOINT_FILE, write_atomic
+
+STUDY_FILE = "study.db"
+TRIALS_DIR = "trials"
+SPEC_ATTR = "decentdp_sweep"
+
+
+# ----------------------------------------------------------------------------- the sweep file
+
+
+class Dimension(BaseModel):
+    """One searched field: a list of ``values``, or a range ``low``..``high`` (``log`` scale, or ``step``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    values: list[Any] | None = Field(None, min_length=1)
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    step: float | None = Field(None, gt=0)
+    integer: bool = False
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Dimension:
+        ranged = self.low is not None or self.high is not None
+        if self.values is not None and (ranged or self.log or self.step is not None):
+            raise ValueError("give either values = [...] or low/high (with log or step), not both")
+        if self.values is None:
+            if self.low is None or self.high is None:
+                raise ValueError("needs values = [...], or both low and high")
+            if not self.low < self.high:
+                raise ValueError(f"low must be below high (got {self.low} and {self.high})")
+            if self.log and self.low <= 0:
+                raise ValueError("a log range needs low > 0")
+            if self.log and self.step is not None:
+                raise ValueError("log and step cannot be combined")
+        return self
+
+    def grid(self) -> list[Any]:
+        """The values a grid search visits."""
+        if self.values is not None:
+            return list(self.values)
+        if self.step is None:
+            raise ValueError("a grid needs values = [...] or a step")
+        assert self.low is not None and self.high is not None
+        count = int(math.floor((self.high - self.low) / self.step + 1e-9)) + 1
+        points = [self.low + k * self.step for k in range(count)]
+        return [int(round(p)) for p in points] if self.integer else [round(p, 12) for p in points]
+
+    def edges(self) -> list[Any]:
+        """The values that must each form a valid config: every choice, or both ends of the range."""
+        if self.values is not None:
+            return list(self.values)
+        ends = [self.low, self.high]
+        return [int(v) for v in ends] if self.integer else ends  # type: ignore[arg-type]
+
+
+class SweepSection(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    config: str
+    method: Literal["grid", "random", "tpe"] = "tpe"
+    trials: int | None = Field(None, ge=1)
+    workers: int = Field(1, ge=1)
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    objective: str = "accuracy_mean"
+    direction: Literal["maximize", "minimize"] = "maximize"
+    validation_fraction: float = Field(0.1, gt=0.0, le=0.5)
+    sampler_seed: int = Field(0, ge=0)
+    set: dict[str, Any] = Field(default_factory=dict)
+    top: int = Field(5, ge=1, description="trials listed in the final table")
+
+
+@dataclass
+class Sweep:
+    """A validated sweep file: the section, the space, and the base config (raw TOML, overrides applied)."""
+
+    path: Path
+    section: SweepSection
+    space: dict[str, Dimension]
+    base: dict[str, Any] = field(repr=False)
+
+    @property
+    def trials(self) -> int:
+        if self.section.method == "grid":
+            size = math.prod(len(dim.grid()) for dim in self.space.values())
+            return min(size, self.section.trials or size)
+        if self.section.trials is None:
+            raise ConfigError("sweep.trials", f"is required by method = '{self.section.method}'")
+        return self.section.trials
+
+    def spec(self) -> dict[str, Any]:
+        """What must not change when a sweep resumes: everything that defines its trials."""
+        return {"method": self.section.method, "objective": self.section.objective,
+                "direction": self.section.direction, "seeds": self.section.seeds,
+                "validation_fraction": self.section.validation_fraction, "sampler_seed": self.section.sampler_seed,
+                "space": {name: dim.model_dump(exclude_defaults=True) for name, dim in sorted(self.space.items())},
+                "base_config": hashlib.sha256(json.dumps(self.base, sort_keys=True, default=str).encode()).hexdigest()}
+
+    def trial_config(self, params: dict[str, Any], seed: int) -> dict[str, Any]:
+        """The raw config of one trial at one seed: the base, the trial's values, the validation split."""
+        from decentdp.config import apply_overrides
+
+        assignments = [f"{name}={_toml_value(value)}" for name, value in params.items()]
+        assignments += [f"experiment.seed={seed}", f"data.validation_fraction={self.section.validation_fraction}",
+                        "engine.threads=1"]
+        return apply_overrides(self.base, assignments)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    return repr(value)
+
+
+def load_sweep(path: str | Path) -> Sweep:
+    """Read and check a sweep file: its own keys, the base config, and every field and range it searches
+    (each value at the ends of each range must make a valid config, checked by the config schema)."""
+    from decentdp.config import apply_overrides, validate_config
+
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError("SWEEP", f"no such sweep file: {file}")
+    try:
+        raw = tomllib.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError("SWEEP", f"cannot read {file} as TOML: {exc}") from None
+    unknown = sorted(set(raw) - {"sweep", "space"})
+    if unknown:
+        raise ConfigError(unknown[0], "unknown section of a sweep file; allowed: [sweep], [space]")
+    try:
+        section = SweepSection.model_validate(raw.get("sweep", {}))
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        name = ".".join(str(part) for part in ("sweep", *error["loc"]))
+        raise ConfigError(name, error["msg"].removeprefix("Value error, ")) from None
+    space: dict[str, Dimension] = {}
+    for name, spec in raw.get("space", {}).items():
+        if not isinstance(spec, dict):
+            raise ConfigError(f"space.{name}", "must be a table: { values = [...] } or { low = ..., high = ... }")
+        try:
+            space[name] = Dimension.model_validate(spec)
+        except ValidationError as exc:
+            raise ConfigError(f"space.{name}", exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+    if not space:
+        raise ConfigError("space", "the sweep searches nothing: add fields to [space], e.g. "
+                                   "\"algorithm.lr\" = { low = 0.01, high = 1.0, log = true }")
+    base_file = (file.parent / section.config).resolve()
+    if not base_file.is_file():
+        raise ConfigError("sweep.config", f"no such config file: {base_file}")
+    try:
+        base_raw = tomllib.loads(base_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError("sweep.config", f"cannot read {base_file} as TOML: {exc}") from None
+    base = apply_overrides(base_raw, [f"{name}={_toml_value(value)}" for name, value in section.set.items()])
+    sweep = Sweep(file, section, space, base)
+    base_config = validate_config(sweep.trial_config({}, section.seeds[0]))
+    for name, dim in space.items():
+        _check_field(name, base_config)
+        if dim.integer is False and dim.values is None and _is_integer_field(name, base_config):
+            space[name] = dim = dim.model_copy(update={"integer": True})
+        for value in dim.edges():
+            try:
+                validate_config(apply_overrides(base, [f"{name}={_toml_value(value)}"]))
+            except ConfigError as exc:
+                raise ConfigError(f"space.{name}", f"the value {value!r} makes an invalid config: "
+                                                   f"{str(exc).removeprefix('invalid configuration:').strip()}") \
+                    from None
+    if section.method == "grid":
+        for name, dim in space.items():
+            try:
+                dim.grid()
+            except ValueError as exc:
+                raise ConfigError(f"space.{name}", f"{exc} (method = 'grid')") from None
+    _ = sweep.trials  # trials is required unless the grid bounds it
+    return sweep
+
+
+def _lookup(name: str, config: Any) -> tuple[bool, Any]:
+    """Whether dotted ``name`` is a field of the resolved config, and its value."""
+    data: Any = config.to_toml_dict()
+    section, _, key = name.partition(".")
+    model = type(config).model_fields.get(section)
+    if model is None or not key:
+        return False, None
+    sub = getattr(config, section)
+    if key.startswith("options.") and section == "model":
+        return True, sub.options.get(key.removeprefix("options."))
+    known = set(type(sub).model_fields) | set(getattr(sub, "__pydantic_extra__", None) or {})
+    return key in known, data.get(section, {}).get(key)
+
+
+def _check_field(name: str, config: Any) -> None:
+    found, _ = _lookup(name, config)
+    if not found:
+        section = name.partition(".")[0]
+        sub = getattr(config, section, None)
+        allowed = sorted(set(type(sub).model_fields) | set(getattr(sub, "__pydantic_extra__", None) or {})) \
+            if sub is not None else sorted(type(config).model_fields)
+        where = f"[{section}] keys: {', '.join(allowed)}" if sub is not None else \
+            f"sections: {', '.join(allowed)}"
+        raise ConfigError(f"space.{name}", f"is not a config field of this sweep's config ({where}; "
+                                           "model options as model.options.NAME)")
+
+
+def _is_integer_field(name: str, config: Any) -> bool:
+    _, value = _lookup(name, config)
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# ----------------------------------------------------------------------------- trials
+
+
+def _trial_folder(out: Path, number: int) -> Path:
+    return out / TRIALS_DIR / f"trial-{number:04d}"
+
+
+def run_trial(raw_configs: list[dict[str, Any]], folders: list[str], objective: str) -> dict[str, Any]:
+    """One trial in a worker process: its run at each seed (resumed where a checkpoint exists), and the mean
+    of ``objective`` over them.  Returns ``{"value": ...}`` or ``{"error": message}`` for bad input."""
+    import torch
+
+    from decentdp.config import validate_config
+    from decentdp.run.loop import run_experiment
+
+    torch.set_num_threads(1)
+    values = []
+    try:
+        for raw, folder in zip(raw_configs, folders, strict=True):
+            path = Path(folder)
+            summary_file = path / "summary.json"
+            if summary_file.is_file():
+                summary = json.loads(summary_file.read_text())
+            else:
+                resume = (path / CHECKPOINT_FILE).is_file()
+                if path.exists() and not resume:
+                    shutil.rmtree(path)  # killed before its first checkpoint: nothing to keep
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with path.with_name(f"{path.name}.log").open("a", encoding="utf-8") as log:  # beside the folder
+                    summary = run_experiment(validate_config(raw), path, resume=resume, progress=False,
+                                             log=lambda line, log=log: print(line, file=log, flush=True)).summary
+            value = summary.get(objective)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                return {"error": f"the run has no finite '{objective}' in its summary"}
+            values.append(float(value))
+    except DecentDPError as error:
+        return {"error": str(error)}
+    return {"value": sum(values) / len(values)}
+
+
+class SweepRunner:
+    """The study in ``out/study.db`` and the trials' results folders under ``out/trials``."""
+
+    def __init__(self, sweep: Sweep, out: Path) -> None:
+        import optuna
+
+        self.optuna = optuna
+        self.sweep = sweep
+        self.out = out
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        out.mkdir(parents=True, exist_ok=True)
+        storage = f"sqlite:///{(out / STUDY_FILE).resolve()}"
+        names = optuna.study.get_all_study_names(storage)
+        if names:
+            self.study = optuna.load_study(study_name=names[0], storage=storage)
+            _check_same(self.study.user_attrs.get(SPEC_ATTR, {}), sweep.spec(), out)
+        else:
+            self.study = optuna.create_study(study_name="decentdp", storage=storage,
+                                             direction=sweep.section.direction)
+            self.study.set_user_attr(SPEC_ATTR, sweep.spec())
+        # A resumed sweep seeds its sampler afresh (the seed and the trials so far), so that it does not
+        # propose the values of its first trials again; a grid skips the points already visited.
+        seed = sweep.section.sampler_seed + len(self.study.get_trials(deepcopy=False))
+        self.study.sampler = {
+            "grid": lambda: optuna.samplers.GridSampler({n: d.grid() for n, d in sweep.space.items()}, seed=seed),
+            "random": lambda: optuna.samplers.RandomSampler(seed=seed),
+            "tpe": lambda: optuna.samplers.TPESampler(seed=seed)}[sweep.section.method]()
+        write_atomic(out / "sweep.toml", sweep.path.read_text(encoding="utf-8"))
+
+    def distributions(self) -> dict[str, Any]:
+        dists = self.optuna.distributions
+        out: dict[str, Any] = {}
+        for name, dim in self.sweep.space.items():
+            if self.sweep.section.method == "grid" or dim.values is not None:
+                out[name] = dists.CategoricalDistribution(dim.grid())
+            elif dim.integer:
+                out[name] = dists.IntDistribution(int(dim.low or 0), int(dim.high or 0), log=dim.log,
+                                                  step=int(dim.step or 1))
+            else:
+                out[name] = dists.FloatDistribution(dim.low or 0.0, dim.high or 0.0, log=dim.log, step=dim.step)
+        return out
+
+    def recover(self) -> int:
+        """Trials a killed sweep left running: failed in the study, queued again with the same values and
+        folder (they resume from their checkpoints).  Returns how many."""
+        state = self.optuna.trial.TrialState
+        stale = self.study.get_trials(deepcopy=False, states=(state.RUNNING,))
+        for trial in stale:
+            self.study.tell(trial.number, state=state.FAIL)
+            self.study.enqueue_trial(trial.params, user_attrs={"folder": trial.user_attrs.get(
+                "folder", str(_trial_folder(self.out, trial.number))), "interrupted": True})
+        return len(stale)
+
+    def finished(self) -> int:
+        """Trials that count towards ``trials``: completed, and failed on bad input (not interrupted ones)."""
+        state = self.optuna.trial.TrialState
+        trials = self.study.get_trials(deepcopy=False, states=(state.COMPLETE, state.FAIL))
+        return sum(1 for t in trials if t.state == state.COMPLETE or "error" in t.user_attrs)
+
+    def run(self, progress: bool = True, log: Callable[[str], None] = print) -> list[Any]:
+        """Run trials until ``trials`` are finished, ``workers`` at a time; the best trials, best first."""
+        from tqdm.auto import tqdm
+
+        recovered = self.recover()
+        done, total = self.finished(), self.sweep.trials
+        if done or recovered:
+            log(f"resuming {self.out}: {done} of {total} trials finished, {recovered} interrupted trial(s) "
+                "continue from their checkpoints")
+        section = self.sweep.section
+        bar = tqdm(total=total, initial=min(done, total), desc="trials", unit="trial", disable=not progress,
+                   file=sys.stderr)
+        running: dict[Future[dict[str, Any]], Any] = {}
+        context = get_context("spawn")  # fresh interpreters: no inherited torch threads or locks
+        try:
+            with ProcessPoolExecutor(max_workers=section.workers, mp_context=context) as pool:
+                while done + len(running) < total or running:
+                    while done + len(running) < total and len(running) < section.workers:
+                        trial = self.study.ask(self.distributions())
+                        folder = Path(trial.user_attrs.get("folder") or _trial_folder(self.out, trial.number))
+                        trial.set_user_attr("folder", str(folder))
+                        seeds = section.seeds
+                        folders = [str(folder if len(seeds) == 1 else folder / f"seed-{s}") for s in seeds]
+                        configs = [self.sweep.trial_config(trial.params, s) for s in seeds]
+                        running[pool.submit(run_trial, configs, folders, section.objective)] = trial
+                    finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                    for future in finished:
+                        trial = running.pop(future)
+                        result = future.result()
+                        if "error" in result:
+                            trial.set_user_attr("error", result["error"])
+                            self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
+                            log(f"trial {trial.number} failed: {result['error']}")
+                        else:
+                            self.study.tell(trial, result["value"])
+                        done += 1
+                        bar.update(1)
+                        best = self._best(1)
+                        if best:
+                            bar.set_postfix_str(f"best {section.objective} {best[0].value:.4f} "
+                                                f"(trial {best[0].number})")
+        finally:
+            bar.close()
+        return self._best(section.top)
+
+    def _best(self, count: int) -> list[Any]:
+        trials = self.study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.COMPLETE,))
+        reverse = self.sweep.section.direction == "maximize"
+        return sorted(trials, key=lambda t: t.value, reverse=reverse)[:count]
+
+
+def _check_same(saved: dict[str, Any], current: dict[str, Any], out: Path) -> None:
+    """Refuse to resume a study whose trials were defined differently (nothing is changed on disk)."""
+    changed = sorted(key for key in saved.keys() | current.keys() if saved.get(key) != current.get(key))
+    if not saved:
+        raise ConfigError("--out", f"{out / STUDY_FILE} was not written by decentdp sweep; choose another --out")
+    if changed:
+        detail = "; ".join(_describe_change(key, saved.get(key), current.get(key)) for key in changed)
+        raise ConfigError("--out", f"the sweep in {out} was started with a different definition ({detail}); its "
+                                   "finished trials would not be comparable with new ones. Resume it with the "
+                                   "original sweep file (a copy is in sweep.toml there), or choose another --out")
+
+
+def _describe_change(key: str, old: Any, new: Any) -> str:
+    if key == "space" and isinstance(old, dict) and isinstance(new, dict):
+        fields = sorted(name for name in old.keys() | new.keys() if old.get(name) != new.get(name))
+        return f"search space changed in {', '.join(fields)}"
+    if key == "base_config":
+        return "the base config (or its set = {...} overrides) changed"
+    return f"{key}: {old!r} -> {new!r}"
+
+
+def best_table(sweep: Sweep, best: list[Any]) -> str:
+    """Markdown table of the best trials: value, the searched fields, the results folder."""
+    names = list(sweep.space)
+    section = sweep.section
+    lines = [f"| rank | trial | {section.objective} (validation, mean of {len(section.seeds)} seed(s)) | "
+             + " | ".join(names) + " | folder |",
+             "|---:|---:|---:|" + "---:|" * len(names) + "---|"]
+    for rank, trial in enumerate(best, 1):
+        cells = [f"{trial.params[name]:.4g}" if isinstance(trial.params[name], float) else str(trial.params[name])
+                 for name in names]
+        lines.append(f"| {rank} | {trial.number} | {trial.value:.4f} | " + " | ".join(cells)
+                     + f" | {trial.user_attrs.get('folder', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def best_config(sweep: Sweep, trial: Any) -> dict[str, Any]:
+    """The base config with the best trial's values: what a final run (on the test set) uses."""
+    from decentdp.config import apply_overrides, validate_config
+
+    raw = apply_overrides(sweep.base, [f"{name}={_toml_value(value)}" for name, value in trial.params.items()])
+    return validate_config(raw).to_toml_dict()
+
+
+# ----------------------------------------------------------------------------- command
+
+
+def add_parser(commands: Any) -> None:
+    """Register ``decentdp sweep`` on the CLI's subcommands."""
+    sweep = commands.add_parser(
+        "sweep", help="resumable hyper-parameter search over config fields (grid, random, TPE; needs "
+                      "decentdp[sweep])",
+        description="Search config fields with Optuna (grid, random or TPE), several trials at once in separate "
+                    "processes with one thread each, each trial evaluated on a validation split held out of the "
+                    "agents' training data (never the test set). Run the same command again to resume a killed "
+                    "sweep. Tuning on private data costs privacy that the trials' epsilon does not include: see "
+                    "the README.")
+    sweep.add_argument("sweep_file", metavar="SWEEP.toml", help="the sweep file ([sweep] and [space])")
+    sweep.add_argument("--out", type=Path, metavar="DIR",
+                       help="sweep folder: study.db, trials/, best.toml (default: results/sweeps/<file name>)")
+    sweep.add_argument("--workers", type=int, metavar="N", help="processes at once (overrides sweep.workers)")
+    sweep.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    sweep.add_argument("--json", action="store_true", help="print the best trials as one JSON line at the end")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``decentdp sweep``: check the file, open or resume the study, run the trials, print the best."""
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        raise DecentDPError("decentdp sweep needs Optuna: pip install 'decentdp[sweep]'") from None
+    sweep = load_sweep(args.sweep_file)
+    if args.workers is not None:
+        if args.workers < 1:
+            raise ConfigError("--workers", f"must be a positive integer, got {args.workers}")
+        sweep.section.workers = args.workers
+    out = args.out if args.out is not None else Path("results") / "sweeps" / Path(args.sweep_file).stem
+    if out.exists() and not out.is_dir():
+        raise ConfigError("--out", f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / STUDY_FILE).is_file():
+        raise ConfigError("--out", f"{out} already holds files that are not a sweep; choose an empty directory")
+    runner = SweepRunner(sweep, out)
+    try:
+        best = runner.run(progress=not args.no_progress, log=lambda line: print(line, file=sys.stderr))
+    except KeyboardInterrupt:
+        print(f"decentdp: interrupted; resume with: decentdp sweep {args.sweep_file} --out {out}", file=sys.stderr)
+        return 130
+    if not best:
+        raise DecentDPError(f"no trial of {out} finished; see the errors above")
+    import tomli_w
+
+    write_atomic(out / "best.toml", "# The best trial of decentdp sweep " + str(args.sweep_file) + " (validation "
+                 f"{sweep.section.objective} = {best[0].value:.6g}); evaluate it on the test set with decentdp run\n"
+                 + tomli_w.dumps(best_config(sweep, best[0])))
+    table = best_table(sweep, best)
+    write_atomic(out / "best.md", table)
+    print(table, end="")
+    print(f"best config: {out / 'best.toml'} (validation_fraction removed: run it to measure test accuracy); "
+          f"all trials: decentdp report {out / TRIALS_DIR}")
+    if args.json:
+        print(json.dumps({"best": [{"trial": t.number, "value": t.value, "params": t.params,
+                                    "folder": t.user_attrs.get("folder")} for t in best],
+                          "best_config": str(out / "best.toml")}))
+    return 0
+
