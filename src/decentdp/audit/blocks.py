@@ -10,7 +10,7 @@ in a few kernels.  Each block is a world: its target agent owns the audited reco
 
 The run is the library's: the algorithm from the registry, the run's Poisson sampler,
 :class:`~decentdp.privacy.oracle.DataOracle`, a Gaussian mechanism calibrated for the planned
-releases, the scheduler and the simulator.  Two things differ from ``decentdp run``, both public
+releases (or the algorithm's own calibration, :meth:`Algorithm.calibrate`), the scheduler and the simulator.  Two things differ from ``decentdp run``, both public
 and the same in both worlds: sampling rates and noise are those of the larger world (the record
 present), as add/remove DP requires; and the ledger records every event without enforcing
 budgets (the calibration already fits exactly the planned releases; checking 10^5 identical
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from decentdp.algorithms.base import State
+from decentdp.algorithms.base import NoisePlan, State
 from decentdp.audit.bounds import audit_bound, split_sizes
 from decentdp.config import ExperimentConfig
 from decentdp.errors import ConfigError
@@ -198,11 +198,20 @@ def block_simulation(experiment: Experiment, x: torch.Tensor, y: torch.Tensor, p
     planned = planned_releases(config, experiment.algorithm)
     sums = experiment.algorithm.sums_per_batch(experiment.topology.adjacency().sum(axis=1).astype(np.int64))
     private = config.privacy.private
-    sigmas = _sigmas(experiment, budgets, rates, planned, sums) if private else [0.0] * block
+    degrees = [int(d) for d in experiment.topology.adjacency().sum(axis=1)]
+    schedule_cfg = config.schedule
+    own = experiment.algorithm.calibrate(NoisePlan(
+        budgets * blocks, config.privacy.delta, rates * blocks, sizes * blocks, config.experiment.rounds,
+        experiment.model.dim, config.privacy.clip, config.privacy.accountant, config.privacy.neighbouring,
+        (1 - schedule_cfg.offline_probability) * schedule_cfg.participation, degrees * blocks)) if private else None
+    if own is not None:  # the algorithm's own mechanism (TOP-DP, Li18, ...), calibrated for every block agent
+        sigmas, mechanism = list(own.noise_multipliers[:block]), own.mechanism
+    else:
+        sigmas = _sigmas(experiment, budgets, rates, planned, sums) if private else [0.0] * block
+        mechanism = GaussianMechanism(torch.tensor(sigmas * blocks, dtype=torch.float32),
+                                      config.privacy.clip) if private else None
     rng = AgentRandom(seed, device=device)
     sample_rates = torch.tensor(rates * blocks, dtype=torch.float64)
-    mechanism: Mechanism | None = GaussianMechanism(torch.tensor(sigmas * blocks, dtype=torch.float32),
-                                                    config.privacy.clip) if private else None
     if mechanism is not None and wrap_mechanism is not None:
         mechanism = wrap_mechanism(mechanism)
     ledger = PrivacyLedger(blocks * block, float("inf"), config.privacy.delta,
