@@ -1,0 +1,121 @@
+"""``decentdp sweep``: checked sweep files, trials evaluated on a validation split, resumption after a kill
+without rerunning finished trials, and a refused resume when the search space changed."""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tomli_w
+
+from decentdp.cli import main
+from decentdp.data.partition import hold_out
+from decentdp.errors import ConfigError
+from decentdp.sweep import load_sweep
+
+from conftest import tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_sweep(tmp_path: Path, space: str, **sweep: object) -> Path:
+    """A sweep over the tests' tiny digits config (4 rounds, 4 agents, RDP calibration)."""
+    base = tiny_config(privacy={"epsilon": 5.0, "accountant": "rdp"})
+    (tmp_path / "base.toml").write_text(tomli_w.dumps(base))
+    section = {"config": "base.toml", "method": "random", "trials": 2, "workers": 1, "validation_fraction": 0.2,
+               **sweep}
+    section = {key: value for key, value in section.items() if value is not None}  # None: leave the key out
+    path = tmp_path / "sweep.toml"
+    path.write_text(tomli_w.dumps({"sweep": section}) + "\n[space]\n" + space)
+    return path
+
+
+def test_hold_out_takes_records_from_every_agent_and_keeps_the_rest() -> None:
+    parts = [np.arange(0, 100), np.arange(100, 130)]
+    kept, validation = hold_out(parts, 0.2, seed=3)
+    assert [len(p) for p in kept] == [80, 24] and len(validation) == 26
+    assert np.intersect1d(np.concatenate(kept), validation).size == 0
+    assert sorted(np.concatenate([*kept, validation]).tolist()) == list(range(130))
+    again, same = hold_out(parts, 0.2, seed=3)
+    assert np.array_equal(same, validation)
+
+
+@pytest.mark.parametrize(("space", "extra", "message"), [
+    ('"algorithm.nope" = { values = [1, 2] }', {}, "space.algorithm.nope: is not a config field"),
+    ('"training.lr" = { values = [1, 2] }', {}, "space.training.lr: is not a config field"),
+    ('"algorithm.momentum" = { values = [0.0, 0.9] }', {}, "space.algorithm.momentum"),  # not dp-dsgt's
+    ('"algorithm.lr" = { low = 0.0, high = 1.0 }', {}, "space.algorithm.lr: the value 0.0 makes an invalid config"),
+    ('"data.overlap_t" = { low = 0.5, high = 2.0 }', {}, "the value 2.0 makes an invalid config"),
+    ('"algorithm.lr" = { low = 1.0, high = 0.1 }', {}, "low must be below high"),
+    ('"algorithm.lr" = { low = 0.1, high = 1.0 }', {"method": "grid"}, "a grid needs values = [...] or a step"),
+    ('"algorithm.lr" = { low = 0.1, high = 1.0 }', {"trials": None}, "sweep.trials: is required"),
+    ('"algorithm.lr" = { values = [0.1] }', {"workers": 0}, "sweep.workers"),
+    ('"algorithm.lr" = { values = [0.1] }', {"validation_fraction": 0.0}, "sweep.validation_fraction"),
+])
+def test_bad_sweep_files_name_the_field(tmp_path: Path, capsys, space: str, extra: dict, message: str) -> None:
+    path = write_sweep(tmp_path, space + "\n", **extra)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_sweep(path)
+    out = tmp_path / "out"
+    assert main(["sweep", str(path), "--out", str(out)]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_grid_ranges_and_integer_fields(tmp_path: Path) -> None:
+    path = write_sweep(tmp_path, '"algorithm.batch_size" = { low = 8, high = 24, step = 8 }\n'
+                                 '"algorithm.lr" = { values = [0.1, 0.2] }\n', method="grid", trials=None)
+    sweep = load_sweep(path)
+    assert sweep.space["algorithm.batch_size"].grid() == [8, 16, 24]
+    assert sweep.trials == 6
+    trial = sweep.trial_config({"algorithm.batch_size": 16, "algorithm.lr": 0.2}, seed=3)
+    assert trial["algorithm"]["batch_size"] == 16 and trial["experiment"]["seed"] == 3
+    assert trial["data"]["validation_fraction"] == 0.2  # never the test set
+
+
+def test_example_sweep_file_is_valid() -> None:
+    sweep = load_sweep(REPO / "experiments" / "sweeps" / "demo-lr.toml")
+    assert sweep.section.method == "tpe" and set(sweep.space) == {"algorithm.lr", "algorithm.batch_size",
+                                                                  "privacy.clip"}
+
+
+@pytest.mark.slow
+def test_sweep_runs_resumes_without_rerunning_and_refuses_a_changed_space(tmp_path: Path, capsys) -> None:
+    optuna = pytest.importorskip("optuna")
+    path = write_sweep(tmp_path, '"algorithm.lr" = { low = 0.05, high = 0.5, log = true }\n')
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(result["best"]) == 2
+    first = {t["folder"]: (Path(t["folder"]) / "summary.json").stat().st_mtime_ns for t in result["best"]}
+    for folder in first:  # each trial evaluated on the held-out validation records, not the test set
+        assert json.loads((Path(folder) / "setup.json").read_text())["evaluation_set"].startswith("validation")
+    best = tomllib.loads((out / "best.toml").read_text())
+    assert best["algorithm"]["lr"] == result["best"][0]["params"]["algorithm.lr"]
+    assert best["data"]["validation_fraction"] == 0.0  # the best config is for a final run on the test set
+
+    # A killed sweep: one trial was running when it stopped.  Asking for one more trial resumes the study,
+    # reruns neither finished trial, and runs the interrupted one with its own values.
+    study = optuna.load_study(study_name="decentdp", storage=f"sqlite:///{out / 'study.db'}")
+    stale = study.ask({"algorithm.lr": optuna.distributions.FloatDistribution(0.05, 0.5, log=True)})
+    path.write_text(path.read_text().replace("trials = 2", "trials = 3"))
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "2 of 3 trials finished, 1 interrupted" in captured.err
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert len(result["best"]) == 3
+    for folder, mtime in first.items():
+        assert (Path(folder) / "summary.json").stat().st_mtime_ns == mtime
+    rerun = [t for t in result["best"] if t["folder"].endswith(f"trial-{stale.number:04d}")]
+    assert rerun and rerun[0]["params"] == stale.params
+
+    # The same folder with another search space: refused, the study untouched.
+    path.write_text(path.read_text().replace("high = 0.5", "high = 0.9"))
+    before = (out / "study.db").read_bytes()
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 2
+    assert "search space changed in algorithm.lr" in capsys.readouterr().err
+    assert (out / "study.db").read_bytes() == before
