@@ -31,7 +31,16 @@ import torch
 
 from decentdp.algorithms.base import State
 from decentdp.errors import ConfigError
-from decentdp.runtime.sharded import Mailbox, MailboxTransport, Payload, make_shard, merge_ledgers, shard_bounds
+from decentdp.runtime.sharded import (
+    Mailbox,
+    MailboxTransport,
+    Payload,
+    make_shard,
+    merge_ledgers,
+    per_agent_keys,
+    shard_bounds,
+    shard_state,
+)
 from decentdp.util.profiling import NO_TIMER, PhaseTimer
 
 LOCAL_RAY_ENVIRONMENT = {
@@ -191,17 +200,19 @@ class _Snapshot:
 class ShardedState(Mapping[str, torch.Tensor]):
     """The state after one round, held by the workers; a key's rows are fetched when first read."""
 
-    def __init__(self, engine: RaySimulator, keys: list[str]) -> None:
+    def __init__(self, engine: RaySimulator, keys: list[str], per_agent: set[str]) -> None:
         self._engine = engine
         self._keys = keys
+        self._per_agent = per_agent
         self._values: dict[str, torch.Tensor] = {}
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self._values:
             if key not in self._keys:
                 raise KeyError(key)
-            parts = self._engine.ray.get([worker.values.remote(key) for worker in self._engine.workers])
-            self._values[key] = torch.cat(parts)
+            workers = self._engine.workers if key in self._per_agent else self._engine.workers[:1]
+            parts = self._engine.ray.get([worker.values.remote(key) for worker in workers])
+            self._values[key] = torch.cat(parts) if key in self._per_agent else parts[0]
         return self._values[key]
 
     def __iter__(self) -> Iterator[str]:
@@ -268,6 +279,7 @@ class RaySimulator:
         self.restarts = 0
         self._snapshot: _Snapshot | None = None
         self._keys: list[str] = []
+        self._per_agent: set[str] = set()
         self._start_workers()
 
     # -- workers -------------------------------------------------------------------------------------------
@@ -304,14 +316,15 @@ class RaySimulator:
         experiment = self.experiment
         rng, passes = experiment.oracle.rng, experiment.oracle.agents_per_pass
         rows = [slice(lo, hi) for lo, hi in zip(self.bounds[:-1], self.bounds[1:], strict=True)]
-        self._wait([worker.load.remote({key: value[part] for key, value in snapshot.state.items()},
-                                       snapshot.ledger, snapshot.scheduler, rng, passes)
+        self._wait([worker.load.remote(shard_state(snapshot.state, self._per_agent, part), snapshot.ledger,
+                                       snapshot.scheduler, rng, passes)
                     for worker, part in zip(self.workers, rows, strict=True)])
 
     def _launch(self, state: State, round_index: int) -> None:
         """Give the workers the run as it stands (new, or resumed from a checkpoint) and take its ledger over."""
         experiment = self.experiment
         self._keys = list(state)
+        self._per_agent = per_agent_keys(state, experiment.data.n_agents)
         self._snapshot = _Snapshot(round_index, {key: value.clone() for key, value in state.items()},
                                    experiment.ledger.state_dict(), self.scheduler.state_dict())
         self._load(self._snapshot)
@@ -362,7 +375,7 @@ class RaySimulator:
         """The algorithm's setup phase on every worker (a new run)."""
         self._launch(state, 0)
         self._collect(self._wait([worker.setup.remote() for worker in self.workers]))
-        view = ShardedState(self, self._keys)
+        view = ShardedState(self, self._keys, self._per_agent)
         self._take_snapshot(0, view)
         return view
 
@@ -380,7 +393,7 @@ class RaySimulator:
         try:
             for k in range(start_round, rounds):
                 self._round(k)
-                view = ShardedState(self, self._keys)
+                view = ShardedState(self, self._keys, self._per_agent)
                 if (k + 1) % self.snapshot_every == 0:
                     self._take_snapshot(k + 1, view)
                 if not after_round(k + 1, view):

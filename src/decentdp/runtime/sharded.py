@@ -83,17 +83,28 @@ class Mailbox:
         self.timeout = timeout
         self._items: dict[tuple[int, int], Payload] = {}
         self._ready = threading.Condition()
+        self._aborted: str | None = None
 
     def put(self, step: int, sender: int, payload: Payload) -> None:
         with self._ready:
             self._items[(step, sender)] = payload
             self._ready.notify_all()
 
+    def abort(self, reason: str) -> None:
+        """Wake a waiting round with ``ConnectionAbortedError(reason)`` (a peer failed; nothing will come)."""
+        with self._ready:
+            self._aborted = reason
+            self._ready.notify_all()
+
     def take(self, step: int, senders: Sequence[int]) -> dict[int, Payload]:
         """Wait for every sender's payload of ``step``; a peer silent for ``timeout`` seconds is lost."""
         keys = [(step, sender) for sender in senders]
         with self._ready:
-            if not self._ready.wait_for(lambda: all(key in self._items for key in keys), timeout=self.timeout):
+            self._ready.wait_for(lambda: self._aborted is not None or all(key in self._items for key in keys),
+                                 timeout=self.timeout)
+            if self._aborted is not None:
+                raise ConnectionAbortedError(self._aborted)
+            if not all(key in self._items for key in keys):
                 missing = [sender for step_, sender in keys if (step_, sender) not in self._items]
                 raise TimeoutError(f"no message from shard(s) {missing} in step {step} after {self.timeout:g} s")
             return {sender: self._items.pop((step, sender)) for sender in senders}
@@ -339,6 +350,17 @@ class _ShiftedNoise:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.noise, name)
+
+
+def per_agent_keys(state: Mapping[str, torch.Tensor], n_total: int) -> set[str]:
+    """The state entries with one row per agent (sharded); the others (counters, shared schedules) are
+    the same in every shard and replicated."""
+    return {key for key, value in state.items() if value.dim() > 0 and value.shape[0] == n_total}
+
+
+def shard_state(state: Mapping[str, torch.Tensor], per_agent: set[str], rows: slice) -> dict[str, torch.Tensor]:
+    """A shard's part of a whole run's state: its rows of per-agent entries, a copy of the others."""
+    return {key: (value[rows] if key in per_agent else value).clone() for key, value in state.items()}
 
 
 @dataclass

@@ -27,6 +27,11 @@ RoundHook = Callable[[int, State], bool]
 """Called after round ``k`` (1-based count of completed rounds) with the new state; return False to stop."""
 
 
+def unwrapped(network: object) -> object:
+    """The default ``wrap_network``: the network itself (a named function, so that a simulator pickles)."""
+    return network
+
+
 @dataclass
 class Simulator:
     """Runs an algorithm's rounds over all agents held in this process."""
@@ -39,7 +44,7 @@ class Simulator:
     rng: AgentRandom
     timer: PhaseTimer = field(default=NO_TIMER)
     #: Wraps each round's network (the profiler times its calls as communication).
-    wrap_network: Callable[[object], object] = field(default=lambda network: network)
+    wrap_network: Callable[[object], object] = field(default=unwrapped)
 
     def context(self, round_index: int) -> RoundContext:
         """Open ``round_index`` (or the setup phase) and build the algorithm's view of it."""

@@ -1,0 +1,256 @@
+"""A run sharded over processes gives the simulator's batches, noise, ledgers and models (runtime/sharded.py).
+
+Shards run here as threads of one process (:class:`LocalTransport`): the sharding itself, without Ray.
+``tests/test_ray_backend.py`` checks the same through Ray worker processes.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from decentdp.algorithms import algorithm_class, algorithm_names
+from decentdp.algorithms.select_mix import SelectMix
+from decentdp.config import load_config
+from decentdp.errors import ConfigError, DecentDPError
+from decentdp.rng import AgentRandom
+from decentdp.run.build import build_experiment
+from decentdp.run.loop import run_experiment
+from decentdp.runtime.network import SimulatedNetwork
+from decentdp.runtime.scheduler import Scheduler
+from decentdp.runtime.sharded import (
+    LocalTransport,
+    Mailbox,
+    ShardNetwork,
+    make_shard,
+    merge_ledgers,
+    per_agent_keys,
+    shard_bounds,
+    shard_state,
+    split_ledger,
+)
+from decentdp.topology import build_topology
+
+DEMO = Path(__file__).resolve().parents[1] / "experiments" / "demo.toml"
+
+_SELECT_MIX = ("draws one public uniform per agent it holds (select_mix.InEdges.choose: torch.rand(n_agents)); "
+               "shard-independent would be torch.rand(n_total)[agent_ids], the same draws in the simulator")
+#: Algorithms whose rounds depend on how agents are split over processes, each with the reason found by this
+#: test (strict: an entry must go once its algorithm is fixed).
+NOT_SHARD_INDEPENDENT = {
+    name: _SELECT_MIX for name in algorithm_names() if issubclass(algorithm_class(name), SelectMix)} | {
+    "muffliato": "reads the whole mixing matrix as network.mix(eye(n_agents)) and every agent's sigma; a "
+                 "shard sees its own rows only",
+    "dp-cga": "pads its dual variables to the largest in-degree among the agents it holds, not in the graph",
+    "top-dp": _SELECT_MIX + "; and its cover planner indexes global ids as rows (IndexError on a shard)",
+    "top-dp-async": _SELECT_MIX + "; and its cover planner indexes global ids as rows (IndexError on a shard)",
+}
+
+
+def _config(algorithm: str = "dp-dsgt", rounds: int = 10, *extra: str):
+    """The demo with ``algorithm``; the first privacy setting the algorithm accepts (RDP, PLD, or none)."""
+    error: DecentDPError | None = None
+    for privacy in (["privacy.accountant=rdp"], ["privacy.accountant=pld"], ["privacy.epsilon=inf"]):
+        config = load_config(DEMO, overrides=[f"algorithm.name={algorithm}", f"experiment.rounds={rounds}",
+                                              "experiment.eval_every=5", *privacy, *extra])
+        try:
+            return config, build_experiment(config)
+        except DecentDPError as exc:
+            error = exc
+    raise error
+
+
+def _copy(experiment):
+    """A copy as a worker process receives it (pickled)."""
+    return pickle.loads(pickle.dumps(experiment))
+
+
+def _run_shards(experiment, workers: int, rounds: int):
+    """Every shard's final state and shard object, the shards running as threads."""
+    n = experiment.data.n_agents
+    bounds = shard_bounds(n, workers)
+    boxes = [Mailbox(timeout=60) for _ in range(workers)]
+    shards = [make_shard(_copy(experiment), bounds, s, LocalTransport(s, boxes)) for s in range(workers)]
+    initial = experiment.initial_state()
+    per_agent = per_agent_keys(initial, n)
+    results: list = [None] * workers
+    errors: list = [None] * workers
+
+    def work(index: int) -> None:
+        shard = shards[index]
+        try:
+            state = shard.simulator.setup(shard_state(initial, per_agent, shard.rows))
+            results[index] = shard.simulator.run(state, 0, rounds, lambda done, current: True)
+        except BaseException as exc:  # reported in the test's thread
+            errors[index] = exc
+            for box in boxes:  # wake the peers, which would wait for this shard's rows
+                box.abort(f"shard {index} failed")
+
+    threads = [threading.Thread(target=work, args=(index,)) for index in range(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    first = [error for error in errors if error is not None and not isinstance(error, ConnectionAbortedError)]
+    if first:
+        raise first[0]
+    merged = {key: torch.cat([result[key] for result in results]) if key in per_agent else results[0][key]
+              for key in initial}
+    return merged, shards
+
+
+def _histories(ledger) -> list:
+    return [list(ledger.history(agent)) for agent in range(ledger.n_agents)]
+
+
+@pytest.mark.parametrize("algorithm", [
+    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=NOT_SHARD_INDEPENDENT[name]))
+    if name in NOT_SHARD_INDEPENDENT else name for name in algorithm_names()])
+def test_every_algorithm_sharded_matches_the_simulator(algorithm: str) -> None:
+    """2 shards (1 for pooled data) against the simulator: same ledgers exactly, models up to summation order."""
+    rounds = 6
+    _, experiment = _config(algorithm, rounds)
+    reference = _copy(experiment)
+    expected = reference.simulator.run(reference.simulator.setup(reference.initial_state()), 0, rounds,
+                                       lambda done, current: True)
+    workers = min(2, experiment.data.n_agents)
+    state, shards = _run_shards(experiment, workers, rounds)
+    for key, value in expected.items():
+        assert state[key].shape == value.shape, key
+        assert state[key].numel() == 0 or float((state[key].double() - value.double()).abs().max()) <= 1e-5, key
+    ledger = merge_ledgers(type(reference.ledger), [shard.ledger.state_dict() for shard in shards])
+    assert _histories(ledger) == _histories(reference.ledger)
+    assert ledger.refused.tolist() == reference.ledger.refused.tolist()
+    assert ledger.has_receiver_releases == reference.ledger.has_receiver_releases
+    if ledger.has_receiver_releases:
+        np.testing.assert_array_equal(ledger.pairwise_epsilon("rdp"), reference.ledger.pairwise_epsilon("rdp"))
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_shards_draw_the_simulators_batches_and_noise(workers: int) -> None:
+    _, experiment = _config("dp-dsgd", 3)
+    bounds = shard_bounds(experiment.data.n_agents, workers)
+    boxes = [Mailbox(timeout=5) for _ in range(workers)]
+    params = experiment.initial_state()["params"] + 0.01
+    reference = _copy(experiment).oracle
+    reference.begin(0)
+    whole = reference.sampler.sample(0)
+    expected = reference.gradient(params)
+    for index in range(workers):
+        shard = make_shard(_copy(experiment), bounds, index, LocalTransport(index, boxes))
+        batch = shard.oracle.sampler.sample(0)
+        rows = shard.rows
+        for agent in range(rows.stop - rows.start):  # the same records, in the same order
+            mask = batch.mask[agent].bool()
+            assert torch.equal(batch.x[agent][mask], whole.x[rows.start + agent][whole.mask[rows.start + agent].bool()])
+        shard.oracle.begin(0)
+        noisy = shard.oracle.gradient(params[rows])
+        assert float((noisy - expected[rows]).abs().max()) <= 1e-6
+
+
+def _networks(graph: str, n: int, workers: int, **params):
+    topology = build_topology(graph, n, seed=3, **params)
+    boxes = [Mailbox(timeout=5) for _ in range(workers)]
+    bounds = shard_bounds(n, workers)
+    return (SimulatedNetwork(topology, dtype=torch.float64),
+            [ShardNetwork(topology, bounds, s, LocalTransport(s, boxes), dtype=torch.float64) for s in range(workers)])
+
+
+def _collective(shards, call):
+    """``call(shard)`` on every shard at once (each network call is a collective step)."""
+    out: list = [None] * len(shards)
+    threads = [threading.Thread(target=lambda s=s: out.__setitem__(s, call(shards[s]))) for s in range(len(shards))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return out
+
+
+@pytest.mark.parametrize(("graph", "params"), [("ring", {}), ("erdos-renyi", {"p": 0.3}), ("complete", {})])
+def test_every_network_method_matches_the_simulated_network(graph: str, params: dict) -> None:
+    n, workers, d = 13, 3, 4
+    whole, shards = _networks(graph, n, workers, **params)
+    x = torch.randn(n, d, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    rows = [slice(int(s.agent_ids[0]), int(s.agent_ids[-1]) + 1) for s in shards]
+    for method in ("mix", "neighbor_sum"):
+        got = _collective(shards, lambda s, m=method: getattr(s, m)(x[rows[s.shard]]))
+        torch.testing.assert_close(torch.cat(got), getattr(whole, method)(x), rtol=0, atol=1e-12)
+    got = _collective(shards, lambda s: s.mix_add(x[rows[s.shard]], x[rows[s.shard]].clone(), -0.5))
+    torch.testing.assert_close(torch.cat(got), whole.mix_add(x, x.clone(), -0.5), rtol=0, atol=1e-12)
+    for s, received in zip(shards, _collective(shards, lambda s: s.broadcast(x[rows[s.shard]])), strict=True):
+        assert torch.equal(received, x[s.in_edges[:, 0]])  # in-edge (j -> i) carries x_j
+        torch.testing.assert_close(s.aggregate(received, s.in_weights), whole.mix(x)[rows[s.shard]]
+                                   - whole.mix(torch.eye(n, dtype=torch.float64)).diagonal()[rows[s.shard], None]
+                                   * x[rows[s.shard]], rtol=0, atol=1e-12)
+    code = lambda edges: (edges[:, 0] * 100 + edges[:, 1]).double()[:, None]  # noqa: E731  a message names its edge
+    for s, received in zip(shards, _collective(shards, lambda s: s.exchange(code(s.out_edges))), strict=True):
+        assert torch.equal(received, code(s.in_edges))
+    assert torch.equal(torch.cat([s.degrees for s in shards]), whole.degrees)
+
+
+def test_swap_pairs_agents_across_shards_and_checks_pairs() -> None:
+    n, workers = 12, 3
+    whole, shards = _networks("ring", n, workers)
+    scheduler = Scheduler("pairing", AgentRandom(5), n)
+    partner = scheduler.plan(0, whole).partner
+    assert bool((partner != torch.arange(n)).any())
+    x = torch.arange(n, dtype=torch.float64)[:, None]
+    got = _collective(shards, lambda s: s.swap(x[s.agent_ids], partner[s.agent_ids]))
+    assert torch.equal(torch.cat(got), whole.swap(x, partner))
+    lonely = torch.arange(n)
+    lonely[0] = 6  # not a neighbour on the ring
+    with pytest.raises(ValueError, match="not a pair of neighbours"):
+        shards[0].swap(x[shards[0].agent_ids], lonely[shards[0].agent_ids])
+
+
+def test_only_the_halo_crosses_between_shards() -> None:
+    n, workers, d = 40, 2, 100
+    _, shards = _networks("ring", n, workers)
+    x = torch.ones(n, d, dtype=torch.float64)
+    _collective(shards, lambda s: s.mix(x[s.agent_ids]))
+    # a ring cut in two contiguous halves: each half sends its two boundary agents' rows, once
+    assert [s.transport.bytes_sent for s in shards] == [2 * d * 8, 2 * d * 8]
+    assert [len(s.halo_ids) for s in shards] == [2, 2]
+
+
+def test_ledgers_split_and_merge_back() -> None:
+    _, experiment = _config("dp-dsgd", 3)
+    reference = _copy(experiment)
+    reference.simulator.run(reference.initial_state(), 0, 3, lambda done, current: True)
+    state = reference.ledger.state_dict()
+    bounds = shard_bounds(reference.ledger.n_agents, 3)
+    parts = [split_ledger(type(reference.ledger), state, lo, hi).state_dict()
+             for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+    merged = merge_ledgers(type(reference.ledger), parts)
+    assert _histories(merged) == _histories(reference.ledger)
+    np.testing.assert_array_equal(merged.epsilon("rdp"), reference.ledger.epsilon("rdp"))
+
+
+@pytest.mark.parametrize("workers", [0, -1])
+def test_workers_below_one_is_a_config_error(workers: int) -> None:
+    with pytest.raises(ConfigError, match="engine.workers"):
+        load_config(DEMO, overrides=["engine.backend=ray", f"engine.workers={workers}"])
+
+
+def test_ray_missing_is_a_config_error_and_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    config = load_config(DEMO, overrides=["engine.backend=ray", "engine.workers=2", "experiment.rounds=2",
+                                          "privacy.accountant=rdp"])
+    with pytest.raises(ConfigError, match="engine.backend.*pip install 'decentdp\\[ray\\]'"):
+        run_experiment(config, tmp_path / "out", progress=False, log=lambda line: None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_more_workers_than_agents_is_a_config_error(tmp_path: Path) -> None:
+    config = load_config(DEMO, overrides=["engine.backend=ray", "engine.workers=11", "experiment.rounds=2",
+                                          "privacy.accountant=rdp"])
+    with pytest.raises(ConfigError, match="engine.workers: 11 workers for 10 agent"):
+        run_experiment(config, tmp_path / "out", progress=False, log=lambda line: None)
+    assert not (tmp_path / "out").exists()
