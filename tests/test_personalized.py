@@ -106,7 +106,7 @@ def _private(data: PersonalData, budget: float, planned: int, ledger_budget: flo
     shape[(problem.counts == 0).numpy()] = 0
     noise = calibrate_updates(mechanism, "tight", budget, DELTA, shape, "pld", "replace-one")
     ledger = PrivacyLedger(problem.n_agents, budget if ledger_budget is None else ledger_budget, DELTA,
-                           budget_accountant="pld", relation="add-remove")
+                           budget_accountant="pld", relation="replace-one")
     return problem, PrivateUpdates(noise, 1.0, ledger, AgentRandom(seed), problem.counts > 0), noise
 
 

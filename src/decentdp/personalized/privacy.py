@@ -12,11 +12,11 @@ relation) the l1 (Laplace) or l2 (Gaussian) sensitivity of the sum is 2C, so
   2C/m_i, so the printed formula is a typo and we implement the corrected one (specs D.3).
 
 Under add-remove the sensitivity is C and the factor 2 becomes 1.  Each release is one
-``dp_accounting`` event (:func:`~decentdp.privacy.events.laplace_event` or ``gaussian_event``)
-charged to the agent's ledger row; a release the budget does not allow is refused and the agent
-stops.  The releases are not subsampled, so a replace-one release of multiplier z (sensitivity 2C)
-has exactly the privacy loss of an add-remove release of multiplier z/2: events are written in that
-add-remove form (``UpdateNoise.event``) and priced with the add-remove accountants.
+``dp_accounting`` event (:func:`~decentdp.privacy.events.laplace_event` or ``gaussian_event``) of the
+multiplier z as released, charged to the agent's ledger row; a release the budget does not allow is
+refused and the agent stops.  The neighbouring relation (``privacy.neighbouring``) goes to the
+accountants, which price it themselves (:func:`~decentdp.privacy.accounting.priced_event`: under
+replace-one a Laplace release of multiplier z costs what add-remove Laplace of z/2 does).
 
 Per-update budgets (``allocation``): equal over the T_i planned wake-ups, or Proposition 2's
 eps_i(t) proportional to C^{t/3}, C = 1 - sigma / (n L_max), over the ticks t at which agent i wakes.
@@ -80,11 +80,11 @@ class UpdateNoise:
     multipliers: np.ndarray
     paper_epsilons: np.ndarray
     paper_delta: float
-    sensitivity_factor: float  # 2 under replace-one, 1 under add-remove
 
     def event(self, multiplier: float) -> dp_accounting.DpEvent:
-        """The (add-remove) dp_accounting event of one update with noise multiplier ``multiplier``."""
-        return _event(self.mechanism, multiplier / self.sensitivity_factor)
+        """The dp_accounting event of one update with noise multiplier ``multiplier``, as released (the
+        accountant applies the neighbouring relation)."""
+        return _event(self.mechanism, multiplier)
 
 
 def _event(mechanism: str, multiplier: float) -> dp_accounting.DpEvent:
@@ -112,14 +112,14 @@ def calibrate_updates(mechanism: str, calibration: str, budget: float, delta: fl
     invert = _reciprocal(mechanism, factor, per_update_delta)  # eps -> z and z -> eps alike
     if math.isinf(budget):
         zeros = np.zeros_like(shape, dtype=np.float64)
-        return UpdateNoise(mechanism, zeros, np.where(shape > 0, np.inf, 0.0), per_update_delta, factor)
+        return UpdateNoise(mechanism, zeros, np.where(shape > 0, np.inf, 0.0), per_update_delta)
     if calibration == "tight":
         if not np.all((shape == 0) | (shape == shape.max())):
             raise PrivacyError("tight calibration supports the equal allocation only")
-        z = factor * calibrate_scale(lambda scale: _event(mechanism, scale), planned, budget, delta, accountant,
-                                     describe=f"{planned} {mechanism} updates", relation="add-remove")
+        z = calibrate_scale(lambda scale: _event(mechanism, scale), planned, budget, delta, accountant,
+                            describe=f"{planned} {mechanism} updates", relation=relation)
         multipliers = np.where(shape > 0, z, 0.0)
-        return UpdateNoise(mechanism, multipliers, invert(multipliers), per_update_delta, factor)
+        return UpdateNoise(mechanism, multipliers, invert(multipliers), per_update_delta)
     low = np.zeros(len(shape))
     high = np.full(len(shape), budget / np.maximum(shape.sum(axis=1), 1e-300))  # sum eps = budget: feasible
     while True:  # the advanced terms may allow more than the sum: grow the bracket
@@ -132,4 +132,4 @@ def calibrate_updates(mechanism: str, calibration: str, budget: float, delta: fl
         fits = kairouz_terms(shape * middle[:, None], delta) <= budget
         low, high = np.where(fits, middle, low), np.where(fits, high, middle)
     epsilons = shape * low[:, None]  # the safe end of each bracket
-    return UpdateNoise(mechanism, invert(epsilons), epsilons, per_update_delta, factor)
+    return UpdateNoise(mechanism, invert(epsilons), epsilons, per_update_delta)

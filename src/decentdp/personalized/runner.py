@@ -120,9 +120,8 @@ def build_run(config: ExperimentConfig, data_dir: str | Path | None = None,
     if settings.method == "cd":
         noise = _noise(settings, config, problem, plan)
     budget = (config.privacy.epsilon or math.inf) if settings.method == "cd" else math.inf
-    # Events are written in add-remove form (see decentdp.personalized.privacy), whatever the relation.
     ledger = PrivacyLedger(problem.n_agents, budget, config.privacy.delta,
-                           budget_accountant=config.privacy.accountant, relation="add-remove")
+                           budget_accountant=config.privacy.accountant, relation=config.privacy.neighbouring)
     setup = {"n_agents": problem.n_agents, "dim": problem.dim, "data": data.info, "method": settings.method,
              "agent_sizes": problem.counts.tolist(), "step": problem.step.tolist(),
              "confidence": problem.confidence.tolist(), "mu": settings.mu,

@@ -7,8 +7,9 @@ When agent i wakes it updates from its neighbours' last broadcasts and broadcast
 with eta_i = 0 (non-private CD) or Laplace/Gaussian noise on the clipped gradient
 (:mod:`decentdp.personalized.privacy`).  Levels of the :class:`~decentdp.personalized.schedule.WakeupPlan`
 run one after the other, each as one vectorised step over its agents, which reproduces the
-one-agent-at-a-time run exactly.  Noise for agent i's k-th update is keyed (seed, i, k), so a run
-stopped after any level and continued gives the same models bit for bit.
+one-agent-at-a-time run exactly.  Agent i's noise for all of its planned updates is one draw from
+its own stream, keyed (seed, i), made once; its k-th update adds the k-th block.  A run stopped after
+any level and continued therefore gives the same models bit for bit.
 
 Also here: model propagation (eq. (16)), the non-private post-processing of the warm start.
 """
@@ -25,20 +26,25 @@ from decentdp.personalized.objective import Problem, data_gradient_sums
 from decentdp.personalized.privacy import UpdateNoise
 from decentdp.personalized.schedule import WakeupPlan
 from decentdp.privacy.ledger import PrivacyLedger
-from decentdp.privacy.mechanisms import GaussianMechanism, LaplaceMechanism, NoiseDraw
+from decentdp.privacy.mechanisms import NoiseDraw, add_noise, round_up_to_float32
 from decentdp.rng import AgentRandom
 
-#: The round of the noise keys of coordinate-descent updates (the update number is the key's slot).
+#: The round of the noise key of coordinate-descent updates (one key per agent covers all its updates).
 UPDATE_ROUND = 0
 
 
 @dataclass
 class PrivateUpdates:
-    """The release step of private updates: clip, charge the ledger, add keyed noise.
+    """The release step of private updates: clip, charge the ledger, add the agent's noise.
 
     ``noise`` gives each update's multiplier and event; ``clip`` the per-sample bound C (l1 norm for
     Laplace, l2 for Gaussian).  ``ledger`` charges the releasing agents; those it refuses, and
-    agents without data (nothing to protect), release no noise; the refused do not update."""
+    agents without data (nothing to protect), release no noise; the refused do not update.
+
+    The standard draws of all updates are made on the first release, one row of ``T * p`` values per
+    agent from its stream (one keyed generator per agent instead of one per update: per-update keys
+    cost a re-seeded generator and a key derivation for each of the ~10^5 updates of a MovieLens run);
+    update (i, k) adds block k of row i, scaled by its own multiplier times C."""
 
     noise: UpdateNoise
     clip: float
@@ -50,33 +56,44 @@ class PrivateUpdates:
         values, inverse = np.unique(self.noise.multipliers, return_inverse=True)
         ids = np.array([self.ledger.intern(self.noise.event(float(value))) for value in values], dtype=np.int64)
         self._event_ids = ids[inverse].reshape(self.noise.multipliers.shape)
+        self._data = self.has_data.cpu().numpy()
+        self._draws: torch.Tensor | None = None
+        self._scales: torch.Tensor | None = None
 
     @property
     def norm(self) -> int:
         return 1 if self.noise.mechanism == "laplace" else 2
 
+    def _draw(self, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Standard draws ``(n, T, dim)`` (zero for agents without data) and scales ``(n, T)`` of every update."""
+        if self._draws is None:
+            n, planned = self.noise.multipliers.shape
+            rows = np.flatnonzero(self._data).tolist()
+            draw = NoiseDraw(self.rng, torch.arange(n), UPDATE_ROUND, 0)
+            block = torch.empty(len(rows), planned * dim, dtype=draw.dtype, device=device)
+            (draw.laplace if self.noise.mechanism == "laplace" else draw.normal)(rows, block)
+            self._draws = torch.zeros(n, planned, dim, dtype=draw.dtype, device=device)
+            self._draws[torch.as_tensor(rows, dtype=torch.long, device=device)] = block.view(len(rows), planned, dim)
+            multipliers = torch.as_tensor(self.noise.multipliers, dtype=torch.float64, device=device)
+            self._scales = round_up_to_float32(multipliers * self.clip)  # as the library's mechanisms round
+        assert self._scales is not None
+        return self._draws, self._scales
+
     def release(self, tick: int, agents: torch.Tensor, index: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
         """Charge and perturb the clipped sums of ``agents`` (their ``index``-th updates) in place; the mask
         of agents allowed to update (refused agents' sums are zeroed)."""
+        draws, scales = self._draw(sums.shape[1], sums.device)
         n = self.ledger.n_agents
         rows, numbers = agents.cpu().numpy(), index.cpu().numpy()
-        data = self.has_data[agents].cpu().numpy()
+        data = self._data[rows]
         asking = np.zeros(n, dtype=bool)
         asking[rows[data]] = True
         events = np.zeros(n, dtype=np.int64)
         events[rows] = self._event_ids[rows, numbers]
-        allowed_all = self.ledger.charge(tick, events, agents=asking)
-        allowed = allowed_all[rows] | ~data
-        noisy = np.flatnonzero(allowed & data)
-        if len(noisy):
-            multipliers = torch.as_tensor(self.noise.multipliers[rows[noisy], numbers[noisy]])
-            mechanism_cls = LaplaceMechanism if self.noise.mechanism == "laplace" else GaussianMechanism
-            mechanism = mechanism_cls(multipliers, self.clip)
-            draw = NoiseDraw(self.rng, agents[noisy], UPDATE_ROUND, 0)
-            values = sums[noisy]
-            mechanism.perturb(values, torch.arange(len(noisy)), draw, slots=numbers[noisy].tolist())
-            sums[noisy] = values
+        allowed = self.ledger.charge(tick, events, agents=asking)[rows] | ~data
         mask = torch.as_tensor(allowed, device=sums.device)
+        noisy = torch.as_tensor(allowed & data, device=sums.device)
+        add_noise(sums, draws[agents, index], torch.where(noisy, scales[agents, index], 0.0))
         sums[~mask] = 0.0
         return mask
 
