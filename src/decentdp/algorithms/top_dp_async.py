@@ -1,0 +1,64 @@
+"""TOP-DP, asynchronous: Guo et al., Algorithm 2 (pairing, topology-aware noise, time-aware decay).
+
+The ``pairing`` schedule (:mod:`decentdp.runtime.scheduler`) plans each round as lines 7-16 do: every
+online agent, in a random order, pairs with a free online neighbour other than last round's partner
+(a request is always accepted; one greedy pass, so a round never deadlocks).  Then::
+
+    paired with p:  exchange x~_i, x~_p                                                   (line 18)
+                    sigma' = sqrt(sigma_{t,i}^2 - c_ip^2)                               (lines 19-20, eq. 5b)
+                    x~_i <- alpha x~_i + (1 - alpha) x~_p - lambda (g_i + G(sigma' C)) / L_i  (lines 21-22)
+    unpaired:       x~_i <- x~_i - lambda (g_i + G(sigma_{t,i} C)) / L_i                    (lines 24-26)
+    offline:        nothing: no sample, no release, no charge, no move
+
+The partner's noise is reused only because the same pair never meets twice in a row (the next
+partner does not know it).  Accounting as in :mod:`decentdp.algorithms.topology_noise`: view (a)
+charges every neighbour sigma_{t,i} for each round the agent released in; view (b) charges the
+residual sigma' (the partner knows its own noise).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from decentdp.algorithms.base import RoundContext, State
+from decentdp.algorithms.registry import register
+from decentdp.algorithms.top_dp import TopDPBase
+from decentdp.algorithms.topology_noise import residual_multipliers, reuse_coefficients
+
+
+@register
+class TopDPAsync(TopDPBase):
+    """Algorithm 2: pairwise exchanges with residual noise; unpaired agents step alone at full noise."""
+
+    name: ClassVar[str] = "top-dp-async"
+    schedules: ClassVar[tuple[str, ...]] = ("pairing",)
+
+    def noisy_step(self, x: torch.Tensor, ctx: RoundContext, paired: torch.Tensor) -> torch.Tensor:
+        oracle, net = ctx.oracle, ctx.network
+        sigma = self.sigma(ctx)                                                          # lines 6, 19
+        active = ctx.plan.active if ctx.plan is not None else torch.ones_like(paired)
+        rows = torch.nonzero(active).squeeze(1)
+        owners = rows.cpu().numpy()
+        multipliers = sigma[owners].copy()
+        reduced = paired.cpu().numpy()[owners] & self.topology_aware & (oracle.mechanism is not None)
+        fallback = 0
+        if reduced.any():
+            partner = net.rows(ctx.plan.partner).cpu().numpy()[owners[reduced]]
+            reused = reuse_coefficients(self.alpha, sigma, oracle.expected_batch.double().numpy(),
+                                        owners[reduced], partner)
+            multipliers[reduced], usable = residual_multipliers(sigma[owners[reduced]], reused)  # line 20
+            fallback = int((~usable).sum())
+            reduced[np.flatnonzero(reduced)[~usable]] = False
+        self._counts = {"reduced": int(reduced.sum()), "full": len(owners) - int(reduced.sum()), "fallback": fallback}
+        key = oracle.batch()
+        (noisy,) = oracle.release(oracle.clip(key, x), mechanism=self.mechanism(ctx, multipliers, owners, sigma),
+                                  receivers=net.agent_ids[rows])
+        step = torch.zeros_like(x).index_copy_(0, rows, noisy)
+        return step.div_(oracle.expected_batch.to(x.device)[:, None])
+
+    def round(self, state: State, ctx: RoundContext) -> State:
+        params = super().round(state, ctx)["params"]                                      # lines 18-26
+        return {"params": params, **self.count(state, **self._counts)}

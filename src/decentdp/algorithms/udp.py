@@ -1,0 +1,31 @@
+"""UDP: Wei et al., user-level DP-SGD (IEEE TMC 2021), as a TOP-DP baseline in the protocol of eq. 3.
+
+Noise on each release from the authors' formula (specs C.2), converted to the clipped sum's units::
+
+    sigma_i = 2 q_i sqrt(2 p T ln(1/delta)) / epsilon            (Delta_s = 2 eta C / m on the update)
+
+with ``q_i = L / |D_i|`` and ``p`` the fraction of agents taking part in a round.  The ledger
+records what this noise actually buys and reports it beside the claimed epsilon.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from decentdp.algorithms.base import Calibrated, NoisePlan
+from decentdp.algorithms.registry import register
+from decentdp.algorithms.select_mix import SelectMix, calibrated_gaussian
+from decentdp.privacy.paper_accounting import udp_noise_multiplier
+
+
+@register
+class UDP(SelectMix):
+    """Gaussian releases with Wei et al.'s sigma."""
+
+    name: ClassVar[str] = "udp"
+
+    def calibrate(self, plan: NoisePlan) -> Calibrated:
+        return calibrated_gaussian(
+            plan, lambda epsilon, rate: udp_noise_multiplier(epsilon, plan.delta, plan.rounds, rate,
+                                                             plan.participation),
+            "UDP: Wei et al.'s sigma = Delta_s sqrt(2 q T ln(1/delta)) / epsilon (specs C.2)")

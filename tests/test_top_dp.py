@@ -1,0 +1,164 @@
+"""TOP-DP (Guo et al.): residual noise, the cover heuristic, pairing and offline agents, fallbacks, bad input."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import networkx as nx
+import numpy as np
+import pytest
+import torch
+from tests.conftest import tiny_config
+
+from decentdp.algorithms.topology_noise import CoverPlanner, RowGaussian, residual_multipliers
+from decentdp.cli import main
+from decentdp.config import validate_config
+from decentdp.errors import ConfigError
+from decentdp.privacy.mechanisms import NoiseDraw
+from decentdp.rng import AgentRandom
+from decentdp.run.build import build_experiment
+from decentdp.runtime.network import SimulatedNetwork
+from decentdp.topology import topology_from_matrix
+
+
+def _network(graph: nx.Graph) -> SimulatedNetwork:
+    adjacency = nx.to_numpy_array(graph, nodelist=range(graph.number_of_nodes()))
+    degrees = adjacency.sum(axis=1)
+    w = np.zeros_like(adjacency)
+    for i, j in zip(*np.nonzero(adjacency), strict=True):
+        w[i, j] = 1 / (1 + max(degrees[i], degrees[j]))
+    w[np.diag_indices_from(w)] = 1 - w.sum(axis=1)
+    return SimulatedNetwork(topology_from_matrix(w))
+
+
+def test_message_noise_has_residual_std_and_adds_up_to_full_sigma() -> None:
+    """Eq. 5a-5b: G_i^j has std sigma_i^j C, and (1 - alpha) G_k + G_i^j has std sigma_i C."""
+    alpha, clip, sigma_i, sigma_k = 0.25, 2.0, 1.3, 1.1
+    residual, usable = residual_multipliers(np.array([sigma_i]), np.array([(1 - alpha) * sigma_k]))
+    assert usable[0] and residual[0] == pytest.approx(math.sqrt(sigma_i**2 - (1 - alpha) ** 2 * sigma_k**2))
+    d = 200_000
+    owners = torch.tensor([0, 1])                          # row 0: i's message to j; row 1: k's own noise
+    mechanism = RowGaussian(np.array([residual[0], sigma_k]), owners.numpy(), np.array([sigma_i, sigma_k]), clip,
+                            np.array([[0, 2], [1, 0]]))
+    values = torch.zeros(2, d)
+    mechanism.perturb(values, owners, NoiseDraw(AgentRandom(3), torch.arange(2), 0, 0), slots=[2, 0])
+    message_noise, reused = values[0].double(), values[1].double()
+    assert message_noise.std().item() == pytest.approx(residual[0] * clip, rel=0.01)
+    assert ((1 - alpha) * reused + message_noise).std().item() == pytest.approx(sigma_i * clip, rel=0.01)
+    # view (b): the colluding observer of i's rows sees only the residual; view (a) the full sigma_i
+    assert mechanism.agent_event(0, 1.0, 1).noise_multiplier == pytest.approx(residual[0])
+    assert mechanism.receiver_event(0, 1.0).noise_multiplier == pytest.approx(sigma_i)
+
+
+def _fig2() -> nx.Graph:
+    """The paper's Fig. 2: A0 with neighbours A1..A4, A1 and A4 linked; A5 hangs off A1 (connected graph)."""
+    return nx.Graph([(0, 1), (0, 2), (0, 3), (0, 4), (1, 4), (1, 5)])
+
+
+def test_cover_covers_every_coverable_neighbour_and_only_those() -> None:
+    net = _network(_fig2())
+    planner = CoverPlanner(net)
+    sigma = np.ones(6)
+    for seed in range(20):
+        cover = planner.plan(0.5, sigma, np.ones(6), torch.Generator().manual_seed(seed), range(6))
+        edges = planner.edges
+        for e, (i, j) in enumerate(edges.tolist()):
+            if planner.coverable[e]:
+                assert cover.via[e] >= 0, (i, j)
+                k = int(net.in_edges[cover.via[e], 0])
+                assert net.in_edges[cover.via[e], 1] == i and k != j and not net.topology.adjacency()[k, j]
+                assert cover.multiplier[e] == pytest.approx(math.sqrt(1 - 0.25))     # sigma sqrt(2a - a^2)
+            else:
+                assert cover.via[e] == -1 and cover.multiplier[e] == 1.0              # full noise (lines 20-22)
+        assert cover.fallback == 0
+    # In Fig. 2, A0's messages to A2 and A3 (and to A1, A4) are all coverable; A5's only neighbour is A1
+    assert planner.coverable[list(map(tuple, planner.edges.tolist())).index((0, 2))]
+    assert not planner.coverable[list(map(tuple, planner.edges.tolist())).index((5, 1))]
+
+
+def test_heterogeneous_budgets_fall_back_to_full_noise_never_negative_variance() -> None:
+    net = _network(_fig2())
+    planner = CoverPlanner(net)
+    sigma = np.array([0.5, 3.0, 3.0, 3.0, 3.0, 3.0])  # (1 - alpha) sigma_k > sigma_0 for every k of agent 0
+    cover = planner.plan(0.25, sigma, np.ones(6), torch.Generator().manual_seed(0), range(6))
+    mine = planner.edges[:, 0] == 0
+    assert (cover.via[mine] == -1).all() and (cover.multiplier[mine] == 0.5).all()
+    assert cover.fallback == int(planner.coverable[mine].sum()) == 4
+    assert np.isfinite(cover.multiplier).all() and (cover.multiplier > 0).all()
+
+
+def _simulate(algorithm: str, rounds: int, **sections: dict) -> tuple:
+    raw = tiny_config(algorithm={"name": algorithm, "lr": 0.1, "batch_size": 16, "alpha": 0.5},
+                      topology={"graph": "erdos-renyi", "agents": 6, "p": 0.6}, **sections)
+    raw["experiment"]["rounds"] = rounds
+    experiment = build_experiment(validate_config(raw))
+    simulator, ledger = experiment.simulator, experiment.ledger
+    with torch.no_grad():
+        state = simulator.setup(experiment.initial_state())
+        history = []
+        for k in range(rounds):
+            before = ledger.releases().copy()
+            params = state["params"].clone()
+            ctx = simulator.context(k)
+            state = experiment.algorithm.round(state, ctx)
+            history.append((ctx.plan, params, state["params"], ledger.releases() - before))
+    return experiment, state, history
+
+
+def test_pairing_offline_agents_and_ledger_match_messages() -> None:
+    experiment, state, history = _simulate("top-dp-async", 8, schedule={"offline_probability": 0.3})
+    previous = None
+    for plan, before, after, released in history:
+        partner = plan.partner.numpy()
+        active = plan.active.numpy()
+        pairs = {(i, int(p)) for i, p in enumerate(partner) if p != i}
+        if previous is not None:
+            assert not pairs & previous                              # no pair twice in a row
+        previous = pairs
+        assert (released == active.astype(int)).all()                 # one release per active agent, none offline
+        assert torch.equal(after[~plan.active], before[~plan.active])  # offline agents do not move
+        assert all(active[p] for i, p in enumerate(partner) if p != i and active[i])
+    counts = {k: int(v) for k, v in state.items() if k.startswith("count.")}
+    assert counts["count.reduced"] + counts["count.full"] == sum(int(h[3].sum()) for h in history)
+
+
+def test_sync_ledger_charges_each_receiver_once_per_round() -> None:
+    experiment, state, history = _simulate("top-dp", 5)
+    ledger = experiment.ledger
+    edges = experiment.simulator.graphs.at(0).out_edges.tolist()
+    assert {tuple(pair) for pair in ledger._pair_index} == {tuple(e) for e in edges}
+    for account in ledger._pair_index.values():
+        assert ledger._pairs.releases()[account] == 5               # one message per edge and round
+    pairwise, _ = ledger.reported_epsilon()
+    colluding, _ = ledger.colluding_epsilon()
+    assert (pairwise <= experiment.config.privacy.budgets[0] + 1e-9).all()
+    assert (colluding >= pairwise).all()
+    assert int(state["count.reduced"]) + int(state["count.full"]) == 5 * len(edges)
+
+
+@pytest.mark.parametrize(("section", "values", "field"), [
+    ("algorithm", {"alpha": 1.0}, "algorithm.alpha"),
+    ("algorithm", {"alpha": 0.0}, "algorithm.alpha"),
+    ("algorithm", {"decay_gamma": 1.5}, "algorithm.decay_gamma"),
+    ("algorithm", {"decay_gamma": 0.0}, "algorithm.decay_gamma"),
+    ("algorithm", {"decay_period": 0}, "algorithm.decay_period"),
+    ("schedule", {"offline_probability": 1.0}, "schedule.offline_probability"),
+])
+def test_bad_settings_name_the_field(section: str, values: dict, field: str) -> None:
+    raw = tiny_config(algorithm={"name": "top-dp-async", "lr": 0.1, "batch_size": 16})
+    raw.setdefault(section, {}).update(values)
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        validate_config(raw)
+
+
+def test_agent_without_neighbour_is_refused_before_anything_is_written(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "lonely.toml"
+    config.write_text('[experiment]\nname = "x"\nrounds = 2\n[data]\ndataset = "digits"\n'
+                      '[topology]\ngraph = "complete"\nagents = 1\n[model]\nname = "linear"\n'
+                      '[algorithm]\nname = "top-dp"\nlr = 0.1\nbatch_size = 16\n[privacy]\nepsilon = 2.0\n')
+    out = tmp_path / "out"
+    assert main(["run", str(config), "--out", str(out)]) != 0
+    assert "topology.graph" in capsys.readouterr().err
+    assert not out.exists()
