@@ -190,6 +190,16 @@ class DataOracle:
         if self.mechanism is not None:
             self._norms.setdefault(index, []).append((owners, norms, mask))
 
+    def repeat(self, clipped: Clipped, index: torch.Tensor) -> Clipped:
+        """Row ``r`` of the result is row ``index[r]`` of ``clipped``, which it replaces (the same batch,
+        computed once): several messages that carry one sum, each to get its own noise in the release."""
+        self._check_open(clipped.key)
+        if not clipped._open:
+            raise NoiseReuseError("a Clipped value is released once: it was already released")
+        result = Clipped(clipped.key, clipped._sums.index_select(0, index), clipped.owners[index], None)
+        clipped._sums, clipped._open = None, False
+        return result
+
     def release(self, *sums: Clipped, mechanism: Mechanism | None = None,
                 receivers: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """Add noise to every sum computed on one batch and charge their owners: one joint event per owner.
@@ -223,10 +233,15 @@ class DataOracle:
             if receivers is None:
                 authorized = self.ledger.charge(self.round_index, events, agents=rows > 0)
             else:
-                receiver_events = np.array([self.ledger.intern(mechanism.receiver_event(o, float(self._rates[o])))
-                                            for o in owners.tolist()], dtype=np.int64)
-                authorized = self.ledger.charge(self.round_index, events, agents=rows > 0, senders=owners.numpy(),
-                                                receivers=receivers.cpu().numpy(), receiver_events=receiver_events)
+                senders, observers = owners.numpy(), receivers.cpu().numpy()
+                observed_by = getattr(mechanism, "observed_by", None)
+                if observed_by is not None:  # the mechanism says who observes what (not one receiver per row)
+                    senders, observers, observed = observed_by(senders, observers, self._rates)
+                else:
+                    observed = [mechanism.receiver_event(o, float(self._rates[o])) for o in owners.tolist()]
+                receiver_events = np.array([self.ledger.intern(event) for event in observed], dtype=np.int64)
+                authorized = self.ledger.charge(self.round_index, events, agents=rows > 0, senders=senders,
+                                                receivers=observers, receiver_events=receiver_events)
         noise = NoiseDraw(self.rng, self.agent_ids, self.round_index, self._releases)
         self._releases += 1
         self._released.add(key.index)
