@@ -7,15 +7,19 @@ communication step, as in the authors' GT-STORM line of work; verify before rely
 
     init (setup phase):  v_i = G(x^0; xi)                                              (one release)
     local step k < K:    x_i^{k+1} = x_i^k - eta v_i^k
-                         v_i^{k+1} = v_i^k + G(x_i^{k+1}; xi) - G(x_i^k; xi)           (same batch xi)
+                         v_i^{k+1} = G(x_i^{k+1}; xi) + (1 - a) (v_i^k - G(x_i^k; xi))     (same batch xi)
     communication:       x_i <- sum_j w_ij x_j^K
-                         v_i <- sum_j w_ij v_j^K + G(x_i; xi') - G(x_i^K; xi')         (same batch xi')
+                         v_i <- G(x_i; xi') + (1 - a) (sum_j w_ij v_j^K - G(x_i^K; xi'))   (same batch xi')
+
+``a = correction_decay = 0`` is the pure SARAH recursion of specs B.3; ``a > 0`` is the STORM form of
+GT-STORM (the authors' line of work), which forgets old corrections geometrically.  Without it the
+recursion keeps every release's noise in ``v`` forever (its variance grows linearly with the rounds
+and the runs diverge; measured in docs/reproduction.md), so the default is ``a = 0.1``; ``a = 1``
+is plain gradient tracking.
 
 DP variant (specs B.3, [G]): each ``G(.; xi)`` is a clipped per-sample gradient sum plus
 ``N(0, sigma^2 C^2)``, divided by the expected batch; the two sums on one batch are released as one
 joint event (sensitivity ``sqrt(2) C``, specs A.4), so a round makes ``K + 1`` releases of two sums.
-The recursion adds every release's noise to ``v``, so the tracker's noise grows with the rounds
-(gossip averages it over agents but does not remove it): a property of this DP variant.
 """
 
 from __future__ import annotations
@@ -35,16 +39,20 @@ class NetFleetSettings(AlgorithmSettings):
     """DP-NET-FLEET's settings (specs B.3)."""
 
     local_steps: int = Field(1, ge=1, le=100, description="K: local recursive steps per communication round")
+    correction_decay: float = Field(0.1, ge=0.0, le=1.0, description="a: STORM weight (0: pure SARAH recursion)")
 
 
-def gradient_difference(oracle: DataOracle, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """``G(new; xi) - G(old; xi)`` on one fresh batch, both sums released jointly (one event per agent)."""
+def corrected(oracle: DataOracle, tracker: torch.Tensor, new: torch.Tensor, old: torch.Tensor,
+              decay: float) -> torch.Tensor:
+    """``G(new; xi) + (1 - a) (tracker - G(old; xi))`` on one fresh batch; both sums are released
+    jointly (one event per agent)."""
     key = oracle.batch()
     g_new, g_old = oracle.release(oracle.clip(key, new), oracle.clip(key, old))
-    difference = g_new.sub_(g_old)
     if oracle.mechanism is not None:
-        difference.div_(oracle.expected_batch.to(difference.device)[:, None])
-    return difference
+        scale = oracle.expected_batch.to(g_new.device)[:, None]
+        g_new.div_(scale)
+        g_old.div_(scale)
+    return g_new.add_(tracker.sub(g_old), alpha=1 - decay)
 
 
 @register
@@ -84,11 +92,11 @@ class DPNetFleet(Algorithm):
         return {"params": state["params"], "tracker": ctx.oracle.gradient(state["params"])}   # v^{0,0}
 
     def round(self, state: State, ctx: RoundContext) -> State:
-        params, tracker = state["params"], state["tracker"]
+        params, tracker, decay = state["params"], state["tracker"], self.settings.correction_decay
         for _ in range(self.settings.local_steps):
-            moved = torch.add(params, tracker, alpha=-ctx.lr)                                   # x^{k+1}
-            tracker = tracker + gradient_difference(ctx.oracle, moved, params)                   # v^{k+1}
+            moved = torch.add(params, tracker, alpha=-ctx.lr)                                    # x^{k+1}
+            tracker = corrected(ctx.oracle, tracker, moved, params, decay)                        # v^{k+1}
             params = moved
-        mixed = ctx.network.mix(params)                                                           # sum_j w_ij x_j^K
-        tracker = ctx.network.mix(tracker).add_(gradient_difference(ctx.oracle, mixed, params))  # tracking
+        mixed = ctx.network.mix(params)                                                            # sum_j w_ij x_j^K
+        tracker = corrected(ctx.oracle, ctx.network.mix(tracker), mixed, params, decay)           # tracking
         return {"params": mixed, "tracker": tracker}
