@@ -13,7 +13,6 @@ import dp_accounting
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config
 from dp_accounting.pld import pld_privacy_accountant
 
 from decentdp.config import validate_config
@@ -24,6 +23,8 @@ from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.rng import AgentKeys, AgentRandom, SecureRandom, Stream
 from decentdp.run.build import build_experiment
 from decentdp.run.loop import run_experiment
+
+from conftest import tiny_config
 
 # ---------------------------------------------------------------------------------------------
 # Reported epsilon: tight, sound, never above the budget
@@ -219,3 +220,76 @@ def test_results_hold_no_raw_data_statistics_unless_asked(tmp_path: Path) -> Non
 def test_renamed_secure_noise_setting_names_its_replacement() -> None:
     with pytest.raises(ConfigError, match="privacy.secure_noise.*privacy.noise = 'secure'"):
         validate_config(tiny_config(privacy={"secure_noise": True}))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling and clipping: what the accountant is told is what ran
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_each_record_joins_with_probability_q_and_batch_sizes_have_binomial_variance(secure: bool) -> None:
+    from decentdp.privacy.sampling import AgentData, PoissonSampler
+
+    sizes, q, rounds = [40, 25], 0.3, 600
+    x = torch.arange(sum(sizes), dtype=torch.float32)[:, None]
+    data = AgentData(x, torch.arange(sum(sizes)), (torch.arange(40), torch.arange(40, 65)))
+    rng = SecureRandom(0, AgentKeys.generate(range(2))) if secure else AgentRandom(11)
+    sampler = PoissonSampler(data, torch.full((2,), q, dtype=torch.float64), rng)
+    joins = torch.zeros(sum(sizes))
+    batch_sizes = []
+    for k in range(rounds):
+        batch = sampler.sample(k)
+        joins.index_add_(0, batch.y[batch.mask > 0].long(), torch.ones(int(batch.mask.sum())))
+        batch_sizes.append(batch.sizes.double())
+    # Per record: Binomial(rounds, q); 5 standard deviations, and the spread across records as expected.
+    spread = math.sqrt(rounds * q * (1 - q))
+    assert ((joins - rounds * q).abs() <= 5 * spread).all()
+    sizes_seen = torch.stack(batch_sizes)
+    for agent, n in enumerate(sizes):
+        variance = float(sizes_seen[:, agent].var())
+        expected = n * q * (1 - q)
+        assert 0.75 * expected < variance < 1.3 * expected, (agent, variance, expected)
+
+
+def test_every_clipped_contribution_is_at_most_c_up_to_float32_rounding() -> None:
+    from decentdp.gradients.clipping import clipped_sum
+
+    generator = torch.Generator().manual_seed(0)
+    scales = torch.logspace(-3, 4, 64)
+    per_sample = torch.randn(8, 64, 301, generator=generator) * scales[None, :, None]
+    clip = 1.7
+    for b in range(64):  # each record alone: its clipped contribution is the batch sum
+        mask = torch.zeros(8, 64)
+        mask[:, b] = 1
+        sums, _ = clipped_sum(per_sample, mask, clip)
+        assert float(sums.norm(dim=1).max()) <= clip * (1 + 8 * torch.finfo(torch.float32).eps)
+
+
+@pytest.mark.parametrize(("algorithm", "secure"), [("dp-dsgd", False), ("central-dpsgd", False), ("dp-dsgd", True)])
+def test_noise_in_the_broadcast_parameters_has_the_calibrated_scale_through_the_fast_engine(
+        algorithm: str, secure: bool) -> None:
+    """One round of a run, end to end, with its calibrated mechanism and with a vanishing one: the models
+    differ by exactly the step times the released noise, ``lr sigma_i C / L_i`` per coordinate (Alg. 1
+    line 10 moves each agent by its own noisy gradient)."""
+    from decentdp.privacy.mechanisms import GaussianMechanism
+
+    raw = tiny_config(algorithm={"name": algorithm, "lr": 0.5, "batch_size": 16},
+                      model={"name": "mlp", "options": {"hidden": 64}}, engine={"gradients": "stacked"},
+                      privacy={"epsilon": 2.0, "clip": 1.0, "noise": "secure" if secure else "simulation"})
+    models, shared_keys = [], None
+    for vanishing in (False, True):
+        experiment = build_experiment(validate_config(raw))
+        assert experiment.model.backend == "stacked"
+        if vanishing:
+            keep = experiment.oracle.mechanism
+            experiment.oracle.mechanism = GaussianMechanism(keep.noise_multipliers * 1e-20, keep.sensitivity)
+        if secure:  # the same keys in both builds, so that only the noise scale differs
+            shared_keys = shared_keys or experiment.oracle.rng.keys
+            experiment.oracle.rng.keys = shared_keys
+        state = experiment.simulator.run(experiment.initial_state(), 0, 1, lambda done, current: False)
+        models.append(state["params"].double())
+    moved = models[0] - models[1]
+    expected = 0.5 * experiment.noise_multipliers.double() * 1.0 / 16
+    measured = moved.std(dim=1)
+    assert torch.allclose(measured, expected, rtol=0.06), (measured, expected)
+    assert moved.mean(dim=1).abs().max() < 4 * float(expected.max()) / math.sqrt(moved.shape[1])

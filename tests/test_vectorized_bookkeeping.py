@@ -102,12 +102,12 @@ def test_batches_are_a_deterministic_function_of_seed_round_and_step() -> None:
     data = _labelled_data([20, 20, 20, 20])
     rates = torch.full((4,), 0.5, dtype=torch.float64)
 
-    def sample(seed: int, round_index: int, step: int = 0, secret: bytes = b"") -> Batch:
-        return PoissonSampler(data, rates, AgentRandom(seed, secret)).sample(round_index, step)
+    def sample(seed: int, round_index: int, step: int = 0) -> Batch:
+        return PoissonSampler(data, rates, AgentRandom(seed)).sample(round_index, step)
 
     first, again = sample(5, 3), sample(5, 3)  # a fresh sampler and a fresh AgentRandom
     assert torch.equal(first.mask, again.mask) and torch.equal(first.y, again.y) and torch.equal(first.x, again.x)
-    for other in (sample(6, 3), sample(5, 4), sample(5, 3, step=1), sample(5, 3, secret=b"k" * 32)):
+    for other in (sample(6, 3), sample(5, 4), sample(5, 3, step=1)):
         assert not torch.equal(first.y * first.mask, other.y * other.mask) or first.mask.shape != other.mask.shape
     # Calling other rounds in between (as a resumed run does not) changes nothing.
     sampler = PoissonSampler(data, rates, AgentRandom(5))
@@ -141,11 +141,10 @@ def test_sampler_rejects_agents_without_records() -> None:
 
 def test_stream_keys_keep_their_documented_format() -> None:
     """Changing the key format would silently change the noise of runs resumed from old checkpoints."""
-    secret = b"s" * 32
-    expected = int.from_bytes(hashlib.sha256(secret + b"7/3/11/2/1").digest()[:8], "little") >> 1
-    assert stream_seed(7, 3, 11, Stream.NOISE, 1, secret) == expected
-    round_wide = int.from_bytes(hashlib.sha256(secret + b"7/*/11/1/1").digest()[:8], "little") >> 1
-    assert round_stream_seed(7, 11, Stream.SAMPLING, 1, secret) == round_wide
+    expected = int.from_bytes(hashlib.sha256(b"7/3/11/2/1").digest()[:8], "little") >> 1
+    assert stream_seed(7, 3, 11, Stream.NOISE, 1) == expected
+    round_wide = int.from_bytes(hashlib.sha256(b"7/*/11/1/1").digest()[:8], "little") >> 1
+    assert round_stream_seed(7, 11, Stream.SAMPLING, 1) == round_wide
 
 
 def test_round_wide_streams_differ_from_every_agents_stream() -> None:
@@ -158,7 +157,7 @@ def test_round_wide_streams_differ_from_every_agents_stream() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_normal_rows_are_each_agents_own_stream(dtype: torch.dtype) -> None:
-    rng = AgentRandom(11, b"x" * 32)
+    rng = AgentRandom(11)
     agents = [4, 0, 9, 4]
     block = rng.normal(agents, 37, round_index=2, stream=Stream.NOISE, step=1, dtype=dtype)
     for row, agent in enumerate(agents):
@@ -266,7 +265,8 @@ def test_event_ledger_matches_the_per_agent_reference(budgets: list[float], pale
                                                       calls: list, checkpoint_at: int) -> None:
     """A small palette of mechanisms per example, so that runs repeat long enough to reach the budgets;
     the ledger's closed-form headroom must refuse exactly where a plain search over dp_accounting does."""
-    ledger, reference = PrivacyLedger(3, budgets, 1e-5), _ReferenceLedger(budgets, 1e-5)
+    ledger = PrivacyLedger(3, budgets, 1e-5, budget_accountant="rdp")  # the closed-form headroom
+    reference = _ReferenceLedger(budgets, 1e-5)
     for round_index, (choice, releases, asking) in enumerate(calls):
         if round_index == checkpoint_at:  # a resumed run continues from the saved state
             ledger = PrivacyLedger.from_state_dict(ledger.state_dict())
@@ -283,7 +283,7 @@ def test_event_ledger_matches_the_per_agent_reference(budgets: list[float], pale
 
 
 def test_a_refused_agent_records_nothing_and_can_still_afford_a_cheaper_mechanism() -> None:
-    ledger = PrivacyLedger(2, [1.0, math.inf], 1e-5)
+    ledger = PrivacyLedger(2, [1.0, math.inf], 1e-5, budget_accountant="rdp")
     loud, quiet = ledger.intern(gaussian_event(8.0)), ledger.intern(gaussian_event(50.0, 0.01))
     room = _reference_max_count((), gaussian_event(8.0), 1e-5, 1.0)
     assert room >= 2

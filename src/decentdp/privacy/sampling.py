@@ -4,6 +4,11 @@ Poisson sampling (each record joins the batch independently with probability ``q
 privacy amplification of the sampled Gaussian mechanism assumes, so batch sizes vary from round to
 round.  Agents' batches are padded to the largest one of the round and carry a 0/1 mask, so that
 all agents are processed by one batched kernel.
+
+On a GPU the padding width is the one value a round must bring back to the host (it is a tensor
+shape).  The sampler reads it without stalling the device: each selection is made one batch ahead
+and its per-agent counts are copied back asynchronously, so that when the batch is asked for, its
+counts have long arrived.  The batches are the same, bit for bit, as when drawn on demand.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decentdp.rng import AgentRandom, Stream
+from decentdp.rng import AgentRandom
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,7 @@ class AgentData:
 
     @property
     def sizes(self) -> torch.Tensor:
+        """``(N,)`` float64 record counts, on the host (known before any round)."""
         return torch.tensor([len(idx) for idx in self.indices], dtype=torch.float64)
 
 
@@ -45,13 +51,33 @@ class Batch:
         return self.mask.sum(dim=1)
 
 
+@dataclass(frozen=True)
+class _Selection:
+    """One batch's Bernoulli selection over the slots, before it is gathered into a padded batch.
+
+    ``starts[i]`` is the number of slots selected before agent ``i``'s first one; ``counts`` are the
+    agents' batch sizes, on the host once ``ready`` (a CUDA event, or None) has passed."""
+
+    keep: torch.Tensor    # (S,) bool, device
+    starts: torch.Tensor  # (N,) int64, device
+    counts: torch.Tensor  # (N,) int64, host
+    ready: torch.cuda.Event | None
+
+    def sizes(self) -> tuple[int, int]:
+        """The largest batch (at least 1) and the total, waiting only for this selection's copy to arrive."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return max(1, int(self.counts.max())), int(self.counts.sum())
+
+
 class PoissonSampler:
     """Draws each agent's batch by independent Bernoulli(q_i) selection of its records.
 
     The agents' index lists are laid end to end once, as *slots* ``0..S-1`` (agent ``i`` owns
     slots ``offsets[i]..offsets[i+1]-1``, in the order of ``data.indices[i]``).  Every round draws
-    one float64 uniform per slot from the round-wide stream ``(seed, round, SAMPLING, step)`` and
-    keeps a slot when its draw is below its owner's rate, so a round costs a few vector operations
+    one float64 uniform per slot (:meth:`~decentdp.rng.AgentRandom.record_uniforms`: in simulation
+    mode from the round-wide stream ``(seed, round, SAMPLING, step)``, in secure mode each agent's
+    slice from its own secret key) and keeps a slot when its draw is below its owner's rate, so a round costs a few vector operations
     whatever the number of agents.  Comparing in float64 makes the inclusion probability ``q_i``
     to within ``2**-53``: the rate the accountant is told is the rate that ran.
 
@@ -60,24 +86,37 @@ class PoissonSampler:
     which agents a process holds.  A shard draws the whole length-``S`` vector (``S`` uniforms
     is cheap next to one gradient) and keeps the slices of its own agents; it then selects exactly
     the records the simulator selects.
+
+    ``lookahead`` (default: on CUDA) makes each batch's selection when the previous one is sampled,
+    so that its width is read without a device synchronisation (see the module's docstring).
+    ``sample_rates`` stay on the host; the sampler keeps its own copy on the data's device.
     """
 
-    def __init__(self, data: AgentData, sample_rates: torch.Tensor, rng: AgentRandom) -> None:
+    def __init__(self, data: AgentData, sample_rates: torch.Tensor, rng: AgentRandom,
+                 lookahead: bool | None = None) -> None:
         if len(sample_rates) != data.n_agents:
             raise ValueError(f"{len(sample_rates)} sample rates for {data.n_agents} agents")
         if data.n_agents < 1:
             raise ValueError("a sampler needs at least one agent")
         lengths = torch.tensor([len(idx) for idx in data.indices], dtype=torch.long)
+        self.lengths = lengths.tolist()
         if int(lengths.min()) < 1:
             empty = int(torch.nonzero(lengths == 0)[0, 0])
             raise ValueError(f"agent {empty} owns no records; every agent needs at least one to sample from")
+        device = data.x.device
         self.data = data
         self.sample_rates = sample_rates
         self.rng = rng
-        self.offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)])  # (N + 1,)
-        self.records = torch.cat([idx.long() for idx in data.indices])  # (S,) record of each slot
-        self.owners = torch.repeat_interleave(torch.arange(data.n_agents), lengths)  # (S,) agent of each slot
+        self.device = device
+        self.lookahead = device.type == "cuda" if lookahead is None else lookahead
+        owners = torch.repeat_interleave(torch.arange(data.n_agents), lengths)
+        self.offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)]).to(device)  # (N+1,)
+        self.records = torch.cat([idx.long().to(device) for idx in data.indices])  # (S,) record of each slot
+        self.owners = owners.to(device)  # (S,) agent of each slot
+        self._slot_rates = sample_rates.to(torch.float64)[owners].to(device)  # (S,) rate of each slot's owner
         self._first = self.records[self.offsets[:-1]]  # each agent's padding record: its first one
+        self._ahead: dict[tuple[int, int], _Selection] = {}  # the next batch's selection (lookahead)
+        self._steps = 1  # batches per round seen so far: which batch comes next
 
     @property
     def n_slots(self) -> int:
@@ -86,8 +125,22 @@ class PoissonSampler:
 
     def draws(self, round_index: int, step: int = 0) -> torch.Tensor:
         """The round's ``(S,)`` float64 uniforms, one per slot; agent ``i`` uses ``offsets[i]:offsets[i+1]``."""
-        generator = self.rng.round_generator(round_index, Stream.SAMPLING, step)
-        return torch.rand(self.n_slots, generator=generator, dtype=torch.float64, device=generator.device)
+        return self.rng.record_uniforms(round_index, step, self.lengths)
+
+    def _select(self, round_index: int, step: int) -> _Selection:
+        """Slot ``s`` is kept when its uniform is below its owner's rate; counts by a prefix sum (fixed
+        shapes: nothing here waits for the device; on CUDA the counts come back asynchronously)."""
+        keep = self.draws(round_index, step) < self._slot_rates
+        taken = torch.cumsum(keep, 0)  # selected slots up to and including each slot
+        before = torch.cat([taken.new_zeros(1), taken])[self.offsets]  # (N + 1,) selected before each agent
+        counts = before[1:] - before[:-1]
+        if not self.lookahead or self.device.type != "cuda":
+            return _Selection(keep, before[:-1], counts.cpu(), None)
+        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        host.copy_(counts, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _Selection(keep, before[:-1], host, ready)
 
     def sample(self, round_index: int, step: int = 0) -> Batch:
         """The batches of round ``round_index`` (sub-step ``step`` for algorithms with several per round).
@@ -97,14 +150,15 @@ class PoissonSampler:
         the round, at least 1.
         """
         n_agents = self.data.n_agents
-        rates = self.sample_rates.to(torch.float64)
-        chosen = torch.nonzero(self.draws(round_index, step) < rates[self.owners]).squeeze(1)  # ascending slots
+        selection = self._ahead.pop((round_index, step), None) or self._select(round_index, step)
+        if self.lookahead:  # the batch asked for next: this round's next one, or the next round's first
+            self._steps = max(self._steps, step + 1)
+            following = (round_index, step + 1) if step + 1 < self._steps else (round_index + 1, 0)
+            self._ahead = {following: self._select(*following)}
+        width, total = selection.sizes()  # host values: the shapes below need no device read
+        chosen = torch.nonzero_static(selection.keep, size=total).squeeze(1)  # ascending slots
         owner = self.owners[chosen]
-        counts = torch.bincount(owner, minlength=n_agents)
-        width = max(1, int(counts.max()))
-        starts = torch.cumsum(counts, 0) - counts  # where each agent's selections begin in `chosen`
-        # the rank of each selection within its agent
-        position = torch.arange(len(chosen), device=chosen.device) - starts[owner]
+        position = torch.arange(total, device=chosen.device) - selection.starts[owner]  # rank within its agent
         index = self._first[:, None].repeat(1, width)  # padding reads one of the agent's own records
         index[owner, position] = self.records[chosen]
         mask = torch.zeros(n_agents, width, device=index.device)

@@ -16,7 +16,6 @@ so a failing run leaves nothing half-written.
 from __future__ import annotations
 
 import math
-import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,10 +24,10 @@ import numpy as np
 import torch
 
 from decentdp.algorithms import algorithm_class
-from decentdp.algorithms.base import Algorithm, State
+from decentdp.algorithms.base import Algorithm, NoisePlan, State
 from decentdp.config import ExperimentConfig
 from decentdp.data.datasets import Dataset, load_dataset
-from decentdp.data.partition import class_histograms, partition
+from decentdp.data.partition import class_histograms, hold_out, partition
 from decentdp.errors import ConfigError
 from decentdp.gradients.flat_model import FlatModel
 from decentdp.gradients.memory import MemoryPlan, available_memory, padded_batch, plan_memory, state_bytes
@@ -38,18 +37,16 @@ from decentdp.privacy.accounting import calibrate_noise_multiplier
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.privacy.mechanisms import GaussianMechanism, round_up_to_float32
 from decentdp.privacy.oracle import DataOracle
+from decentdp.privacy.receiver_budget import ReceiverLedger
 from decentdp.privacy.sampling import AgentData, PoissonSampler
-from decentdp.rng import AgentRandom, Stream, round_stream_seed
+from decentdp.rng import AgentKeys, AgentRandom, SecureRandom, Stream, round_stream_seed
 from decentdp.runtime.evaluation import Evaluator, evaluation_chunk
 from decentdp.runtime.network import GraphSequence, SimulatedNetwork
 from decentdp.runtime.scheduler import Scheduler
 from decentdp.runtime.schedules import Schedule
 from decentdp.runtime.simulator import Simulator
 from decentdp.topology import Topology, build_topology
-
-DEVICE = torch.device("cpu")
-"""The device every component is built on.  Every tensor a component creates is placed on the device
-it was given; the runner passes this one until the engine has a device setting (CPU today)."""
+from decentdp.util.device import resolve_device
 
 
 @dataclass
@@ -72,6 +69,11 @@ class Experiment:
     memory: MemoryPlan
     setup: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # announced when the run starts
+
+    @property
+    def device(self) -> torch.device:
+        """The device the run computes on (``engine.device``, resolved)."""
+        return self.oracle.device
 
     def initial_state(self) -> State:
         params = self.model.initial_parameters()
@@ -97,23 +99,59 @@ def _agent_budgets(config: ExperimentConfig, n_agents: int) -> list[float]:
 
 
 
-def _calibrate(budgets: list[float], rates: list[float], config: ExperimentConfig, releases: int) -> list[float]:
-    """sigma_i for each agent's ``releases`` planned releases at rate q_i (cached per pair)."""
-    cache: dict[tuple[float, float], float] = {}
+def random_source(config: ExperimentConfig, n_agents: int, device: torch.device) -> AgentRandom:
+    """The run's randomness: reproducible from the seed (``privacy.noise = 'simulation'``), or per-agent
+    secret keys fresh from the OS (``'secure'``; a resume puts the run's saved keys back)."""
+    seed = config.experiment.seed
+    if config.privacy.noise == "secure":
+        return SecureRandom(seed, AgentKeys.generate(range(n_agents)), device=device)
+    return AgentRandom(seed, device=device)
+
+
+def _calibrate(budgets: list[float], rates: list[float], config: ExperimentConfig, releases: int,
+               sums: np.ndarray | None = None, joint: bool = True) -> list[float]:
+    """sigma_i for each agent's ``releases`` planned releases at rate q_i (cached).
+
+    An agent releasing ``k_i = sums[i]`` sums per batch makes one Gaussian release of multiplier
+    ``sigma_i / sqrt(k_i)`` (specs A.4): the calibrated multiplier is scaled by ``sqrt(k_i)``.  With
+    ``joint = False`` (an algorithm's labelled loose option) they are priced as ``k_i`` releases."""
+    cache: dict[tuple[float, float, int], float] = {}
     sigmas = []
-    for epsilon, rate in zip(budgets, rates, strict=True):
-        if (epsilon, rate) not in cache:
-            cache[(epsilon, rate)] = calibrate_noise_multiplier(epsilon, config.privacy.delta, rate, releases, 1,
-                                                                config.privacy.accountant)
-        sigmas.append(float(round_up_to_float32(torch.tensor(cache[(epsilon, rate)], dtype=torch.float64))))
+    sums = np.ones(len(budgets), dtype=np.int64) if sums is None else sums
+    for epsilon, rate, k in zip(budgets, rates, sums.tolist(), strict=True):
+        count = releases if joint else releases * k
+        if (epsilon, rate, count) not in cache:
+            cache[(epsilon, rate, count)] = calibrate_noise_multiplier(epsilon, config.privacy.delta, rate, count, 1,
+                                                                       config.privacy.accountant,
+                                                                       relation=config.privacy.neighbouring)
+        sigma = cache[(epsilon, rate, count)] * (math.sqrt(k) if joint else 1.0)
+        sigmas.append(float(round_up_to_float32(torch.tensor(sigma, dtype=torch.float64))))
     return sigmas
 
 
+def _sums_per_batch(config: ExperimentConfig, algorithm: Algorithm, topology: Topology) -> np.ndarray:
+    """Each agent's sums per released batch; with redrawn graphs any agent may get N - 1 neighbours."""
+    degrees = topology.adjacency().sum(axis=1).astype(np.int64)
+    if config.topology.redraw_every:
+        degrees = np.full_like(degrees, topology.n_agents - 1)
+    return algorithm.sums_per_batch(degrees)
+
+
+def _noise_plan(config: ExperimentConfig, budgets: list[float], rates: list[float], sizes: list[int], dim: int,
+                topology: Topology) -> NoisePlan:
+    """What an algorithm that calibrates its own noise (:meth:`Algorithm.calibrate`) is told of the run."""
+    schedule = config.schedule
+    return NoisePlan(budgets, config.privacy.delta, rates, sizes, config.experiment.rounds, dim, config.privacy.clip,
+                     config.privacy.accountant, config.privacy.neighbouring,
+                     (1 - schedule.offline_probability) * schedule.participation,
+                     [int(d) for d in topology.adjacency().sum(axis=1)])
+
+
 def _plan_memory(config: ExperimentConfig, model: FlatModel, algorithm: Algorithm, data: AgentData,
-                 rates: list[float]) -> MemoryPlan:
+                 rates: list[float], device: torch.device) -> MemoryPlan:
     """Estimate the run's peak memory and how many agents' gradients fit in one pass (or refuse)."""
     n_agents = data.n_agents
-    state = state_bytes(algorithm.init_state(torch.empty(n_agents, model.dim, device="meta")))
+    state = state_bytes(algorithm.init_state(torch.empty(n_agents, model.dim, device="meta")))  # (no memory)
     sizes = [len(owned) for owned in data.indices]
     width = max(padded_batch(rate * size, size) for rate, size in zip(rates, sizes, strict=True))
     sample = data.x[data.indices[0][0]]
@@ -121,7 +159,7 @@ def _plan_memory(config: ExperimentConfig, model: FlatModel, algorithm: Algorith
     batch = n_agents * width * (sample.numel() * sample.element_size() + 8 + 4)  # inputs, labels, mask
     limit = config.engine.memory_limit_gb
     return plan_memory(n_agents, model.dim, state, batch, per_sample, width,
-                       int(limit * 2**30) if limit is not None else available_memory(),
+                       int(limit * 2**30) if limit is not None else available_memory(device),
                        config.engine.agents_per_pass, algorithm.round_temporaries)
 
 
@@ -149,13 +187,18 @@ def _topology(config: ExperimentConfig, seed: int) -> Topology:
 
 
 def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = None,
-                     device: torch.device = DEVICE) -> Experiment:
-    """Load data, build graph, model, privacy and algorithm; raises DecentDPError on bad input."""
+                     device: torch.device | str | None = None) -> Experiment:
+    """Load data, build graph, model, privacy and algorithm; raises DecentDPError on bad input.
+
+    Everything is built on ``device`` (default: ``engine.device``, resolved on this machine); the
+    data is moved there once, here."""
     cfg_data, topo_cfg, algo_cfg = config.data, config.topology, config.algorithm
     seed = config.experiment.seed
+    device = resolve_device(config.engine.device) if device is None else torch.device(device)
     dataset = load_dataset(cfg_data.dataset, data_dir if data_dir is not None else cfg_data.data_dir,
                            image_size=cfg_data.image_size)
     labels = dataset.y_train.numpy()
+    dataset = dataset.to(device)  # once: batches are then gathered where they are computed
     algorithm = algorithm_class(algo_cfg.name).from_settings(algo_cfg.settings)
     if algorithm.pools_data:
         parts = [np.arange(len(labels), dtype=np.int64)]
@@ -164,28 +207,38 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
         parts = partition(labels, topo_cfg.agents, cfg_data.partition, seed=seed, t=cfg_data.overlap_t,
                           alpha=cfg_data.dirichlet_alpha, size_skew=cfg_data.size_skew)
         topology = _topology(config, seed)
-    data = AgentData(dataset.x_train, dataset.y_train, tuple(torch.from_numpy(p) for p in parts))
+    validation = None
+    if cfg_data.validation_fraction > 0:  # tuning: evaluate on records held out of the agents' own data
+        parts, validation = hold_out(parts, cfg_data.validation_fraction, seed)
+    data = AgentData(dataset.x_train, dataset.y_train, tuple(torch.from_numpy(p).to(device) for p in parts))
 
     module = build_model(config.model.name, dataset.input_shape, dataset.num_classes, seed=seed,
                          **config.model.options)
     private = config.privacy.private
     if private:
         validate_for_dp(module)
-    model = gradient_model(module, classification_loss, config.engine.gradients)
+    model = gradient_model(module.to(device), classification_loss, config.engine.gradients)
 
     sizes = [len(p) for p in parts]
     warnings = _privacy_warnings(config, sizes) if private else []
     rates = [min(1.0, algo_cfg.batch_size / n) for n in sizes]
     budgets = _agent_budgets(config, len(parts))
     planned = planned_releases(config, algorithm)
-    sigmas = _calibrate(budgets, rates, config, planned) if private else [0.0] * len(parts)
-    ledger = PrivacyLedger(len(parts), budgets, config.privacy.delta, budget_accountant=config.privacy.accountant)
-    rng = AgentRandom(seed, secrets.token_bytes(32) if config.privacy.secure_noise else b"", device=device)
+    sums = _sums_per_batch(config, algorithm, topology)
+    own = algorithm.calibrate(_noise_plan(config, budgets, rates, sizes, model.dim, topology)) if private else None
+    sigmas = own.noise_multipliers if own is not None else \
+        _calibrate(budgets, rates, config, planned, sums, algorithm.joint_accounting) if private else [0.0] * len(parts)
+    ledger_class = ReceiverLedger if algorithm.budget_view == "pairwise" else PrivacyLedger
+    ledger = ledger_class(len(parts), budgets, config.privacy.delta, budget_accountant=config.privacy.accountant,
+                          relation=config.privacy.neighbouring)
+    rng = random_source(config, len(parts), device)
+    # host values, known before any round: the ledger and the events read them without a device round trip
     sample_rates = torch.tensor(rates, dtype=torch.float64)
     noise_multipliers = torch.tensor(sigmas, dtype=torch.float32)
     sampler = PoissonSampler(data, sample_rates, rng)
-    mechanism = GaussianMechanism(noise_multipliers, config.privacy.clip) if private else None
-    memory = _plan_memory(config, model, algorithm, data, rates)
+    mechanism = own.mechanism if own is not None else \
+        GaussianMechanism(noise_multipliers, config.privacy.clip) if private else None
+    memory = _plan_memory(config, model, algorithm, data, rates, device)
     oracle = DataOracle(model, sampler, ledger, rng, mechanism, config.privacy.clip,
                         agents_per_pass=memory.agents_per_pass)
     graphs = _graphs(config, topology, device)
@@ -193,11 +246,15 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
                           config.schedule.participation, device=device)
     schedule = Schedule(algo_cfg.lr_schedule, algo_cfg.lr, algo_cfg.lr_final or algo_cfg.lr, config.experiment.rounds)
     simulator = Simulator(algorithm, graphs, oracle, scheduler, schedule, rng)
-    evaluator = Evaluator(model, dataset.x_test, dataset.y_test,
+    held = None if validation is None else torch.from_numpy(validation).to(device)
+    eval_x, eval_y = (dataset.x_test, dataset.y_test) if held is None else (dataset.x_train[held],
+                                                                            dataset.y_train[held])
+    evaluator = Evaluator(model, eval_x, eval_y,
                           chunk=evaluation_chunk(memory.agents_per_pass * memory.activation_bytes_per_agent,
                                                  memory.activation_bytes_per_sample, len(parts)))
     histograms = class_histograms(labels, parts, dataset.num_classes)
     setup = {
+        **({"paper_accounting": own.paper_accounting} if own is not None else {}),
         "n_agents": len(parts),
         "parameters": model.dim,
         "agent_sizes": sizes,
@@ -206,15 +263,20 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
         "epsilon_budgets": budgets,
         "releases_per_round": algorithm.releases_per_round,
         "setup_releases": algorithm.setup_releases,
+        "sums_per_batch": sums.tolist(),
+        "joint_accounting": algorithm.joint_accounting,
         "planned_releases": planned,
         "schedule": config.schedule_kind,
         "calibration_accountant": config.privacy.accountant,
-        "class_histograms": histograms.tolist(),
+        "neighbouring": config.privacy.neighbouring,
+        "noise": config.privacy.noise,
         "topology": topology.report.as_dict(),
         "mixing_warnings": list(topology.warnings),
         "gradient_engine": model.backend,
         "gradient_engine_fallback_reason": model.fallback_reason,
         "memory_plan": memory.as_dict(),
+        "evaluation_set": "test" if validation is None else f"validation: {len(validation)} records held out of "
+                                                            "the agents' training data",
     }
     return Experiment(config, dataset, data, topology, model, algorithm, ledger, oracle, simulator, evaluator,
                       noise_multipliers, sample_rates, histograms, memory, setup, warnings)

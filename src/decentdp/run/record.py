@@ -10,14 +10,19 @@ agent's ledger and epsilon, and the pairwise view when messages went to single r
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from decentdp.algorithms.base import State
-from decentdp.config import ExperimentConfig, config_differences, validate_config
+from decentdp.config import PLACEMENT_FIELDS, ExperimentConfig, config_differences, validate_config
 from decentdp.errors import ConfigError
+from decentdp.privacy.ledger import PrivacyLedger
+from decentdp.privacy.network_dp import plot_pairwise
+from decentdp.privacy.receiver_budget import ReceiverLedger
 from decentdp.results import (
     CHECKPOINT_FILE,
     CONFIG_FILE,
@@ -35,7 +40,16 @@ from decentdp.results import (
     write_jsonl,
     write_toml,
 )
+from decentdp.rng import SIMULATION_NOTICE, AgentKeys, SecureRandom
 from decentdp.run.build import Experiment
+
+#: What each epsilon of a run whose budgets hold per receiver assumes (privacy.json).
+RECEIVER_VIEWS = {
+    "epsilon": "(a) each agent's most exposed single neighbour, in the paper's threat model: the neighbour is "
+               "honest-but-curious and knows no noise but its own (TOP-DP eq. 5a); budgets hold on this view",
+    "epsilon_colluding": "(b) all receivers pooling what they saw, knowing every reused noise: the worst case",
+    "paper_accounting": "(c) what the paper's own calibration claims (TOP-DP Theorem 1, eq. 7)",
+}
 
 
 def _check_creatable(path: Path) -> None:
@@ -59,11 +73,48 @@ def _read_only_mount(directory: Path) -> bool:
         return True
 
 
+def key_directory(config: ExperimentConfig) -> Path:
+    """Where a secure run keeps its key file: ``privacy.key_dir``, else ``$DECENTDP_KEY_DIR``, else
+    ``$XDG_STATE_HOME/decentdp/keys`` (``~/.local/state/decentdp/keys``)."""
+    if config.privacy.key_dir:
+        return Path(config.privacy.key_dir).expanduser()
+    if os.environ.get("DECENTDP_KEY_DIR"):
+        return Path(os.environ["DECENTDP_KEY_DIR"]).expanduser()
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "decentdp" / "keys"
+
+
+DIAGNOSTICS_FILE = "diagnostics.json"
+DIAGNOSTICS_WARNING = ("operator diagnostics computed from the raw private data, NOT differentially private: "
+                       "do not share this file or the 'diagnostics' entries of metrics.jsonl")
+
+NEIGHBOURING_ASSUMPTIONS = {
+    "add-remove": "neighbouring datasets differ by adding or removing one record of one agent; the run publishes "
+                  "each agent's sample rate q_i = L/|D_i|, so this assumes dataset sizes are not secret (the "
+                  "DP-SGD papers' relation; use replace-one when sizes must be covered)",
+    "replace-one": "neighbouring datasets differ by replacing one record of one agent (sizes public, as the run "
+                   "publishes them); about twice the epsilon of add-remove for the same noise",
+}
+
+
+def privacy_statement(config: ExperimentConfig) -> dict[str, Any]:
+    """What a run's epsilon means: the neighbouring relation and its assumption, and the noise's secrecy."""
+    statement: dict[str, Any] = {
+        "neighbouring": config.privacy.neighbouring,
+        "neighbouring_assumption": NEIGHBOURING_ASSUMPTIONS[config.privacy.neighbouring],
+        "noise": config.privacy.noise,
+    }
+    if config.privacy.noise == "simulation" and config.privacy.private:
+        statement["noise_notice"] = SIMULATION_NOTICE
+    return statement
+
+
 class ResultsFolder:
-    """Writes one run's results folder ``path``."""
+    """Writes one run's results folder ``path`` (and, for a secure run, its key file elsewhere)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.key_file: Path | None = None  # secure runs: the agents' keys, never inside ``path``
 
     def open(self, config: ExperimentConfig, resume: bool) -> dict[str, Any] | None:
         """Check the folder before anything is written; with ``resume``, the checkpoint to continue from."""
@@ -72,7 +123,8 @@ class ResultsFolder:
             if not checkpoint.is_file():
                 raise ConfigError("--resume", f"no checkpoint to resume in {self.path}")
             saved = torch.load(checkpoint, weights_only=True)
-            changed = config_differences(validate_config(saved["config"]), config)
+            changed = [key for key in config_differences(validate_config(saved["config"]), config)
+                       if key not in PLACEMENT_FIELDS]  # e.g. a ray run resumed on other workers
             if changed == ["experiment.rounds"] and saved["round"] == saved["config"]["experiment"]["rounds"]:
                 raise ConfigError("--resume", f"this run finished its {saved['round']} rounds and cannot be extended: "
                                               "its noise was calibrated for exactly the releases it planned, so "
@@ -82,6 +134,9 @@ class ResultsFolder:
                 raise ConfigError("--resume", "the config differs from the one the checkpoint was made with, in "
                                               f"{', '.join(changed)}; resume with the same config and overrides")
             return saved
+        if config.privacy.noise == "secure" and key_directory(config).absolute().is_relative_to(self.path.absolute()):
+            raise ConfigError("privacy.key_dir", f"{key_directory(config)} lies inside the results folder "
+                                                 f"{self.path}: the agents' keys must never sit with the results")
         if self.path.exists() and not self.path.is_dir():
             raise ConfigError("--out", f"{self.path} exists and is not a directory")
         if self.path.exists() and any(self.path.iterdir()):
@@ -99,13 +154,38 @@ class ResultsFolder:
         write_toml(self.path / CONFIG_FILE, experiment.config.to_toml_dict())
         write_json(self.path / PROVENANCE_FILE, provenance(experiment.config.experiment.seed))
         write_json(self.path / SETUP_FILE, experiment.setup)
+        rng = experiment.oracle.rng
+        if isinstance(rng, SecureRandom):
+            self.key_file = key_directory(experiment.config) / f"{secrets.token_hex(16)}.keys"
+            rng.keys.save(self.key_file)
+
+    def diagnostics(self, experiment: Experiment) -> None:
+        """``diagnostics.json`` (``--diagnostics`` only): raw statistics of the private data, labelled so."""
+        write_json(self.path / DIAGNOSTICS_FILE, {
+            "warning": DIAGNOSTICS_WARNING,
+            "class_histograms": experiment.histograms.tolist(),
+        })
+
+    def restore_keys(self, experiment: Experiment, checkpoint: dict[str, Any]) -> None:
+        """Put a secure run's saved keys back, so that rounds replayed after the checkpoint re-draw the same
+        noise (fresh noise there would release those rounds a second time)."""
+        rng = experiment.oracle.rng
+        if not isinstance(rng, SecureRandom):
+            return
+        saved = checkpoint.get("key_file")
+        if saved is None or not Path(saved).is_file():
+            raise ConfigError("--resume", f"the key file of this secure run ({saved}) is gone: resuming with fresh "
+                                          "keys would release the rounds after the checkpoint a second time with "
+                                          "new noise; start a new run")
+        self.key_file = Path(saved)
+        rng.keys = AgentKeys.load(self.key_file)
 
     def checkpoint(self, experiment: Experiment, round_done: int, state: State, metrics: list[dict[str, Any]],
                    wall_seconds: float) -> None:
         """Everything a resume needs, written atomically, and the metrics so far."""
         payload = {"round": round_done, "state": state, "metrics": metrics,
                    "config": experiment.config.to_toml_dict(),
-                   "secret": experiment.oracle.rng.secret.hex(),
+                   "key_file": None if self.key_file is None else str(self.key_file),
                    "passes": {"agents_per_pass": experiment.oracle.agents_per_pass,
                               "evaluation_chunk": experiment.evaluator.chunk},
                    "scheduler": experiment.simulator.scheduler.state_dict(),
@@ -115,21 +195,34 @@ class ResultsFolder:
         tmp.replace(self.path / CHECKPOINT_FILE)
         write_jsonl(self.path / METRICS_FILE, metrics)
 
-    def finish(self, experiment: Experiment, summary: dict[str, Any], metrics: list[dict[str, Any]]) -> None:
-        """``privacy.json``, ``summary.json`` and the plots of a finished run."""
+    def finish(self, experiment: Experiment, summary: dict[str, Any], metrics: list[dict[str, Any]],
+               extras: dict[str, Any] | None = None) -> None:
+        """``privacy.json``, ``summary.json`` and the plots of a finished run; ``extras`` are the
+        algorithm's own privacy results (``Algorithm.privacy_extras``), added to ``privacy.json``."""
         ledger = experiment.ledger
         epsilons, accountant = ledger.reported_epsilon()
         privacy: dict[str, Any] = {
             "delta": experiment.config.privacy.delta,
             "epsilon": epsilon_json(epsilons),
             "epsilon_accountant": accountant,
-            "epsilon_rdp": epsilon_json(ledger.epsilon("rdp")),
+            **privacy_statement(experiment.config),
             "releases": ledger.releases().tolist(),
             "refused_releases": ledger.refused.tolist(),
             "ledger": ledger.state_dict(),
         }
-        if ledger.has_receiver_releases:
+        if ledger.relation == "add-remove":  # RDP has no replace-one bound for sampled releases
+            privacy["epsilon_rdp"] = epsilon_json(ledger.epsilon("rdp"))
+        if ledger.has_receiver_releases and ledger.relation == "add-remove":
             privacy["epsilon_pairwise_rdp"] = epsilon_json(ledger.pairwise_epsilon("rdp"))
+        if isinstance(ledger, ReceiverLedger):  # budgets per receiver: (a) per pair, (b) colluding, (c) the paper's
+            privacy["epsilon_pairwise"] = epsilon_json(ledger.pairwise_epsilon(accountant))
+            privacy["epsilon_colluding"] = epsilon_json(colluding_epsilon(ledger))
+            privacy["threat_models"] = RECEIVER_VIEWS
+        if "paper_accounting" in experiment.setup:
+            privacy["paper_accounting"] = experiment.setup["paper_accounting"]
+        privacy.update(extras or {})
+        if (extras or {}).get("epsilon_pairwise_network") is not None:
+            plot_pairwise(np.array(extras["epsilon_pairwise_network"], dtype=float), self.path / "pairwise_epsilon.png")
         write_json(self.path / PRIVACY_FILE, privacy)
         write_json(self.path / SUMMARY_FILE, summary)
         if metrics:
@@ -140,6 +233,14 @@ class ResultsFolder:
 
     def profile(self, report: dict[str, Any]) -> None:
         write_json(self.path / PROFILE_FILE, report)
+
+
+def colluding_epsilon(ledger: PrivacyLedger) -> np.ndarray:
+    """Each agent's epsilon against all its receivers together (the ledger's agent view).  It is what
+    ``epsilon`` reports unless budgets hold per receiver (:class:`ReceiverLedger`, e.g. TOP-DP)."""
+    if isinstance(ledger, ReceiverLedger):
+        return ledger.colluding_epsilon()[0]
+    return ledger.reported_epsilon()[0]
 
 
 def summary(experiment: Experiment, metrics: list[dict[str, Any]], wall: float, finished: bool) -> dict[str, Any]:
@@ -160,8 +261,11 @@ def summary(experiment: Experiment, metrics: list[dict[str, Any]], wall: float, 
         "consensus_distance": last.get("consensus_distance"),
         "private": config.privacy.private,
         "epsilon_max": epsilon_json(float(epsilons.max())),
+        "epsilon_max_colluding": epsilon_json(float(colluding_epsilon(experiment.ledger).max())),
         "epsilon_per_agent": epsilon_json(epsilons),
         "epsilon_accountant": accountant,
+        "neighbouring": config.privacy.neighbouring,
+        "noise": config.privacy.noise,
         "epsilon_target": epsilon_json(min(config.privacy.budgets)),
         "refused_releases": int(experiment.ledger.refused.sum()),
         "delta": config.privacy.delta,

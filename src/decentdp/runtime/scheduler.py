@@ -57,8 +57,8 @@ class Scheduler:
         return self.kind == "synchronous" and self.offline_probability == 0.0
 
     def _generator(self, round_index: int) -> np.random.Generator:
-        return np.random.default_rng(round_stream_seed(self.rng.seed, round_index, Stream.SCHEDULE,
-                                                       secret=self.rng.secret))
+        # Public choices: keyed by the seed alone, also in secure mode (they protect nothing).
+        return np.random.default_rng(round_stream_seed(self.rng.seed, round_index, Stream.SCHEDULE))
 
     def plan(self, round_index: int, network: Network) -> RoundPlan:
         """The plan of ``round_index`` (rounds must be planned in order: pairing remembers the last one)."""
