@@ -99,15 +99,7 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
 def connect(address: str, workers: int) -> tuple[Any, bool]:
     """Ray, started here on loopback (``address`` empty) or attached to a cluster; and whether this
     process started it (and so shuts it down).  An unreachable address is a ConfigError."""
-    ray = import_ray(local=not address)
-    if ray.is_initialized():
-        return ray, False
-    if not address:
-        with _environment(NO_OUTSIDE_HTTP):
-            ray.init(address="local", num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False,
-                     log_to_driver=False, configure_logging=False, _node_ip_address="127.0.0.1")
-        return ray, True
-    if address != "auto":
+    if address and address != "auto":
         host, _, port = address.removeprefix("ray://").rpartition(":")
         try:
             socket.create_connection((host, int(port)), timeout=5).close()
@@ -116,6 +108,14 @@ def connect(address: str, workers: int) -> tuple[Any, bool]:
                                                 f"({exc.strerror if isinstance(exc, OSError) else exc}); give "
                                                 "'host:port' of a running cluster's head, 'auto', or leave it "
                                                 "empty to start Ray on this machine") from None
+    ray = import_ray(local=not address)
+    if ray.is_initialized():  # this process already holds a Ray instance (e.g. a notebook's): use it
+        return ray, False
+    if not address:
+        with _environment(NO_OUTSIDE_HTTP):
+            ray.init(address="local", num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False,
+                     log_to_driver=False, configure_logging=False, _node_ip_address="127.0.0.1")
+        return ray, True
     try:
         ray.init(address=address, log_to_driver=False, configure_logging=False)
     except (ConnectionError, RuntimeError) as exc:

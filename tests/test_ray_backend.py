@@ -1,0 +1,170 @@
+"""``engine.backend = "ray"``: the demo on Ray worker processes gives the simulator's results, survives a
+killed worker, resumes on another number of workers, and refuses bad settings cleanly.
+
+Every Ray instance here is started by :func:`decentdp.runtime.ray_backend.connect` with an empty
+address: bound to 127.0.0.1, no dashboard, no usage statistics, HTTP probes sent to a closed loopback
+port (see ``docs/distributed.md``); no test names another address.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from decentdp.config import load_config
+from decentdp.errors import ConfigError
+from decentdp.results import PRIVACY_FILE
+from decentdp.run.build import build_experiment
+from decentdp.run.loop import run_experiment
+
+pytestmark = [pytest.mark.ray, pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                                  reason="Ray is not installed (pip install 'decentdp[ray]')")]
+
+DEMO = Path(__file__).resolve().parents[1] / "experiments" / "demo.toml"
+QUIET = {"progress": False, "log": lambda line: None}
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray instance for this module (runs attach to it instead of starting their own)."""
+    from decentdp.runtime.ray_backend import connect
+
+    ray, owned = connect("", workers=3)
+    assert owned
+    yield ray
+    ray.shutdown()
+
+
+def _demo(*overrides: str):
+    return load_config(DEMO, overrides=list(overrides))
+
+
+def _ledger_runs(folder: Path) -> list:
+    """Each agent's release history from ``privacy.json``, with events spelled out (ids are per table)."""
+    privacy = json.loads((folder / PRIVACY_FILE).read_text())
+    ledger = privacy["ledger"]
+    return [[[ledger["events"][event], count, first, last] for event, count, first, last in runs]
+            for runs in ledger["agent_runs"]]
+
+
+def _raylets() -> int:
+    """Ray node processes running on this machine."""
+    count = 0
+    for entry in Path("/proc").iterdir():
+        try:
+            count += entry.name.isdigit() and b"raylet" in (entry / "cmdline").read_bytes().split(b"\0")[0]
+        except OSError:
+            continue
+    return count
+
+
+def test_a_local_instance_binds_loopback_only(local_ray) -> None:
+    assert local_ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+    assert {node["NodeManagerAddress"] for node in local_ray.nodes()} == {"127.0.0.1"}
+    assert os.environ["RAY_USAGE_STATS_ENABLED"] == "0"
+
+
+DEMO_50 = ("experiment.rounds=50", "privacy.accountant=rdp")  # (RDP: a faster calibration; any accountant works)
+
+
+@pytest.fixture(scope="module")
+def simulated_demo(tmp_path_factory: pytest.TempPathFactory):
+    """50 rounds of the demo in the simulator, and its results folder."""
+    folder = tmp_path_factory.mktemp("simulator") / "out"
+    return run_experiment(_demo(*DEMO_50), folder, **QUIET), folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_demo_on_ray_matches_the_simulator(local_ray, simulated_demo, tmp_path: Path, workers: int) -> None:
+    """50 rounds of the demo: the same accuracy (1e-4), epsilon and ledgers exactly, models within 1e-5."""
+    simulated, folder = simulated_demo
+    sharded = run_experiment(_demo(*DEMO_50, "engine.backend=ray", f"engine.workers={workers}"), tmp_path / "ray",
+                             **QUIET)
+    assert abs(sharded.summary["accuracy_mean"] - simulated.summary["accuracy_mean"]) <= 1e-4
+    assert sharded.summary["epsilon_max"] == simulated.summary["epsilon_max"]
+    assert sharded.summary["epsilon_per_agent"] == simulated.summary["epsilon_per_agent"]
+    assert _ledger_runs(tmp_path / "ray") == _ledger_runs(folder)
+    for key, value in simulated.state.items():
+        assert float((sharded.state[key] - value).abs().max()) <= 1e-5, key
+
+
+def test_a_killed_worker_restarts_from_the_last_checkpoint(local_ray) -> None:
+    """SIGKILL one worker after round 6 (last checkpoint: round 4): the run replays rounds 5-6 on fresh
+    workers and ends as an uninterrupted run, every release counted once."""
+    from decentdp.runtime.ray_backend import distribute
+
+    config = _demo("experiment.rounds=10", "experiment.eval_every=4", "engine.backend=ray", "engine.workers=2",
+                   "privacy.accountant=rdp")
+    reference = build_experiment(config)
+    expected = reference.simulator.run(reference.simulator.setup(reference.initial_state()), 0, 10,
+                                       lambda done, state: True)
+    experiment = build_experiment(config)
+    distribute(experiment)
+    engine = experiment.simulator
+    killed: list[int] = []
+
+    def after_round(done: int, state) -> bool:
+        if done == 6:
+            killed.append(engine.worker_pids()[1])
+            os.kill(killed[0], signal.SIGKILL)
+        return True
+
+    state = engine.run(engine.setup(experiment.initial_state()), 0, 10, after_round)
+    assert killed and engine.restarts == 1
+    for key, value in expected.items():
+        assert float((state[key] - value).abs().max()) <= 1e-5, key
+    ledger = experiment.ledger
+    assert ledger.releases().tolist() == reference.ledger.releases().tolist() == [10] * 10
+    assert [ledger.history(i) for i in range(10)] == [reference.ledger.history(i) for i in range(10)]
+
+
+def test_a_run_resumes_on_another_number_of_workers(local_ray, tmp_path: Path) -> None:
+    common = ("experiment.rounds=12", "experiment.eval_every=3", "privacy.accountant=rdp")
+    whole = run_experiment(_demo(*common), tmp_path / "whole", **QUIET)
+    run_experiment(_demo(*common, "engine.backend=ray", "engine.workers=2"), tmp_path / "split", stop_after=6,
+                   **QUIET)
+    resumed = run_experiment(_demo(*common, "engine.backend=ray", "engine.workers=1"), tmp_path / "split",
+                             resume=True, **QUIET)
+    assert resumed.summary["accuracy_mean"] == pytest.approx(whole.summary["accuracy_mean"], abs=1e-4)
+    assert resumed.summary["epsilon_per_agent"] == whole.summary["epsilon_per_agent"]
+    assert _ledger_runs(tmp_path / "split") == _ledger_runs(tmp_path / "whole")
+    torch.testing.assert_close(resumed.state["params"], whole.state["params"], rtol=0, atol=1e-5)
+
+
+def test_an_unreachable_address_is_a_config_error(local_ray, tmp_path: Path) -> None:
+    config = _demo("engine.backend=ray", "engine.address=127.0.0.1:1", "experiment.rounds=2",
+                   "privacy.accountant=rdp")  # port 1 of this machine: nothing listens there
+    with pytest.raises(ConfigError, match="engine.address: cannot reach a Ray cluster at '127.0.0.1:1'"):
+        run_experiment(config, tmp_path / "out", **QUIET)
+    assert not (tmp_path / "out").exists()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "decentdp.cli", "run", str(DEMO), *args], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.slow
+def test_the_cli_starts_and_stops_its_own_ray(local_ray, tmp_path: Path) -> None:
+    """The interface line, on 2 rounds: its own local Ray instance, gone when the command ends; a bad
+    worker count fails with one line naming the setting, and writes nothing."""
+    before = _raylets()
+    done = _cli("--set", "engine.backend=ray", "--set", "engine.workers=2", "--set", "experiment.rounds=2",
+                "--set", "privacy.accountant=rdp", "--json", "--out", str(tmp_path / "ok"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["rounds"] == 2
+    assert _raylets() == before
+    refused = _cli("--set", "engine.backend=ray", "--set", "engine.workers=11", "--set", "privacy.accountant=rdp",
+                   "--out", str(tmp_path / "bad"))
+    assert refused.returncode != 0 and "engine.workers: 11 workers for 10 agent(s)" in refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / "bad").exists()
+    assert _raylets() == before
