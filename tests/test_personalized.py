@@ -22,7 +22,7 @@ from decentdp.data.synthetic_linear import synthetic_linear
 from decentdp.errors import ConfigError, DataError
 from decentdp.personalized.objective import build_problem, clip_rows, data_gradient_sums, objective
 from decentdp.personalized.privacy import calibrate_updates, kairouz_epsilon
-from decentdp.personalized.runner import run_personalized
+from decentdp.personalized.runner import evaluate, run_personalized
 from decentdp.personalized.schedule import plan_wakeups, poisson_ticks
 from decentdp.personalized.solver import PrivateUpdates, coordinate_descent
 from decentdp.privacy.ledger import PrivacyLedger
@@ -171,6 +171,30 @@ def test_pld_epsilon_of_laplace_updates_matches_dp_accounting_directly():
     assert private.ledger.epsilon("pld")[0] == pytest.approx(direct.get_epsilon(DELTA), rel=2e-3)
     assert private.ledger.epsilon("pld")[0] <= 1.0 + 1e-9
     assert private.ledger.epsilon("pld")[-1] == 0.0  # the agent without data released nothing
+
+
+def test_the_neighbouring_relation_reaches_calibration_and_ledger():
+    # replace-one doubles the sum's sensitivity: the same budget needs twice the Laplace multiplier, and the
+    # ledger prices the released event under the run's relation (so both runs spend the same epsilon)
+    shape = np.ones((2, 5))
+    spent = {}
+    for relation in ("replace-one", "add-remove"):
+        noise = calibrate_updates("laplace", "tight", 1.0, DELTA, shape, "tight", relation)
+        ledger = PrivacyLedger(2, 1.0, DELTA, budget_accountant="tight", relation=relation)
+        event = ledger.intern(noise.event(float(noise.multipliers[0, 0])))
+        ledger.charge(0, np.full(2, event), count=5)
+        spent[relation] = (float(noise.multipliers[0, 0]), float(ledger.epsilon("tight")[0]))
+    assert spent["replace-one"][0] == pytest.approx(2 * spent["add-remove"][0], rel=1e-3)
+    assert spent["replace-one"][1] == pytest.approx(spent["add-remove"][1], rel=1e-3)
+    assert spent["replace-one"][1] <= 1.0 + 1e-9
+
+
+def test_a_zero_model_predicts_the_positive_class():
+    data = synthetic_linear(4, 5, min_points=10, max_points=20, test_points=50, label_noise=0.0, gamma=0.1, seed=1)
+    accuracy = evaluate(data, torch.zeros(data.n_agents, data.dim, dtype=torch.float64))["accuracy_mean"]
+    owner, y = data.owner_test, data.y_test
+    expected = np.mean([np.mean(y[owner == i] > 0) for i in range(data.n_agents)])
+    assert accuracy == pytest.approx(expected)
 
 
 def test_agents_stop_at_their_budget_and_never_update_again():

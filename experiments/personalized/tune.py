@@ -21,7 +21,7 @@ from decentdp.personalized.runner import run_personalized
 
 HERE = Path(__file__).parent
 CONFIGS = ("movielens-local", "movielens-nonprivate", "movielens-eps1", "movielens-eps0.5", "movielens-eps0.1")
-GRID = (25, 50, 100, 200, 400)
+GRID = (10, 25, 50, 100, 200, 400)
 PAPER = {"movielens-local": 1.2834, "movielens-nonprivate": 0.9502, "movielens-eps1": 0.9527,
          "movielens-eps0.5": 0.9545, "movielens-eps0.1": 0.9855}
 

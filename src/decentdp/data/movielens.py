@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import io
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -45,14 +47,22 @@ def read_ratings(path: Path) -> np.ndarray:
         text = path.read_text(encoding="latin-1")
     except OSError as exc:
         raise DataError(f"cannot read {path}: {exc.strerror}") from None
-    rows = [line.split() for line in text.splitlines() if line.strip()]
-    if not rows:
-        raise DataError(f"{path} holds no ratings")
-    for number, row in enumerate(rows, start=1):
-        if len(row) != 4 or not all(value.lstrip("-").isdigit() for value in row):
-            raise DataError(f"{path}, line {number}: expected 4 integers 'user item rating timestamp', got "
-                            f"{' '.join(row)[:80]!r}")
-    table = np.asarray(rows, dtype=np.int64)[:, :3]
+    try:  # numpy's C parser (blank lines skipped); on any failure the line-by-line check names the line
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "input contained no data": reported below
+            parsed = np.loadtxt(io.StringIO(text), dtype=np.int64, ndmin=2)
+    except ValueError:
+        parsed = None
+    if parsed is None or parsed.shape[1] != 4:
+        rows = [(number, line.split()) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+        if not rows:
+            raise DataError(f"{path} holds no ratings")
+        for number, row in rows:
+            if len(row) != 4 or not all(value.lstrip("-").isdigit() for value in row):
+                raise DataError(f"{path}, line {number}: expected 4 integers 'user item rating timestamp', got "
+                                f"{' '.join(row)[:80]!r}")
+        parsed = np.asarray([row for _, row in rows], dtype=np.int64)
+    table = parsed[:, :3]
     bad = np.flatnonzero((table[:, 0] < 1) | (table[:, 1] < 1) | (table[:, 2] < 1) | (table[:, 2] > 5))
     if len(bad):
         raise DataError(f"{path}, line {bad[0] + 1}: user and item ids start at 1 and ratings lie in 1..5, got "

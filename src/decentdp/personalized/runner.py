@@ -58,7 +58,10 @@ def evaluate(data: PersonalData, theta: torch.Tensor) -> dict[str, float]:
     y = torch.as_tensor(data.y_test, dtype=torch.float64, device=theta.device)
     prediction = torch.einsum("rp,rp->r", x, theta[owner])
     counts = torch.bincount(owner, minlength=data.n_agents).double()
-    per_row = (prediction - y) ** 2 if data.task == "regression" else (torch.sign(prediction) == y).double()
+    # classification predicts +1 on a zero margin (torch.sign would give 0, wrong for either label: an agent
+    # that never woke from Theta(0) = 0 would score 0 rather than its label balance)
+    per_row = (prediction - y) ** 2 if data.task == "regression" else \
+        (torch.where(prediction >= 0, 1.0, -1.0) == y).double()
     totals = torch.zeros(data.n_agents, dtype=torch.float64, device=theta.device).index_add_(0, owner, per_row)
     present = counts > 0
     per_agent = totals[present] / counts[present]

@@ -71,22 +71,22 @@ def plan_wakeups(woken: np.ndarray, weights: np.ndarray, max_updates: int) -> Wa
     """Drop the ticks of agents past ``max_updates`` updates and level the rest (module docstring)."""
     n = len(weights)
     adjacency = weights > 0
-    indptr = np.concatenate([[0], np.cumsum(adjacency.sum(axis=1))])
-    neighbours = np.nonzero(adjacency)[1]
-    done = np.zeros(n, dtype=np.int64)
-    last = np.full(n + 1, -1, dtype=np.int64)  # last[n] = -1 pads agents without neighbours
+    # plain Python lists: this loop is sequential, and per-tick numpy indexing costs more than the work
+    around = [np.flatnonzero(row).tolist() for row in adjacency]
+    done = [0] * n
+    last = [-1] * n
     agents, ticks, index, levels = [], [], [], []
     for tick, agent in enumerate(woken.tolist()):
-        if done[agent] >= max_updates:
+        count = done[agent]
+        if count >= max_updates:
             continue
-        around = neighbours[indptr[agent]:indptr[agent + 1]]
-        level = max(int(last[agent]), int(last[around].max()) if len(around) else -1) + 1
+        level = max(last[agent], max(map(last.__getitem__, around[agent]), default=-1)) + 1
         last[agent] = level
         agents.append(agent)
         ticks.append(tick)
-        index.append(int(done[agent]))
+        index.append(count)
         levels.append(level)
-        done[agent] += 1
+        done[agent] = count + 1
     agents_a, ticks_a, index_a, levels_a = (np.asarray(v, dtype=np.int64) for v in (agents, ticks, index, levels))
     order = np.lexsort((ticks_a, levels_a))
     counts = np.bincount(levels_a, minlength=int(levels_a.max()) + 1 if len(levels_a) else 0)

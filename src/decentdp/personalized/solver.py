@@ -113,21 +113,24 @@ def coordinate_descent(problem: Problem, theta: torch.Tensor, plan: WakeupPlan, 
     device = theta.device
     all_agents = torch.as_tensor(plan.agents, device=device)
     all_index = torch.as_tensor(plan.index, device=device)
+    filtering = stopped is not None and bool(stopped.any())  # no agent stopped yet: skip the filter
     for level in range(start, stop):
         part = plan.level(level)
         agents, index = all_agents[part], all_index[part]
-        if stopped is not None:
+        if filtering:
+            assert stopped is not None
             live = ~stopped[agents]
             agents, index = agents[live], index[live]
-        if not len(agents):
-            continue
+            if not len(agents):
+                continue
         own = theta[agents]
         sums = data_gradient_sums(problem, theta, agents, None if private is None else private.clip,
                                   2 if private is None else private.norm)
         if private is not None:
             allowed = private.release(int(plan.ticks[part][0]), agents, index, sums)
-            if stopped is not None:
+            if stopped is not None and not bool(allowed.all()):
                 stopped[agents[~allowed]] = True
+                filtering = True
         else:
             allowed = torch.ones(len(agents), dtype=torch.bool, device=device)
         gradient = sums / counts[agents] + 2.0 * problem.reg[agents].unsqueeze(1) * own
