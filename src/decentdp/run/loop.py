@@ -233,7 +233,7 @@ def _announce(experiment: Experiment, emit: Callable[[str], None]) -> None:
          if config.privacy.private else NOT_PRIVATE)
     if config.privacy.private and not experiment.oracle.rng.secure:
         emit(f"privacy: {SIMULATION_NOTICE}")
-    emit(f"gradients: {experiment.model.backend} engine" + (
+    emit(f"gradients: {experiment.model.backend} engine on {experiment.device}" + (
         f" (the stacked engine does not support this model: {experiment.model.fallback_reason})"
         if experiment.model.fallback_reason else ""))
     emit(experiment.memory.describe())

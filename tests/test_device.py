@@ -1,0 +1,131 @@
+"""engine.device: resolution and its errors, data moved once, and a sampler that reads no device value
+while it samples (its look-ahead gives the same batches, bit for bit, as sampling on demand)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from decentdp.config import validate_config
+from decentdp.data.datasets import load_dataset
+from decentdp.errors import ConfigError
+from decentdp.gradients.flat_model import FlatModel
+from decentdp.gradients.memory import available_memory
+from decentdp.models import build_model, classification_loss
+from decentdp.privacy.ledger import PrivacyLedger
+from decentdp.privacy.mechanisms import GaussianMechanism
+from decentdp.privacy.oracle import DataOracle
+from decentdp.privacy.sampling import AgentData, PoissonSampler
+from decentdp.rng import AgentRandom
+from decentdp.run.build import build_experiment
+from decentdp.util.device import resolve_device
+
+from conftest import tiny_config
+
+
+def test_cpu_and_auto_without_cuda_resolve_to_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("gpu", "unknown device 'gpu'"),
+    ("cuda:", "unknown device"),
+    ("CUDA", "unknown device"),
+    ("cuda", "torch sees no CUDA device"),
+    ("cuda:1", "torch sees no CUDA device"),
+])
+def test_bad_devices_name_engine_device(spec: str, message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=message) as error:
+        resolve_device(spec)
+    assert error.value.field == "engine.device"
+
+
+def test_a_device_index_out_of_range_names_engine_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"2 CUDA device\(s\), numbered 0..1") as error:
+        resolve_device("cuda:2")
+    assert error.value.field == "engine.device"
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+
+
+def test_the_config_checks_the_spelling_and_the_build_checks_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert validate_config(tiny_config()).engine.device == "auto"
+    with pytest.raises(ConfigError, match="engine.device"):
+        validate_config(tiny_config(engine={"device": "tpu"}))
+    config = validate_config(tiny_config(engine={"device": "cuda:0"}))  # valid anywhere: a GPU config
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="no CUDA device") as error:
+        build_experiment(config)
+    assert error.value.field == "engine.device"
+
+
+def test_a_run_is_built_on_its_device(device: torch.device) -> None:
+    raw = tiny_config(engine={"device": device.type}, privacy={"epsilon": "inf"})  # (no calibration: fast)
+    experiment = build_experiment(validate_config(raw))
+    assert experiment.device.type == device.type
+    assert experiment.data.x.device.type == device.type and experiment.data.indices[0].device.type == device.type
+    assert experiment.initial_state()["params"].device.type == device.type
+    assert experiment.sample_rates.device.type == "cpu"  # host values: read without a device round trip
+    if device.type == "cpu":
+        assert experiment.memory.limit_bytes == pytest.approx(available_memory(), rel=0.2)
+
+
+def test_moving_a_dataset_keeps_it_when_it_is_already_there(device: torch.device) -> None:
+    dataset = load_dataset("digits")
+    moved = dataset.to(device)
+    assert moved.x_test.device.type == device.type and torch.equal(moved.y_train.cpu(), dataset.y_train)
+    assert moved.to(moved.x_train.device) is moved
+
+
+def _data(sizes: list[int]) -> AgentData:
+    generator = torch.Generator().manual_seed(0)
+    total = sum(sizes)
+    order = torch.randperm(total, generator=generator)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return AgentData(torch.randn(total, 2, generator=generator), torch.arange(total),
+                     tuple(order[start:start + size] for start, size in zip(starts, sizes, strict=True)))
+
+
+def test_sampling_ahead_gives_the_batches_sampling_on_demand_gives(device: torch.device) -> None:
+    """In any order of requests: steps within a round, skipped rounds (a resume), a round asked twice."""
+    data = _data([7, 1, 30, 12, 3])
+    data = AgentData(data.x.to(device), data.y.to(device), tuple(idx.to(device) for idx in data.indices))
+    rates = torch.tensor([0.5, 0.9, 0.2, 1e-12, 0.7], dtype=torch.float64)
+    ahead = PoissonSampler(data, rates, AgentRandom(4, device=device), lookahead=True)
+    on_demand = PoissonSampler(data, rates, AgentRandom(4, device=device), lookahead=False)
+    for round_index, step in [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (7, 0), (7, 1), (7, 2), (8, 0), (8, 1),
+                              (8, 2), (3, 0), (3, 0), (9, 0)]:
+        a, b = ahead.sample(round_index, step), on_demand.sample(round_index, step)
+        assert torch.equal(a.mask, b.mask) and torch.equal(a.y, b.y) and torch.equal(a.x, b.x)
+        assert a.mask.shape[1] == max(1, int(a.sizes.max()))  # the width is the round's largest batch
+        assert a.sizes[3] == 0  # rate ~ 0: nothing selected, padding only
+
+
+def test_an_oracle_samples_clips_and_releases_on_its_device(device: torch.device) -> None:
+    """Batches, sums and noise stay on the device; the ledger (host values) charges the active agents."""
+    n_agents, per_agent = 5, 40
+    generator = torch.Generator().manual_seed(1)
+    module = build_model("mlp", (1, 8, 8), 10, seed=3).to(device)
+    model = FlatModel(module, classification_loss)
+    x = torch.randn(n_agents * per_agent, 1, 8, 8, generator=generator).to(device)
+    y = torch.randint(0, 10, (n_agents * per_agent,), generator=generator).to(device)
+    data = AgentData(x, y, tuple(torch.arange(i * per_agent, (i + 1) * per_agent, device=device)
+                                 for i in range(n_agents)))
+    rates = torch.full((n_agents,), 0.25, dtype=torch.float64)
+    rng = AgentRandom(7, device=device)
+    mechanism = GaussianMechanism(torch.full((n_agents,), 1.5), 1.0)
+    oracle = DataOracle(model, PoissonSampler(data, rates, rng), PrivacyLedger(n_agents, math.inf, 1e-5), rng,
+                        mechanism, 1.0)
+    params = model.initial_parameters().repeat(n_agents, 1)
+    active = torch.tensor([True, False, True, True, False], device=device)
+    oracle.begin(0, active)
+    released = oracle.gradient(params)
+    assert released.device.type == device.type and torch.isfinite(released).all()
+    assert bool((released[~active] == 0).all()) and bool((released[active].abs().sum(dim=1) > 0).all())
+    assert oracle.ledger.releases().tolist() == [1, 0, 1, 1, 0]
