@@ -5,9 +5,12 @@ For every config and every candidate T_i, the run is made with ``personalized.va
 (train on 80% of each user's training ratings, evaluate on the other 20%; the test ratings are not
 read); the T_i with the lowest validation RMSE is kept, and the config is run once more on the test
 split with it.  A grid search, since one run per candidate is cheap (seconds) and the curve in T_i
-is smooth; its results go to ``OUT/tuning.json`` and the final table to ``OUT/table.json``.
+is smooth; its results go to ``OUT/tuning.json``, the final table to ``OUT/table.json`` and each test
+run's results folder to ``OUT/NAME`` (for ``decentdp report``).
 
     python experiments/personalized/tune.py --data-dir ../shared/data --out results/personalized-table
+    decentdp report results/personalized-table --metric rmse_mean \
+        --paper experiments/personalized/paper-movielens.toml
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def main() -> None:
         best = min(scores, key=scores.__getitem__)
         tuning[name] = {"validation_rmse": scores, "best_wakeups": best}
         config = load_config(path, [f"personalized.wakeups={best}"])
-        summary, _, _ = run_personalized(config, data_dir=args.data_dir, log=lambda _line: None)
+        summary, _, _ = run_personalized(config, out / name, data_dir=args.data_dir, log=lambda _line: None)
         table[name] = {"wakeups": best, "rmse_mean": summary["rmse_mean"], "paper_rmse": PAPER.get(name),
                        "epsilon_max": summary["epsilon_max"], "epsilon_max_paper": summary["epsilon_max_paper"],
                        "epsilon_max_rdp": summary["epsilon_max_rdp"], "wall_seconds": summary["wall_seconds"]}
