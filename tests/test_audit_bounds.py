@@ -56,11 +56,23 @@ def test_threshold_is_chosen_on_the_selection_runs_only() -> None:
     members, non_members = rng.normal(3.0, 1.0, 2000), rng.normal(0.0, 1.0, 2000)
     bound = audit_bound(members, non_members, delta=1e-5, selection_fraction=0.25)
     assert bound.selection_runs == 500 and bound.members == 1500 and bound.non_members == 1500
-    assert bound.threshold == best_threshold(members[:500], non_members[:500], 1e-5)
+    assert bound.threshold == best_threshold(members[:500], non_members[:500], 1e-5, evaluation_runs=(1500, 1500))
     # mu = 3 Gaussian DP allows epsilon of about 8.5 at delta 1e-5; 1,500 runs can show a few units of it
     assert 2.0 < bound.epsilon_lower_bound < 8.5
     same = audit_bound(rng.normal(0, 1, 2000), rng.normal(0, 1, 2000), delta=1e-5)
     assert same.epsilon_lower_bound < 0.3
+
+
+def test_the_gaussian_rule_finds_far_tail_thresholds_for_large_evaluations() -> None:
+    rng = np.random.default_rng(2)
+    mu, runs = 0.5, 22_000
+    members, non_members = rng.normal(mu, 1.0, runs), rng.normal(0.0, 1.0, runs)
+    empirical = audit_bound(members, non_members, 1e-5, selection_fraction=0.1)
+    gaussian = audit_bound(members, non_members, 1e-5, selection_fraction=0.1, rule="gaussian")
+    # the best threshold for 19,800 evaluation runs of mu = 0.5 lies near 2.7 standard deviations
+    assert 2.0 < gaussian.threshold < 3.5
+    assert gaussian.epsilon_lower_bound >= empirical.epsilon_lower_bound - 0.05
+    assert gaussian.epsilon_lower_bound < 1.99  # mu = 0.5 Gaussian DP is (1.99, 1e-5)-DP
 
 
 def test_too_few_runs_for_the_split_is_a_clear_error() -> None:

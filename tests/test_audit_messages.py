@@ -46,7 +46,7 @@ class HalvedNoise(GaussianMechanism):
 
 
 def _audit(models: int, **fields: Any) -> AuditSection:
-    return AuditSection(models=models, selection_fraction=0.1, chunk=models, **fields)
+    return AuditSection(models=models, selection_fraction=0.1, chunk=models, threshold_rule="gaussian", **fields)
 
 
 def test_the_canary_gradient_is_exactly_c_times_a_reserved_direction(private: Experiment) -> None:

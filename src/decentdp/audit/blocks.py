@@ -10,7 +10,8 @@ in a few kernels.  Each block is a world: its target agent owns the audited reco
 
 The run is the library's: the algorithm from the registry, the run's Poisson sampler,
 :class:`~decentdp.privacy.oracle.DataOracle`, a Gaussian mechanism calibrated for the planned
-releases (or the algorithm's own calibration, :meth:`Algorithm.calibrate`), the scheduler and the simulator.  Two things differ from ``decentdp run``, both public
+releases (or the algorithm's own calibration, :meth:`Algorithm.calibrate`), the scheduler and the
+simulator.  Two things differ from ``decentdp run``, both public
 and the same in both worlds: sampling rates and noise are those of the larger world (the record
 present), as add/remove DP requires; and the ledger records every event without enforcing
 budgets (the calibration already fits exactly the planned releases; checking 10^5 identical
@@ -266,7 +267,7 @@ def run_audit(experiment: Experiment, audit: AuditSection, kind: str,
     wall = time.perf_counter() - start
     all_scores, member = np.concatenate(scores), np.concatenate(members)
     bound = audit_bound(all_scores[member], all_scores[~member], config.privacy.delta, audit.selection_fraction,
-                        audit.confidence)
+                        audit.confidence, audit.threshold_rule)
     summary = {"audit": kind, "algorithm": config.algorithm.name, "models": audit.models,
                "epsilon_nominal": min(config.privacy.budgets), "epsilon_ledger": ledger_epsilon,
                "delta": config.privacy.delta, "rounds": config.experiment.rounds, "wall_seconds": wall,

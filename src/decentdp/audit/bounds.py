@@ -8,9 +8,9 @@ holds with the stated confidence: the lower end of TPR over the upper end of FPR
 
 The test thresholds a score (higher: more likely a member).  As in Jagielski et al. 2020 and the
 paper, the threshold is chosen on a first part of the runs and the bound computed on the rest, so
-that the choice cannot overfit the counts it is judged on; the choice maximises the bound itself
-(Clopper-Pearson corrected), which avoids the degenerate thresholds with no false positive that
-the raw ratio ``(TPR - delta) / FPR`` would pick.
+that the choice cannot overfit the counts it is judged on.  The choice maximises the bound itself
+(Clopper-Pearson corrected, for as many runs as the evaluation has), which avoids the degenerate
+thresholds with no false positive that the raw ratio ``(TPR - delta) / FPR`` would pick.
 """
 
 from __future__ import annotations
@@ -104,21 +104,42 @@ def _counts_at(thresholds: np.ndarray, scores: np.ndarray) -> np.ndarray:
     return len(ordered) - np.searchsorted(ordered, thresholds, side="left")
 
 
-def best_threshold(member_scores: np.ndarray, non_member_scores: np.ndarray, delta: float,
-                   confidence: float = 0.95) -> float:
-    """The threshold (one of the observed scores) whose Clopper-Pearson bound is largest on these runs."""
-    candidates = np.unique(np.concatenate([member_scores, non_member_scores]))
-    candidates = candidates[np.isfinite(candidates)]
-    if len(candidates) == 0:
-        return math.inf
-    tp = _counts_at(candidates, member_scores)
-    fp = _counts_at(candidates, non_member_scores)
-    forward, backward = epsilon_from_counts(tp, len(member_scores), fp, len(non_member_scores), delta, confidence)
+def _best(candidates: np.ndarray, tpr: np.ndarray, fpr: np.ndarray, runs: tuple[int, int], delta: float,
+          confidence: float) -> float:
+    """The candidate whose rates, as counts over ``runs`` evaluation runs, give the largest bound."""
+    members, non_members = runs
+    forward, backward = epsilon_from_counts(np.round(tpr * members), members, np.round(fpr * non_members),
+                                            non_members, delta, confidence)
     return float(candidates[int(np.argmax(np.maximum(forward, backward)))])
 
 
+def best_threshold(member_scores: np.ndarray, non_member_scores: np.ndarray, delta: float,
+                   confidence: float = 0.95, evaluation_runs: tuple[int, int] | None = None,
+                   rule: str = "empirical") -> float:
+    """The threshold whose Clopper-Pearson bound on ``evaluation_runs = (members, non_members)`` runs
+    (default: as many as given here) is largest, judged from these runs' scores.
+
+    ``empirical``: the observed rates at each observed score.  ``gaussian``: the tail rates of a normal
+    fitted to each world's scores, which estimates far tails (where large evaluations find their best
+    threshold) much better than a few counts do; right when the scores are Gaussian, as the message
+    audit's log-likelihood ratio is for unsampled releases (q = 1)."""
+    runs = evaluation_runs or (len(member_scores), len(non_member_scores))
+    finite_m, finite_n = member_scores[np.isfinite(member_scores)], non_member_scores[np.isfinite(non_member_scores)]
+    if rule == "gaussian" and min(len(finite_m), len(finite_n)) > 1:
+        low, high = min(finite_m.min(), finite_n.min()), max(finite_m.max(), finite_n.max())
+        spread = max(finite_m.std(), finite_n.std())
+        candidates = np.linspace(low - 3 * spread, high + 3 * spread, 4001)
+        return _best(candidates, stats.norm.sf(candidates, finite_m.mean(), finite_m.std()),
+                     stats.norm.sf(candidates, finite_n.mean(), finite_n.std()), runs, delta, confidence)
+    candidates = np.unique(np.concatenate([finite_m, finite_n]))
+    if len(candidates) == 0:
+        return math.inf
+    return _best(candidates, _counts_at(candidates, member_scores) / len(member_scores),
+                 _counts_at(candidates, non_member_scores) / len(non_member_scores), runs, delta, confidence)
+
+
 def audit_bound(member_scores: np.ndarray, non_member_scores: np.ndarray, delta: float,
-                selection_fraction: float = 0.2, confidence: float = 0.95) -> AuditBound:
+                selection_fraction: float = 0.2, confidence: float = 0.95, rule: str = "empirical") -> AuditBound:
     """Choose a threshold on the first ``selection_fraction`` of each world's runs, bound epsilon on the rest.
 
     Scores are ordered as the runs were made (run ``m`` of each world is independent of the others),
@@ -128,8 +149,9 @@ def audit_bound(member_scores: np.ndarray, non_member_scores: np.ndarray, delta:
     non_member_scores = np.nan_to_num(np.asarray(non_member_scores, dtype=np.float64), nan=-np.inf)
     runs = min(len(member_scores), len(non_member_scores))
     selection, _ = split_sizes(runs, selection_fraction)
-    threshold = best_threshold(member_scores[:selection], non_member_scores[:selection], delta, confidence)
     members, non_members = member_scores[selection:runs], non_member_scores[selection:runs]
+    threshold = best_threshold(member_scores[:selection], non_member_scores[:selection], delta, confidence,
+                               (len(members), len(non_members)), rule)
     tp, fp = int((members >= threshold).sum()), int((non_members >= threshold).sum())
     forward, backward = epsilon_from_counts(tp, len(members), fp, len(non_members), delta, confidence)
     return AuditBound(float(max(forward, backward)), float(forward), threshold, tp, len(members), fp,

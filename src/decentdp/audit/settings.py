@@ -28,6 +28,9 @@ class AuditSection(BaseModel):
                                                                        "chooses the threshold (the paper: 1,000 "
                                                                        "of 5,000)")
     confidence: float = Field(0.95, gt=0.0, lt=1.0, description="Clopper-Pearson confidence of the bound")
+    threshold_rule: Literal["empirical", "gaussian"] = Field(
+        "empirical", description="how the selection runs choose the threshold: observed rates, or the tails of "
+                                 "normals fitted to each world's scores (Gaussian scores: the message audit at q = 1)")
     chunk: int = Field(2000, ge=1, description="blocks (trainings) simulated at once; bounds memory")
     # -- membership inference (Bayrooti et al., App. D) -------------------------------------------------
     digits: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1,
