@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from decentdp.config import load_config
+from decentdp.errors import ConfigError
 from decentdp.run.loop import run_experiment
 from test_datasets import cifar_batch
 
@@ -48,3 +49,21 @@ def test_table4_path_runs_on_tiny_cifar100_files(tmp_path: Path) -> None:
     assert summary["finished"] and summary["model"] == "resnet9" and summary["dataset"] == "cifar100"
     assert 0 < summary["epsilon_max"] <= 10.0
     assert (tmp_path / "run" / "summary.json").is_file()
+
+
+def test_convnet_options_for_tuned_rows_keep_the_paper_model_by_default() -> None:
+    """The options a tuned row may use (tanh, GroupNorm) are model options; the default is the paper's net."""
+    import torch
+
+    from decentdp.gradients.stacked_model import gradient_model
+    from decentdp.models import build_model, classification_loss, count_parameters
+
+    paper = build_model("convnet", (1, 32, 32), 10, seed=0)
+    same = build_model("convnet", (1, 32, 32), 10, seed=0, activation="mish", norm="none")
+    assert count_parameters(paper) == 38_424
+    assert all(torch.equal(a, b) for a, b in zip(paper.parameters(), same.parameters(), strict=True))
+    tuned = build_model("convnet", (1, 32, 32), 10, seed=0, activation="tanh", norm="group")
+    assert count_parameters(tuned) == 38_424 + 6  # the GroupNorm's scale and shift
+    assert gradient_model(tuned, classification_loss, "auto").backend == "stacked"
+    with pytest.raises(ConfigError, match="model.options.activation"):
+        build_model("convnet", (1, 32, 32), 10, seed=0, activation="swish")

@@ -243,25 +243,39 @@ class Residual(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
+_CONVNET_ACTIVATIONS: dict[str, type[nn.Module]] = {"mish": nn.Mish, "tanh": nn.Tanh, "relu": nn.ReLU}
+
+
 @register_model("convnet")
-def convnet(input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+def convnet(input_shape: tuple[int, int, int], num_classes: int, *, activation: str = "mish",
+            norm: str = "none") -> nn.Module:
     """The small MNIST ConvNet of the DP consensus experiments (Bayrooti et al., App. B).
 
     ``Conv2d(C -> 3, 5x5) -> Mish -> MaxPool2d(2) -> Flatten -> Linear(-> 64) -> Mish ->
     Linear(64 -> num_classes)``. For 1x32x32 inputs the flattened size is 3*14*14 = 588 and
     the model has 38,424 parameters, as in the paper; other input sizes only change the first
-    linear layer.
+    linear layer.  Options that often suit DP-SGD (Papernot et al. 2021: bounded activations; De et
+    al. 2022: group normalisation): ``activation`` = ``"mish"`` (the paper's, default), ``"tanh"`` or
+    ``"relu"``; ``norm = "group"`` adds a GroupNorm (one group per channel) after the convolution.
+    The defaults build the paper's model, with the same initial weights.
     """
+    if activation not in _CONVNET_ACTIVATIONS:
+        raise ConfigError("model.options.activation", f"unknown activation {activation!r}; choose one of: "
+                                                      f"{', '.join(_CONVNET_ACTIVATIONS)}")
+    if norm not in ("none", "group"):
+        raise ConfigError("model.options.norm", f"expected 'none' or 'group', got {norm!r}")
     channels, height, width = input_shape
     _require_size("convnet", input_shape, min(height, width) >= 6, "at least 6x6 pixels")
     flat = 3 * _after_conv_pool(height, 5, pool=2) * _after_conv_pool(width, 5, pool=2)
+    act = _CONVNET_ACTIVATIONS[activation]
     return nn.Sequential(
         nn.Conv2d(channels, 3, kernel_size=5),
-        nn.Mish(),
+        *([_group_norm(3)] if norm == "group" else []),
+        act(),
         nn.MaxPool2d(2),
         nn.Flatten(),
         nn.Linear(flat, 64),
-        nn.Mish(),
+        act(),
         nn.Linear(64, num_classes),
     )
 
