@@ -122,10 +122,10 @@ def best_threshold(member_scores: np.ndarray, non_member_scores: np.ndarray, del
     ``empirical``: the observed rates at each observed score.  ``gaussian``: the tail rates of a normal
     fitted to each world's scores, which estimates far tails (where large evaluations find their best
     threshold) much better than a few counts do; right when the scores are Gaussian, as the message
-    audit's log-likelihood ratio is for unsampled releases (q = 1)."""
+    audit's log-likelihood ratio is for unsampled releases (q = 1); constant scores fall back to ``empirical``."""
     runs = evaluation_runs or (len(member_scores), len(non_member_scores))
     finite_m, finite_n = member_scores[np.isfinite(member_scores)], non_member_scores[np.isfinite(non_member_scores)]
-    if rule == "gaussian" and min(len(finite_m), len(finite_n)) > 1:
+    if rule == "gaussian" and min(len(finite_m), len(finite_n)) > 1 and min(finite_m.std(), finite_n.std()) > 0:
         low, high = min(finite_m.min(), finite_n.min()), max(finite_m.max(), finite_n.max())
         spread = max(finite_m.std(), finite_n.std())
         candidates = np.linspace(low - 3 * spread, high + 3 * spread, 4001)
