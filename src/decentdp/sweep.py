@@ -36,8 +36,11 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import shutil
 import sys
+import threading
+import time
 import tomllib
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -54,6 +57,7 @@ from decentdp.results import CHECKPOINT_FILE, write_atomic
 STUDY_FILE = "study.db"
 TRIALS_DIR = "trials"
 SPEC_ATTR = "decentdp_sweep"
+_WATCHER = "decentdp-sweep-parent"
 
 
 # ----------------------------------------------------------------------------- the sweep file
@@ -130,6 +134,7 @@ class Sweep:
     section: SweepSection
     space: dict[str, Dimension]
     base: dict[str, Any] = field(repr=False)
+    data_dir: str | None = None  # where the trials read data (--data-dir); not part of the sweep's definition
 
     @property
     def trials(self) -> int:
@@ -155,6 +160,8 @@ class Sweep:
         assignments = [f"{name}={_toml_value(value)}" for name, value in params.items()]
         assignments += [f"experiment.seed={seed}", f"data.validation_fraction={self.section.validation_fraction}",
                         "engine.threads=1"]
+        if self.data_dir is not None:
+            assignments.append(f"data.data_dir={_toml_value(self.data_dir)}")
         return apply_overrides(self.base, assignments)
 
 
@@ -270,7 +277,19 @@ def _trial_folder(out: Path, number: int) -> Path:
     return out / TRIALS_DIR / f"trial-{number:04d}"
 
 
-def run_trial(raw_configs: list[dict[str, Any]], folders: list[str], objective: str) -> dict[str, Any]:
+def _exit_with(parent: int) -> None:
+    """End this worker when the sweep process that started it dies (killed, not interrupted), so that a
+    resumed sweep is the only writer of the trial's folder."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    if not any(thread.name == _WATCHER for thread in threading.enumerate()):  # once per worker process
+        threading.Thread(target=watch, daemon=True, name=_WATCHER).start()
+
+
+def run_trial(raw_configs: list[dict[str, Any]], folders: list[str], objective: str, parent: int) -> dict[str, Any]:
     """One trial in a worker process: its run at each seed (resumed where a checkpoint exists), and the mean
     of ``objective`` over them.  Returns ``{"value": ...}`` or ``{"error": message}`` for bad input."""
     import torch
@@ -278,6 +297,7 @@ def run_trial(raw_configs: list[dict[str, Any]], folders: list[str], objective: 
     from decentdp.config import validate_config
     from decentdp.run.loop import run_experiment
 
+    _exit_with(parent)
     torch.set_num_threads(1)
     values = []
     try:
@@ -386,7 +406,7 @@ class SweepRunner:
                         seeds = section.seeds
                         folders = [str(folder if len(seeds) == 1 else folder / f"seed-{s}") for s in seeds]
                         configs = [self.sweep.trial_config(trial.params, s) for s in seeds]
-                        running[pool.submit(run_trial, configs, folders, section.objective)] = trial
+                        running[pool.submit(run_trial, configs, folders, section.objective, os.getpid())] = trial
                     finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
                     for future in finished:
                         trial = running.pop(future)
@@ -473,6 +493,7 @@ def add_parser(commands: Any) -> None:
     sweep.add_argument("sweep_file", metavar="SWEEP.toml", help="the sweep file ([sweep] and [space])")
     sweep.add_argument("--out", type=Path, metavar="DIR",
                        help="sweep folder: study.db, trials/, best.toml (default: results/sweeps/<file name>)")
+    sweep.add_argument("--data-dir", help="directory holding dataset files (overrides data.data_dir)")
     sweep.add_argument("--workers", type=int, metavar="N", help="processes at once (overrides sweep.workers)")
     sweep.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     sweep.add_argument("--json", action="store_true", help="print the best trials as one JSON line at the end")
@@ -485,6 +506,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise DecentDPError("decentdp sweep needs Optuna: pip install 'decentdp[sweep]'") from None
     sweep = load_sweep(args.sweep_file)
+    sweep.data_dir = args.data_dir
     if args.workers is not None:
         if args.workers < 1:
             raise ConfigError("--workers", f"must be a positive integer, got {args.workers}")
