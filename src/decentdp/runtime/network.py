@@ -62,9 +62,10 @@ class SimulatedNetwork:
         """``operator @ x`` in one product written straight into its result (dense or CSR ``operator``).
 
         ``addmm_`` with ``beta = 0`` ignores the uninitialised output; for CSR it is also the fast
-        path: ``csr @ x`` builds its result in a temporary and was 2.5-4.5x slower on the CPU
-        (``benchmarks/mixing.py``), which is why mixing once went in blocks of 8 rows (125 products
-        at N = 1000, one kernel launch each on a GPU)."""
+        path: ``csr @ x`` builds its result in a temporary and was 1.4-4.4x slower on the CPU, which
+        is why mixing once went in blocks of 8 rows (125 products at N = 1000, one kernel launch
+        each on a GPU); one product is 1.1-1.6x faster than those blocks on the CPU, bit for bit
+        the same (``benchmarks/gpu.py --only plumbing``)."""
         return torch.empty(operator.shape[0], *x.shape[1:], dtype=x.dtype, device=x.device).addmm_(operator, x,
                                                                                                   beta=0)
 
