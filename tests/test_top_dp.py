@@ -11,12 +11,15 @@ import pytest
 import torch
 from tests.conftest import tiny_config
 
-from decentdp.algorithms.topology_noise import CoverPlanner, RowGaussian, residual_multipliers
+from decentdp.algorithms.topology_noise import CoverPlanner, RowGaussian, cover_groups, residual_multipliers
 from decentdp.cli import main
 from decentdp.config import validate_config
 from decentdp.errors import ConfigError
+from decentdp.privacy.accounting import rdp_curve, rdp_epsilon
+from decentdp.privacy.events import gaussian_event
 from decentdp.privacy.mechanisms import NoiseDraw
-from decentdp.rng import AgentRandom
+from decentdp.privacy.receiver_budget import rdp_epsilon_upper_bound
+from decentdp.rng import AgentRandom, Stream
 from decentdp.run.build import build_experiment
 from decentdp.runtime.network import SimulatedNetwork
 from decentdp.topology import topology_from_matrix
@@ -135,6 +138,46 @@ def test_sync_ledger_charges_each_receiver_once_per_round() -> None:
     assert (pairwise <= experiment.config.privacy.budgets[0] + 1e-9).all()
     assert (colluding >= pairwise).all()
     assert int(state["count.reduced"]) + int(state["count.full"]) == 5 * len(edges)
+
+
+def test_receivers_covered_by_one_neighbour_get_one_message() -> None:
+    """Lines 14-16 give every j in N_i^* n N_i^k the same expression: one message (one noise draw) per
+    (i, k), and a different one for every other group and for the uncovered (the local estimate)."""
+    groups = cover_groups(np.array([-1, 4, 4, 2, -1, 2, 7]))
+    assert groups.via.tolist() == [2, 4, 7] and groups.first.tolist() == [3, 1, 6]
+    assert groups.edge_group.tolist() == [-1, 1, 1, 0, -1, 0, 2]
+    experiment, state, _ = _simulate("top-dp", 1)
+    ctx = experiment.simulator.context(1)   # the round's public choices, as the round drew them
+    algorithm, net = experiment.algorithm, ctx.network
+    sigma = algorithm.sigma(ctx)
+    cover = algorithm.planner(ctx).plan(algorithm.alpha, sigma, experiment.simulator.oracle.expected_batch.double()
+                                        .numpy(), experiment.simulator.rng.round_generator(0, Stream.PUBLIC),
+                                        range(net.n_agents))
+    received = state["received"]
+    grouping = cover_groups(cover.via).edge_group
+    src = net.out_edges[:, 0].numpy()
+    seen = set()
+    for e in range(len(src)):
+        for f in range(e + 1, len(src)):
+            if src[e] == src[f]:
+                same = bool(grouping[e] == grouping[f])
+                assert torch.equal(received[e], received[f]) == same, (e, f)
+                seen.add(same)
+    assert seen == {True, False}   # the graph has shared groups and distinct ones
+
+
+def test_vectorised_rdp_bound_is_never_below_dp_accounting() -> None:
+    """The ledger clears most per-receiver messages with one vectorised RDP conversion; it must never say
+    less than dp_accounting (else a message beyond budget could pass)."""
+    rng = np.random.default_rng(0)
+    totals = np.stack([rdp_curve(gaussian_event(float(s), float(q))) * int(c)
+                       for s, q, c in zip(rng.uniform(0.3, 20, 40), rng.uniform(0.001, 1, 40),
+                                          rng.integers(1, 5000, 40), strict=True)] + [np.zeros(len(rdp_curve(
+                                              gaussian_event(1.0, 1.0))))])
+    bound = rdp_epsilon_upper_bound(totals, 1e-5)
+    exact = np.array([rdp_epsilon(t, 1e-5) for t in totals])
+    assert (bound >= exact - 1e-12).all()
+    assert bound[exact > 0] == pytest.approx(exact[exact > 0], rel=1e-9)
 
 
 @pytest.mark.parametrize(("section", "values", "field"), [

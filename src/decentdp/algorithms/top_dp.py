@@ -12,8 +12,11 @@ Each agent keeps its local estimate ``x~_i`` and the last message each neighbour
     uncovered j receive the new x~_i                                                   (lines 20-22)
 
 All messages of a round are one stacked release: the agents' sums are computed once and repeated
-per covered out-edge (:meth:`~decentdp.privacy.oracle.DataOracle.repeat`), each row with its own
-noise, and every message is built in one ``(E, d)`` operation.  The accounting views (a)-(c) are
+per cover group (:meth:`~decentdp.privacy.oracle.DataOracle.repeat`), each row with its own noise.
+The receivers ``j`` that one neighbour ``k`` covers (lines 14-16) all get the same expression; they
+get one message (one noise draw), not one per receiver: each receiver alone sees the same
+distribution either way (view a), and colluding receivers learn less from one copy than from several
+independent ones (view b).  Every message is then one gather of ``(E, d)`` rows.  The accounting views (a)-(c) are
 described in :mod:`decentdp.algorithms.topology_noise`; budgets hold per receiver (view a).
 """
 
@@ -33,6 +36,7 @@ from decentdp.algorithms.topology_noise import (
     RowGaussian,
     TopDPSettings,
     calibrate_top_dp,
+    cover_groups,
     report,
 )
 from decentdp.privacy.mechanisms import NoNoise
@@ -125,29 +129,34 @@ class TopDP(TopDPBase):
         sigma = self.sigma(ctx)                                                   # line 8
         batch = oracle.expected_batch.double().numpy()
         generator = ctx.public_generator()
-        planner = self.planner(ctx)
-        if self.topology_aware and oracle.mechanism is not None:
-            cover = planner.plan(alpha, sigma, batch, generator, range(n))        # lines 10-17
-            covered = np.flatnonzero(cover.via >= 0)
-        else:
-            cover, covered = None, np.zeros(0, dtype=np.int64)
-        jstar = self.in_edges(net).choose(generator)                              # line 18
         edges = net.out_edges
-        src = net.rows(edges[:, 0])
-        covered_t = torch.from_numpy(covered).to(x.device)
-        rows = torch.cat([torch.arange(n, device=x.device), src[covered_t]])      # local row, then messages
-        multipliers = np.concatenate([sigma, cover.multiplier[covered] if cover is not None else []])
+        if self.topology_aware and oracle.mechanism is not None:
+            cover = self.planner(ctx).plan(alpha, sigma, batch, generator, range(n))   # lines 10-17
+            groups = cover_groups(cover.via)
+        else:
+            cover, groups = None, cover_groups(np.full(len(edges), -1, dtype=np.int64))
+        jstar = self.in_edges(net).choose(generator)                              # line 18
+        via = torch.from_numpy(groups.via).to(x.device)                           # (G,) in-edges (k, i)
+        sender = net.rows(net.in_edges[via, 1])
+        rows = torch.cat([torch.arange(n, device=x.device), sender])              # local row, then one per group
+        multipliers = np.concatenate([sigma, cover.multiplier[groups.first] if cover is not None else []])
+        slots = torch.cat([net.agent_ids, edges[torch.from_numpy(groups.first).to(x.device), 1]])
         key = oracle.batch()                                                      # line 9: one batch, one sum
         sums = oracle.repeat(oracle.clip(key, x), rows)
         (noisy,) = oracle.release(sums, mechanism=self.mechanism(ctx, multipliers, rows.cpu().numpy(), sigma),
-                                  receivers=torch.cat([net.agent_ids, edges[covered_t, 1]]))
+                                  receivers=slots)
         noisy.div_(oracle.expected_batch.to(noisy.device)[rows, None])
         local = mix_step(x, received.index_select(0, jstar), alpha, noisy[:n], ctx.lr)   # line 19
-        messages = local.index_select(0, src)                                     # lines 20-22: x~_i as it is
-        if len(covered):                                                          # lines 15-16 (eq. 5c)
-            via = torch.from_numpy(cover.via[covered]).to(x.device)
-            messages[covered_t] = mix_step(x.index_select(0, src[covered_t]), received.index_select(0, via),
-                                           alpha, noisy[n:], ctx.lr)
-        counts = self.count(state, reduced=len(covered), full=len(edges) - len(covered),
+        if len(groups.via):                                                       # lines 15-16 (eq. 5c), per group
+            grouped = mix_step(x.index_select(0, sender), received.index_select(0, via), alpha, noisy[n:], ctx.lr)
+            local_and_grouped = torch.cat([local, grouped])
+        else:
+            local_and_grouped = local
+        # lines 20-22: an uncovered j receives x~_i as it is; a covered one its group's message
+        edge_group = torch.from_numpy(groups.edge_group).to(x.device)
+        pick = torch.where(edge_group >= 0, n + edge_group, net.rows(edges[:, 0]))
+        messages = local_and_grouped.index_select(0, pick)
+        covered = int((groups.edge_group >= 0).sum())
+        counts = self.count(state, reduced=covered, full=len(edges) - covered,
                             fallback=cover.fallback if cover else 0, uncoverable=cover.uncoverable if cover else 0)
         return {"params": local, "received": net.exchange(messages), **counts}

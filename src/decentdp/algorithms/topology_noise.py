@@ -172,6 +172,27 @@ class CoverPlanner:
                      int((left & mine & ~self.coverable).sum()))
 
 
+@dataclass(frozen=True)
+class CoverGroups:
+    """A cover's messages (lines 14-16): one per in-edge ``(k, i)`` that covers some receivers of ``i``.
+
+    ``via[g]`` is group ``g``'s in-edge, ``first[g]`` the first out-edge it covers (its residual
+    multiplier and noise key), and ``edge_group[e]`` the group of out-edge ``e`` (-1: uncovered)."""
+
+    via: np.ndarray
+    first: np.ndarray
+    edge_group: np.ndarray
+
+
+def cover_groups(via: np.ndarray) -> CoverGroups:
+    """Group a cover's out-edges by the neighbour estimate they reuse (``via``, -1 for uncovered)."""
+    covered = np.flatnonzero(via >= 0)
+    group_via, first, inverse = np.unique(via[covered], return_index=True, return_inverse=True)
+    edge_group = np.full(len(via), -1, dtype=np.int64)
+    edge_group[covered] = inverse.reshape(-1)
+    return CoverGroups(group_via.astype(np.int64), covered[first].astype(np.int64), edge_group)
+
+
 class RowGaussian:
     """Gaussian noise with a multiplier per released row, and what each view observes of it.
 

@@ -1,0 +1,118 @@
+"""The cost of TOP-DP's per-receiver messages: a TOP-DP round against a DP-DSGD round (issue 12, item 5).
+
+TOP-DP (Guo et al., Algorithm 1) releases, per round, one noisy copy of each agent's clipped gradient
+sum for its local estimate plus one per covered out-edge (each receiver gets its own message with its
+own residual noise), and builds every message as an ``(E, d)`` mix.  The target is a synchronous
+TOP-DP round at most 1.5x a DP-DSGD round with the same model, data, graph and expected batch, and an
+asynchronous round (Algorithm 2, pairing) with 30 % of agents offline within the same bound.
+
+Setting (the paper's Section VII): MNIST, i.i.d. split over N = 30 agents on an Erdos-Renyi graph with
+connection rate 0.2, the MLP with one hidden layer of 100, expected batch 64, clip 4, epsilon 1
+(delta = 1e-5) for 2000 planned rounds, alpha = 0.5, gamma = 0.9 every 1000 rounds; DP-DSGD with plain
+SGD and Metropolis-Hastings weights.  Medians of per-round seconds, the three methods timed interleaved,
+round by round, in one process (``_common.time_interleaved``).  Each round includes the ledger's
+charges (the per-receiver budget checks of TOP-DP's ledger), as the simulator runs it.
+
+Run from the repository root::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/top_dp_overhead.py --json    # 20 timed rounds per method
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/top_dp_overhead.py --quick   # 5 timed rounds, same keys
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from _common import (
+    DEFAULT_DATA_DIR,
+    EngineRunner,
+    ExperimentFactory,
+    machine_info,
+    print_machine,
+    print_table,
+    summarize,
+    time_interleaved,
+)
+from decentdp.util.allocator import retain_freed_memory
+
+AGENTS, BATCH, CLIP, ROUNDS = 30, 64, 4.0, 2000
+OFFLINE = 0.3
+TARGET = 1.5
+
+
+def config(algorithm: str, schedule: str = "synchronous", offline: float = 0.0) -> dict[str, Any]:
+    """The benchmarked setting for ``algorithm`` (TOP-DP's Section VII, at a horizon of 2000 rounds)."""
+    algo: dict[str, Any] = {"name": algorithm, "lr": 0.05, "batch_size": BATCH}
+    if algorithm.startswith("top-dp"):
+        algo.update(alpha=0.5, decay_gamma=0.9, decay_period=1000)
+    else:
+        algo["optimizer"] = "sgd"
+    raw: dict[str, Any] = {
+        "experiment": {"name": "benchmark", "rounds": ROUNDS, "seed": 0},
+        "data": {"dataset": "mnist", "partition": "iid"},
+        "topology": {"graph": "erdos-renyi", "agents": AGENTS, "p": 0.2},
+        "model": {"name": "mlp", "options": {"hidden": 100}},
+        "algorithm": algo,
+        "privacy": {"epsilon": 1.0, "delta": 1e-5, "clip": CLIP},
+    }
+    if algorithm.startswith("top-dp"):
+        raw["schedule"] = {"kind": schedule, "offline_probability": offline}
+    return raw
+
+
+class SetupRunner(EngineRunner):
+    """An :class:`EngineRunner` that first runs the algorithm's setup phase (TOP-DP's lines 4-6)."""
+
+    def __init__(self, experiment: Any) -> None:
+        super().__init__(experiment)
+        self.state = experiment.simulator.setup(self.state)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="folder holding mnist.npz")
+    parser.add_argument("--rounds", type=int, default=20, help="timed rounds per method (default 20)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds per method first (default 3)")
+    parser.add_argument("--quick", action="store_true", help="1 warm-up and 5 timed rounds per method")
+    parser.add_argument("--json", action="store_true", help="end with one line of JSON holding every figure")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.warmup = 5, 1
+    retain_freed_memory()
+    machine = machine_info()
+    print_machine(machine)
+    print(f"TOP-DP vs DP-DSGD, MNIST iid, N = {AGENTS} Erdos-Renyi(0.2), MLP(100), expected batch {BATCH}; "
+          f"{args.rounds} timed rounds after {args.warmup} warm-up, interleaved; "
+          f"load average before: {os.getloadavg()[0]:.2f}")
+    factory = ExperimentFactory(args.data_dir)
+    experiments = {
+        "dp_dsgd": factory.build(config("dp-dsgd")),
+        "top_dp": factory.build(config("top-dp")),
+        "top_dp_async_offline": factory.build(config("top-dp-async", "pairing", OFFLINE)),
+    }
+    runners = {name: SetupRunner(experiment).round for name, experiment in experiments.items()}
+    stats = {name: summarize(times) for name, times in time_interleaved(runners, args.warmup, args.rounds).items()}
+    base = stats["dp_dsgd"]["median"]
+    ratios = {"top_dp_over_dsgd": stats["top_dp"]["median"] / base,
+              "top_dp_async_offline_over_dsgd": stats["top_dp_async_offline"]["median"] / base}
+    top = experiments["top_dp"]
+    print(f"mlp ({top.model.dim} parameters, {top.model.backend} engine), {len(top.topology.edges())} edges")
+    print_table(stats)
+    for name, ratio in ratios.items():
+        print(f"  {name}: {ratio:.2f}x (target <= {TARGET}x)")
+    load_after = os.getloadavg()[0]
+    print(f"load average after: {load_after:.2f}; data: {'synthetic' if factory.synthetic else 'MNIST'}")
+    if args.json:
+        print(json.dumps({**ratios, "round_seconds": stats, "parameters": top.model.dim,
+                          "edges": len(top.topology.edges()), "offline_probability": OFFLINE,
+                          "timed_rounds": args.rounds, "warmup_rounds": args.warmup,
+                          "synthetic_data": factory.synthetic, "load_average_after": load_after, **machine},
+                         sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()
