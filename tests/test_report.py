@@ -122,7 +122,8 @@ def test_consensus_paper_file_reads_and_names_config_fields() -> None:
 
 
 @pytest.mark.parametrize(("setup", "args", "message"), [
-    ("mixed-datasets", [], "different test sets"),
+    ("mixed-datasets", [], "evaluated on different data"),
+    ("validation-and-test", [], "digits, validation split 0.2: "),
     ("unfinished", [], "has not finished"),
     ("stopped", [], "stopped after round"),
     ("empty", [], "no results folder under"),
@@ -139,6 +140,9 @@ def test_bad_input_is_one_clear_error(tmp_path: Path, capsys, setup: str, args: 
     if setup == "mixed-datasets":
         fake_run(runs / "a", 0.7)
         fake_run(runs / "b", 0.7, data={"dataset": "mnist"})
+    elif setup == "validation-and-test":
+        fake_run(runs / "a", 0.7, data={"validation_fraction": 0.2})
+        fake_run(runs / "b", 0.7)
     elif setup == "unfinished":
         fake_run(runs / "a", 0.7)
         (runs / "b").mkdir()

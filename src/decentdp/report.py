@@ -160,15 +160,19 @@ def find_runs(paths: Sequence[str | Path]) -> list[Run]:
 
 
 def check_compatible(runs: Sequence[Run], metric: str) -> None:
-    """Refuse runs that cannot share a table: different datasets, or runs without the metric."""
+    """Refuse runs that cannot share a table: different datasets or evaluation sets (the test set, or a
+    validation split held out for tuning), or runs without the metric."""
     datasets: dict[Any, list[Path]] = {}
     for run in runs:
-        datasets.setdefault((run.fields.get("data.dataset"), run.fields.get("data.image_size")), []).append(run.path)
+        key = (run.fields.get("data.dataset"), run.fields.get("data.image_size"),
+               float(run.fields.get("data.validation_fraction") or 0.0))
+        datasets.setdefault(key, []).append(run.path)
     if len(datasets) > 1:
-        listing = "; ".join(f"{name}{'' if size is None else f' at {size}px'}: {_paths(paths)}"
-                            for (name, size), paths in datasets.items())
-        raise DecentDPError(f"these runs were evaluated on different test sets, so their {metric} values do not "
-                            f"belong in one table ({listing}); report each dataset separately")
+        listing = "; ".join(f"{name}{'' if size is None else f' at {size}px'}"
+                            f"{f', validation split {held:g}' if held else ', test set'}: {_paths(paths)}"
+                            for (name, size, held), paths in datasets.items())
+        raise DecentDPError(f"these runs were evaluated on different data, so their {metric} values do not "
+                            f"belong in one table ({listing}); report each group separately")
     missing = [run.path for run in runs if not isinstance(run.summary.get(metric), (int, float))]
     if missing:
         raise DecentDPError(f"{_paths(missing)}: no numeric '{metric}' in {SUMMARY_FILE} (choose another --metric, "
