@@ -4,6 +4,7 @@ while it samples (its look-ahead gives the same batches, bit for bit, as samplin
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from decentdp.privacy.oracle import DataOracle
 from decentdp.privacy.sampling import AgentData, PoissonSampler
 from decentdp.rng import AgentRandom
 from decentdp.run.build import build_experiment
+from decentdp.run.loop import run_experiment
 from decentdp.util.device import resolve_device
 
 from conftest import tiny_config
@@ -129,3 +131,18 @@ def test_an_oracle_samples_clips_and_releases_on_its_device(device: torch.device
     assert released.device.type == device.type and torch.isfinite(released).all()
     assert bool((released[~active] == 0).all()) and bool((released[active].abs().sum(dim=1) > 0).all())
     assert oracle.ledger.releases().tolist() == [1, 0, 1, 1, 0]
+
+
+def test_a_checkpoint_resumes_only_on_its_kind_of_device(tmp_path: Path) -> None:
+    """CPU and CUDA generators differ: a replayed round on the other kind would release new noise."""
+    config = validate_config(tiny_config(privacy={"epsilon": "inf"}, engine={"device": "cpu"}))
+    run_experiment(config, tmp_path / "run", progress=False, stop_after=2)
+    checkpoint = tmp_path / "run" / "checkpoint.pt"
+    saved = torch.load(checkpoint, weights_only=True)
+    assert saved["device"] == "cpu"
+    torch.save({**saved, "device": "cuda:0"}, checkpoint)  # as if written on a GPU machine
+    with pytest.raises(ConfigError, match="written on cuda") as error:
+        run_experiment(config, tmp_path / "run", progress=False, resume=True)
+    assert error.value.field == "engine.device"
+    torch.save(saved, checkpoint)
+    assert run_experiment(config, tmp_path / "run", progress=False, resume=True).summary["finished"]

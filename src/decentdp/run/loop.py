@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from decentdp.algorithms.base import State
 from decentdp.config import ExperimentConfig
+from decentdp.errors import ConfigError
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.results import epsilon_json
 from decentdp.rng import SIMULATION_NOTICE
@@ -52,6 +53,18 @@ def _restore(experiment: Experiment, checkpoint: dict[str, Any]) -> None:
         experiment.evaluator.chunk = checkpoint["passes"]["evaluation_chunk"]
 
 
+def _check_device(experiment: Experiment, checkpoint: dict[str, Any]) -> None:
+    """A simulation-mode run resumes on the kind of device it ran on: CPU and CUDA generators draw
+    different numbers for one key, so rounds replayed after the checkpoint would release new noise on
+    batches an interrupted run may already have released (secure-mode draws do not depend on the device)."""
+    saved = torch.device(checkpoint.get("device", "cpu"))  # checkpoints before engine.device ran on the CPU
+    if saved.type != experiment.device.type and not experiment.oracle.rng.secure:
+        raise ConfigError("engine.device", f"the checkpoint was written on {saved.type} and this run would go on "
+                                           f"on {experiment.device.type}: their random streams differ, so rounds "
+                                           "replayed after the checkpoint would draw new noise; resume with --set "
+                                           f"engine.device={saved.type}")
+
+
 def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, *,
                    data_dir: str | Path | None = None, resume: bool = False, stop_after: int | None = None,
                    progress: bool = True, log: Callable[[str], None] | None = None,
@@ -81,7 +94,9 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
     metrics: list[dict[str, Any]] = []
     start, elapsed = 0, 0.0
     if checkpoint is not None:
-        state, start, elapsed = checkpoint["state"], checkpoint["round"], checkpoint["wall_seconds"]
+        _check_device(experiment, checkpoint)
+        state = {key: value.to(experiment.device) for key, value in checkpoint["state"].items()}
+        start, elapsed = checkpoint["round"], checkpoint["wall_seconds"]
         metrics = checkpoint["metrics"]
         _restore(experiment, checkpoint)
         if folder is not None:

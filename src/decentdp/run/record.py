@@ -122,7 +122,7 @@ class ResultsFolder:
         if resume:
             if not checkpoint.is_file():
                 raise ConfigError("--resume", f"no checkpoint to resume in {self.path}")
-            saved = torch.load(checkpoint, weights_only=True)
+            saved = torch.load(checkpoint, weights_only=True, map_location="cpu")  # moved to the run's device later
             changed = [key for key in config_differences(validate_config(saved["config"]), config)
                        if key not in PLACEMENT_FIELDS]  # e.g. a ray run resumed on other workers
             if changed == ["experiment.rounds"] and saved["round"] == saved["config"]["experiment"]["rounds"]:
@@ -189,7 +189,8 @@ class ResultsFolder:
                    "passes": {"agents_per_pass": experiment.oracle.agents_per_pass,
                               "evaluation_chunk": experiment.evaluator.chunk},
                    "scheduler": experiment.simulator.scheduler.state_dict(),
-                   "ledger": experiment.ledger.state_dict(), "wall_seconds": wall_seconds}
+                   "ledger": experiment.ledger.state_dict(), "wall_seconds": wall_seconds,
+                   "device": str(experiment.device)}
         tmp = self.path / f".{CHECKPOINT_FILE}.tmp"
         torch.save(payload, tmp)
         tmp.replace(self.path / CHECKPOINT_FILE)
