@@ -22,6 +22,8 @@ from decentdp.privacy.sampling import AgentData, PoissonSampler
 from decentdp.rng import AgentRandom
 from decentdp.run.build import build_experiment
 from decentdp.run.loop import run_experiment
+from decentdp.runtime.network import SimulatedNetwork
+from decentdp.topology import build_topology
 from decentdp.util.device import resolve_device
 
 from conftest import tiny_config
@@ -146,3 +148,24 @@ def test_a_checkpoint_resumes_only_on_its_kind_of_device(tmp_path: Path) -> None
     assert error.value.field == "engine.device"
     torch.save(saved, checkpoint)
     assert run_experiment(config, tmp_path / "run", progress=False, resume=True).summary["finished"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: host synchronisation is a CUDA matter")
+def test_sampling_ahead_and_mixing_never_wait_for_the_device() -> None:
+    """torch's sync debug mode raises on any operation that waits for the device: after the first batch
+    (sampled on demand), batches and mixing run without one."""
+    device = torch.device("cuda")
+    data = _data([50, 80, 20, 60])
+    data = AgentData(data.x.to(device), data.y.to(device), tuple(idx.to(device) for idx in data.indices))
+    sampler = PoissonSampler(data, torch.full((4,), 0.3, dtype=torch.float64), AgentRandom(1, device=device))
+    network = SimulatedNetwork(build_topology("ring", 300, seed=0), device=device)
+    x = torch.randn(300, 64, device=device)
+    sampler.sample(0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for k in range(1, 6):
+            sampler.sample(k)
+            network.mix_add(x, network.mix(x), 0.5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
