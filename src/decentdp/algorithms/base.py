@@ -234,6 +234,17 @@ class Algorithm(ABC):
         """One round: every active agent computes from the previous round's values (Jacobi)."""
 
 
+class SettingsAlgorithm(Algorithm):
+    """An algorithm that keeps its validated settings as ``self.settings`` (built by ``from_settings``)."""
+
+    def __init__(self, settings: Any) -> None:
+        self.settings = settings
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Algorithm:
+        return cls(settings)
+
+
 def prefixed(prefix: str, state: State) -> State:
     """Namespace a sub-state (e.g. an optimizer's) inside an algorithm's flat state dict."""
     return {f"{prefix}.{key}": value for key, value in state.items()}

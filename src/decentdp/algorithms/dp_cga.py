@@ -32,7 +32,7 @@ import quadprog
 import torch
 from pydantic import Field
 
-from decentdp.algorithms.base import Algorithm, AlgorithmSettings, Network, RoundContext, State
+from decentdp.algorithms.base import AlgorithmSettings, Network, RoundContext, SettingsAlgorithm, State
 from decentdp.algorithms.cross_gradients import cross_gradients, self_weights
 from decentdp.algorithms.registry import register
 
@@ -67,19 +67,15 @@ def edge_slots(network: Network) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 
 @register
-class DPCGA(Algorithm):
+class DPCGA(SettingsAlgorithm):
     """CGA with noisy cross-gradients: QP projection per parameter tensor, momentum and consensus."""
 
     name: ClassVar[str] = "dp-cga"
     Settings = CGASettings
 
     def __init__(self, settings: CGASettings) -> None:
-        self.settings = settings
+        super().__init__(settings)
         self.failures = 0  # QPs that failed and reused the previous solution (over the run)
-
-    @classmethod
-    def from_settings(cls, settings: CGASettings) -> Algorithm:
-        return cls(settings)
 
     def sums_per_batch(self, degrees: np.ndarray) -> np.ndarray:
         return np.asarray(degrees, dtype=np.int64) + 1

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from decentdp.algorithms.base import Algorithm, AlgorithmSettings, RoundContext, State
+from decentdp.algorithms.base import AlgorithmSettings, RoundContext, SettingsAlgorithm, State
 from decentdp.algorithms.registry import register
 from decentdp.privacy.oracle import DataOracle
 
@@ -56,18 +56,11 @@ def corrected(oracle: DataOracle, tracker: torch.Tensor, new: torch.Tensor, old:
 
 
 @register
-class DPNetFleet(Algorithm):
+class DPNetFleet(SettingsAlgorithm):
     """NET-FLEET (reconstructed): recursive gradient correction in local steps, tracking in gossip."""
 
     name: ClassVar[str] = "dp-net-fleet"
     Settings = NetFleetSettings
-
-    def __init__(self, settings: NetFleetSettings) -> None:
-        self.settings = settings
-
-    @classmethod
-    def from_settings(cls, settings: NetFleetSettings) -> Algorithm:
-        return cls(settings)
 
     @property
     def releases_per_round(self) -> int:

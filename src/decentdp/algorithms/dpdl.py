@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from decentdp.algorithms.base import Algorithm, AlgorithmSettings, RoundContext, State
+from decentdp.algorithms.base import AlgorithmSettings, RoundContext, SettingsAlgorithm, State
 from decentdp.algorithms.cross_gradients import cross_gradients, self_weights
 from decentdp.algorithms.registry import register
 
@@ -72,18 +72,11 @@ def calibration(received: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
 
 
 @register
-class DPDL(Algorithm):
+class DPDL(SettingsAlgorithm):
     """DPDL: noisy cross-gradients, cosine calibration, momentum and gossip of (x~, v~)."""
 
     name: ClassVar[str] = "dpdl"
     Settings = DPDLSettings
-
-    def __init__(self, settings: DPDLSettings) -> None:
-        self.settings = settings
-
-    @classmethod
-    def from_settings(cls, settings: DPDLSettings) -> Algorithm:
-        return cls(settings)
 
     def sums_per_batch(self, degrees: np.ndarray) -> np.ndarray:
         return np.asarray(degrees, dtype=np.int64) + 1  # own model and each neighbour's, on one batch

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from decentdp.algorithms.base import Algorithm, AlgorithmSettings, Network, RoundContext, State
+from decentdp.algorithms.base import AlgorithmSettings, Network, RoundContext, SettingsAlgorithm, State
 from decentdp.algorithms.registry import register
 from decentdp.privacy import network_dp
 from decentdp.privacy.accounting import RDP_ORDERS
@@ -58,19 +58,15 @@ def dense_mixing(network: Network, dtype: torch.dtype = torch.float64) -> np.nda
 
 
 @register
-class Muffliato(Algorithm):
+class Muffliato(SettingsAlgorithm):
     """Muffliato-SGD: one noisy gradient step, then accelerated gossip; pairwise network-DP accounting."""
 
     name: ClassVar[str] = "muffliato"
     Settings = MuffliatoSettings
 
     def __init__(self, settings: MuffliatoSettings) -> None:
-        self.settings = settings
+        super().__init__(settings)
         self._graph: tuple[Network, float, int, np.ndarray] | None = None
-
-    @classmethod
-    def from_settings(cls, settings: MuffliatoSettings) -> Algorithm:
-        return cls(settings)
 
     @property
     def round_temporaries(self) -> int:
