@@ -69,19 +69,28 @@ def _out_folder(out: str | None) -> Path | None:
     return path
 
 
+def _publish(temporary: str, path: Path) -> None:
+    """Give a finished temporary file the permissions a plain ``open`` would (umask) and move it into place."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(temporary, 0o666 & ~umask)
+    os.replace(temporary, path)
+
+
 def _write(path: Path, text: str) -> None:
     """Write ``text`` atomically (a temporary file renamed into place)."""
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, encoding="utf-8") as file:
         file.write(text)
-    os.replace(file.name, path)
+    _publish(file.name, path)
 
 
 def _csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Write ``rows`` as CSV atomically."""
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, newline="", encoding="utf-8") as file:
         writer = csv.DictWriter(file, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    os.replace(file.name, path)
+    _publish(file.name, path)
 
 
 def _jsonable(summary: dict[str, Any]) -> dict[str, Any]:
