@@ -49,7 +49,7 @@ def kairouz_terms(epsilons: np.ndarray, delta: float) -> np.ndarray:
          sum (e^eps - 1) eps / (e^eps + 1) + sqrt(2 sum eps^2 log(1 / delta)) }  (Kairouz et al. 2015)."""
     eps = np.asarray(epsilons, dtype=np.float64)
     total = eps.sum(axis=-1)
-    drift = (np.expm1(eps) * eps / (np.exp(eps) + 1.0)).sum(axis=-1)
+    drift = (np.tanh(eps / 2) * eps).sum(axis=-1)  # (e^eps - 1) / (e^eps + 1) = tanh(eps / 2): no overflow
     square = (eps * eps).sum(axis=-1)
     second = drift + np.sqrt(2.0 * square * np.log(math.e + np.sqrt(square) / delta))
     third = drift + np.sqrt(2.0 * square * math.log(1.0 / delta))
