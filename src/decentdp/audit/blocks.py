@@ -44,7 +44,7 @@ from decentdp.privacy.oracle import DataOracle
 from decentdp.privacy.sampling import AgentData, PoissonSampler
 from decentdp.rng import AgentRandom, Stream, round_stream_seed
 from decentdp.run.build import Experiment, _calibrate, build_experiment, planned_releases
-from decentdp.runtime.network import GraphSequence, check_pairs
+from decentdp.runtime.network import GraphSequence, SimulatedNetwork
 from decentdp.runtime.scheduler import Scheduler
 from decentdp.runtime.schedules import Schedule
 from decentdp.runtime.simulator import Simulator
@@ -54,15 +54,17 @@ if TYPE_CHECKING:
     from decentdp.audit.settings import AuditSection
 
 
-class BlockNetwork:
+class BlockNetwork(SimulatedNetwork):
     """The :class:`~decentdp.algorithms.base.Network` of ``blocks`` disjoint copies of one topology.
 
     Agent ``b * n + a`` is agent ``a`` of block ``b``; ``(M n, d)`` tensors are viewed as
-    ``(M, n, d)`` and mixed by one batched product with the block's ``(n, n)`` matrix.
+    ``(M, n, d)`` and mixed by one batched product with the block's ``(n, n)`` matrix.  Messages,
+    aggregation and pairing are the simulated network's, over the block-diagonal edge list.
     """
 
     def __init__(self, topology: Topology, blocks: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
+        self.topology = topology
         self.device = torch.device(device)
         self.block_size = topology.n_agents
         self.blocks = blocks
@@ -79,37 +81,12 @@ class BlockNetwork:
         self.in_weights = torch.tensor(weights, dtype=dtype, device=self.device).repeat(blocks)
         self._neighbours = {(int(s), int(d)) for s, d in self.out_edges.tolist()}
 
-    def rows(self, agent_ids: torch.Tensor) -> torch.Tensor:
-        return agent_ids
-
-    def _apply(self, matrix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        blocks = x.reshape(self.blocks, self.block_size, -1)
-        return torch.matmul(matrix, blocks).reshape(x.shape)
-
-    def mix(self, x: torch.Tensor) -> torch.Tensor:
-        return self._apply(self._mixing, x)
+    def _apply(self, operator: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """``(I_M (x) operator) @ x``: one batched product over the blocks."""
+        return torch.matmul(operator, x.reshape(self.blocks, self.block_size, -1)).reshape(x.shape)
 
     def mix_add(self, x: torch.Tensor, into: torch.Tensor, alpha: float) -> torch.Tensor:
-        return into.mul_(alpha).add_(self._apply(self._mixing, x))
-
-    def neighbor_sum(self, x: torch.Tensor) -> torch.Tensor:
-        return self._apply(self._adjacency, x)
-
-    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
-        return self.exchange(x[self.out_edges[:, 0]])
-
-    def exchange(self, messages: torch.Tensor) -> torch.Tensor:
-        return messages
-
-    def aggregate(self, received: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        if weights is not None:
-            received = received * weights.reshape(-1, *([1] * (received.dim() - 1)))
-        out = torch.zeros(self.n_agents, *received.shape[1:], dtype=received.dtype, device=received.device)
-        return out.index_add_(0, self.in_edges[:, 1], received)
-
-    def swap(self, x: torch.Tensor, partner: torch.Tensor) -> torch.Tensor:
-        check_pairs(partner.tolist(), self._neighbours)
-        return x[partner]
+        return into.mul_(alpha).add_(self.mix(x))
 
 
 @dataclass
