@@ -54,6 +54,7 @@ def test_hold_out_takes_records_from_every_agent_and_keeps_the_rest() -> None:
     ('"algorithm.lr" = { low = 0.1, high = 1.0 }', {"method": "grid"}, "a grid needs values = [...] or a step"),
     ('"algorithm.lr" = { low = 0.1, high = 1.0 }', {"trials": None}, "sweep.trials: is required"),
     ('"algorithm.lr" = { values = [0.1] }', {"workers": 0}, "sweep.workers"),
+    ('"experiment.seed" = { values = [0, 1] }', {}, "space.experiment.seed: is set by the sweep itself"),
     ('"algorithm.lr" = { values = [0.1] }', {"validation_fraction": 0.0}, "sweep.validation_fraction"),
 ])
 def test_bad_sweep_files_name_the_field(tmp_path: Path, capsys, space: str, extra: dict, message: str) -> None:

@@ -58,6 +58,8 @@ STUDY_FILE = "study.db"
 TRIALS_DIR = "trials"
 SPEC_ATTR = "decentdp_sweep"
 _WATCHER = "decentdp-sweep-parent"
+_RESERVED = {"experiment.seed": "[sweep] seeds", "data.validation_fraction": "[sweep] validation_fraction",
+             "engine.threads": "one thread per worker", "data.data_dir": "--data-dir"}
 
 
 # ----------------------------------------------------------------------------- the sweep file
@@ -207,6 +209,10 @@ def load_sweep(path: str | Path) -> Sweep:
     if not space:
         raise ConfigError("space", "the sweep searches nothing: add fields to [space], e.g. "
                                    "\"algorithm.lr\" = { low = 0.01, high = 1.0, log = true }")
+    for name in [*space, *section.set]:
+        if name in _RESERVED:
+            where = "space" if name in space else "sweep.set"
+            raise ConfigError(f"{where}.{name}", f"is set by the sweep itself ({_RESERVED[name]}); remove it here")
     base_file = (file.parent / section.config).resolve()
     if not base_file.is_file():
         raise ConfigError("sweep.config", f"no such config file: {base_file}")
