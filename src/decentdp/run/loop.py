@@ -222,7 +222,7 @@ def _operator_profiler(rounds: int) -> torch.profiler.profile:
 
 def _attach_timer(experiment: Experiment) -> PhaseTimer:
     """Time the oracle's phases, the network's calls and the rounds of ``experiment``."""
-    timer = PhaseTimer()
+    timer = PhaseTimer(experiment.device)
     experiment.oracle.timer = timer
     experiment.simulator.timer = timer
     experiment.simulator.wrap_network = lambda network: TimedNetwork(network, timer)
