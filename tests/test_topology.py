@@ -37,6 +37,9 @@ KIND_PARAMS: dict[str, dict[str, float | int]] = {
     "fiedler": {"fiedler": 0.39},
     "complete-bipartite": {},
     "k-regular": {"k": 3},
+    "two-star": {},
+    "tree": {},
+    "partial-mesh": {"p": 0.2},
 }
 RANDOM_KINDS = ("erdos-renyi", "geometric", "fiedler", "k-regular")
 DOUBLY_STOCHASTIC_MIXINGS = ("metropolis-hastings", "max-degree")

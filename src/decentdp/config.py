@@ -24,7 +24,7 @@ from decentdp.topology import PARAM_USERS
 DatasetName = Literal["digits", "mnist", "fashion-mnist", "cifar10", "cifar100"]
 PartitionName = Literal["iid", "overlap", "dirichlet", "unequal", "pathological"]
 GraphName = Literal["complete", "ring", "star", "path", "grid", "torus", "erdos-renyi", "geometric", "fiedler",
-                    "complete-bipartite", "k-regular"]
+                    "complete-bipartite", "k-regular", "two-star", "tree", "partial-mesh"]
 MixingName = Literal["metropolis-hastings", "average", "max-degree"]
 ModelName = Literal["convnet", "mlp", "lenet5", "cifar-cnn", "resnet9", "linear", "logistic"]
 
@@ -330,8 +330,9 @@ class ExperimentConfig(_Section):
         return _toml_ready(self.model_dump())
 
 
-_RANDOM_GRAPHS = ("erdos-renyi", "geometric", "fiedler", "k-regular")
-GRAPH_REQUIRES: dict[str, str] = {"erdos-renyi": "p", "geometric": "radius", "fiedler": "fiedler", "k-regular": "k"}
+_RANDOM_GRAPHS = ("erdos-renyi", "geometric", "fiedler", "k-regular", "partial-mesh")
+GRAPH_REQUIRES: dict[str, str] = {"erdos-renyi": "p", "geometric": "radius", "fiedler": "fiedler", "k-regular": "k",
+                                  "partial-mesh": "p"}
 """The ``[topology]`` parameter each graph family requires (``decentdp list graphs`` shows it)."""
 
 

@@ -37,6 +37,9 @@ GRAPH_KINDS: tuple[str, ...] = (
     "fiedler",
     "complete-bipartite",
     "k-regular",
+    "two-star",
+    "tree",
+    "partial-mesh",
 )
 MIXING_KINDS: tuple[str, ...] = ("metropolis-hastings", "average", "max-degree")
 
@@ -46,13 +49,13 @@ GRAPH_PARAMS: tuple[str, ...] = ("p", "radius", "k", "fiedler", "fiedler_tol", "
 # Optional parameters (default None) and the graph kinds that use them; passing one to another
 # kind is an error rather than silently ignored, since it almost always means a typo in the kind.
 PARAM_USERS: dict[str, tuple[str, ...]] = {
-    "p": ("erdos-renyi",),
+    "p": ("erdos-renyi", "partial-mesh"),
     "radius": ("geometric",),
     "k": ("k-regular",),
     "fiedler": ("fiedler",),
     "rows": ("grid", "torus"),
 }
-_MIN_AGENTS: dict[str, int] = {"complete": 1, "ring": 3, "torus": 9}
+_MIN_AGENTS: dict[str, int] = {"complete": 1, "ring": 3, "torus": 9, "two-star": 3, "partial-mesh": 3}
 _TORUS_MIN_SIDE = 3
 _SIZES_SHOWN = 8
 
@@ -89,6 +92,10 @@ def make_graph(
           paper selects graphs of a given connectivity.
         - ``complete-bipartite``: halves of sizes ``n // 2`` and ``n - n // 2``.
         - ``k-regular``: uniformly random ``k``-regular graph (``n_agents * k`` must be even).
+        - The other topologies of TOP-DP's Fig. 8 (Guo et al.; besides ``ring``): ``two-star``, a star
+          with two star agents (hubs 0 and 1 linked, agent ``i >= 2`` a leaf of hub ``i % 2``);
+          ``tree``, the complete binary tree in heap order (agent ``i``'s parent is ``(i - 1) // 2``);
+          ``partial-mesh``, a ring with every other pair linked with probability ``p``.
     n_agents
         Number of agents, >= 1. A single agent (central training) is only allowed for ``complete``.
     seed
@@ -136,6 +143,14 @@ def make_graph(
         graph = _lattice(kind, n, rows)
     elif kind == "complete-bipartite":
         graph = nx.complete_bipartite_graph(n // 2, n - n // 2)
+    elif kind == "two-star":
+        graph = nx.Graph([(0, 1), *((i % 2, i) for i in range(2, n))])
+    elif kind == "tree":
+        graph = nx.Graph((i, (i - 1) // 2) for i in range(1, n))
+    elif kind == "partial-mesh":
+        p = _require_real("topology.p", p, kind, "the probability of each non-ring link", low=0.0, high=1.0)
+        chords = nx.gnp_random_graph(n, p, seed=int(rng.integers(2**32)))
+        graph = nx.compose(nx.cycle_graph(n), chords)
     elif kind == "erdos-renyi":
         p = _require_real("topology.p", p, kind, "the edge probability", low=0.0, high=1.0)
         graph = _connected_draw(
