@@ -50,6 +50,7 @@ class Scheduler:
         self.participation = participation
         self.device = torch.device(device)
         self.previous_partner = np.arange(n_total)  # nobody was paired before round 0
+        self._graph_cache: tuple[Network, np.ndarray, list[list[int]]] | None = None
 
     @property
     def everyone_always(self) -> bool:
@@ -74,17 +75,29 @@ class Scheduler:
         elif self.kind == "pairing":
             partner = self._pair(online, draws, network)
             self.previous_partner = partner
-        rows = network.agent_ids.cpu().numpy()
-        active = torch.from_numpy(online[rows]).to(self.device)
-        return RoundPlan(active, None if partner is None else torch.from_numpy(partner[rows]).to(self.device))
+        rows, _ = self._graph(network)
+        return RoundPlan(self._to_device(online[rows]), None if partner is None else self._to_device(partner[rows]))
+
+    def _to_device(self, values: np.ndarray) -> torch.Tensor:
+        """A host array on the engine's device, without waiting for the device's queue (the source is
+        staged by CUDA before the call returns, so the array may change afterwards)."""
+        return torch.from_numpy(values).to(self.device, non_blocking=True)
+
+    def _graph(self, network: Network) -> tuple[np.ndarray, list[list[int]]]:
+        """The network's global ids of its rows and every agent's neighbours, on the host, read once per
+        network (a round then reads nothing back from the device)."""
+        if self._graph_cache is None or self._graph_cache[0] is not network:
+            neighbours: list[list[int]] = [[] for _ in range(self.n_total)]
+            for src, dst in network.out_edges.tolist():
+                neighbours[src].append(dst)
+            self._graph_cache = (network, network.agent_ids.cpu().numpy(), neighbours)
+        return self._graph_cache[1], self._graph_cache[2]
 
     def _pair(self, online: np.ndarray, draws: np.random.Generator, network: Network) -> np.ndarray:
         """One greedy pass of TOP-DP's Algorithm 2 over the whole graph (the graph is public: a shard
         passes a view of the global graph here, so that every shard computes the same pairs)."""
         n = self.n_total
-        neighbours: list[list[int]] = [[] for _ in range(n)]
-        for src, dst in network.out_edges.tolist():
-            neighbours[src].append(dst)
+        _, neighbours = self._graph(network)
         partner = np.arange(n)
         for agent in draws.permutation(n):
             if not online[agent] or partner[agent] != agent:
