@@ -77,9 +77,10 @@ class PoissonSampler:
     slots ``offsets[i]..offsets[i+1]-1``, in the order of ``data.indices[i]``).  Every round draws
     one float64 uniform per slot (:meth:`~decentdp.rng.AgentRandom.record_uniforms`: in simulation
     mode from the round-wide stream ``(seed, round, SAMPLING, step)``, in secure mode each agent's
-    slice from its own secret key) and keeps a slot when its draw is below its owner's rate, so a round costs a few vector operations
-    whatever the number of agents.  Comparing in float64 makes the inclusion probability ``q_i``
-    to within ``2**-53``: the rate the accountant is told is the rate that ran.
+    slice from its own secret key) and keeps a slot when its draw is below its owner's rate, so a
+    round costs a few vector operations whatever the number of agents.  Comparing in float64 makes
+    the inclusion probability ``q_i`` to within ``2**-53``: the rate the accountant is told is the
+    rate that ran.
 
     Independence of sharding: agent ``i``'s batch depends only on the run's key, the round, the
     step and the *global* slot layout (every agent's dataset size, which all processes know), not on
