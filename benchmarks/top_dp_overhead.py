@@ -24,8 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from _common import (
     DEFAULT_DATA_DIR,
@@ -37,6 +40,8 @@ from _common import (
     summarize,
     time_interleaved,
 )
+from decentdp.algorithms.topology_noise import CoverPlanner, cover_groups
+from decentdp.rng import Stream
 from decentdp.util.allocator import retain_freed_memory
 
 AGENTS, BATCH, CLIP, ROUNDS = 30, 64, 4.0, 2000
@@ -62,6 +67,25 @@ def config(algorithm: str, schedule: str = "synchronous", offline: float = 0.0) 
     if algorithm.startswith("top-dp"):
         raw["schedule"] = {"kind": schedule, "offline_probability": offline}
     return raw
+
+
+def noise_rows(experiment: Any) -> dict[str, Any]:
+    """Rows of Gaussian noise a synchronous TOP-DP round draws (N local estimates + one per cover group)
+    against DP-DSGD's N, and the seconds of one row's draw (the run's keyed per-row generator)."""
+    network = experiment.simulator.graphs.at(0)
+    n = network.n_agents
+    sigma = experiment.noise_multipliers.double().numpy()
+    batch = experiment.oracle.expected_batch.double().numpy()
+    cover = CoverPlanner(network).plan(0.5, sigma, batch, torch.Generator().manual_seed(0), range(n))
+    groups = len(cover_groups(cover.via).via)
+    rng, dim = experiment.simulator.rng, experiment.model.dim
+    seconds = []
+    for repeat in range(5):
+        start = time.perf_counter()
+        rng.normal(list(range(n)), dim, 10_000 + repeat, Stream.NOISE)
+        seconds.append((time.perf_counter() - start) / n)
+    return {"top_dp_rows": n + groups, "dp_dsgd_rows": n, "covered_edges": int((cover.via >= 0).sum()),
+            "row_seconds": sorted(seconds)[2]}
 
 
 class SetupRunner(EngineRunner):
@@ -104,10 +128,16 @@ def main(argv: list[str] | None = None) -> None:
     print_table(stats)
     for name, ratio in ratios.items():
         print(f"  {name}: {ratio:.2f}x (target <= {TARGET}x)")
+    rows = noise_rows(top)
+    extra = (rows["top_dp_rows"] - rows["dp_dsgd_rows"]) * rows["row_seconds"]
+    print(f"  noise rows per round: TOP-DP {rows['top_dp_rows']} ({rows['covered_edges']} covered edges in "
+          f"{rows['top_dp_rows'] - AGENTS} groups), DP-DSGD {rows['dp_dsgd_rows']}; one row "
+          f"{rows['row_seconds'] * 1e3:.2f} ms, so the extra draws alone cost {extra:.3f} s "
+          f"({extra / base:.2f}x a DP-DSGD round)")
     load_after = os.getloadavg()[0]
     print(f"load average after: {load_after:.2f}; data: {'synthetic' if factory.synthetic else 'MNIST'}")
     if args.json:
-        print(json.dumps({**ratios, "round_seconds": stats, "parameters": top.model.dim,
+        print(json.dumps({**ratios, "round_seconds": stats, "noise": rows, "parameters": top.model.dim,
                           "edges": len(top.topology.edges()), "offline_probability": OFFLINE,
                           "timed_rounds": args.rounds, "warmup_rounds": args.warmup,
                           "synthetic_data": factory.synthetic, "load_average_after": load_after, **machine},

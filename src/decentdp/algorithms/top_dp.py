@@ -29,7 +29,7 @@ import torch
 
 from decentdp.algorithms.base import Calibrated, NoisePlan, RoundContext, State
 from decentdp.algorithms.registry import register
-from decentdp.algorithms.select_mix import SelectMix, mix_step
+from decentdp.algorithms.select_mix import SelectMix
 from decentdp.algorithms.topology_noise import (
     COUNTERS,
     CoverPlanner,
@@ -145,17 +145,16 @@ class TopDP(TopDPBase):
         sums = oracle.repeat(oracle.clip(key, x), rows)
         (noisy,) = oracle.release(sums, mechanism=self.mechanism(ctx, multipliers, rows.cpu().numpy(), sigma),
                                   receivers=slots)
-        noisy.div_(oracle.expected_batch.to(noisy.device)[rows, None])
-        local = mix_step(x, received.index_select(0, jstar), alpha, noisy[:n], ctx.lr)   # line 19
-        if len(groups.via):                                                       # lines 15-16 (eq. 5c), per group
-            grouped = mix_step(x.index_select(0, sender), received.index_select(0, via), alpha, noisy[n:], ctx.lr)
-            local_and_grouped = torch.cat([local, grouped])
-        else:
-            local_and_grouped = local
+        # eq. 5c / line 19 in place on the released rows: -lambda (g + G) / L_i + alpha x~_i + (1 - alpha) x~_k
+        noisy.mul_((-ctx.lr / oracle.expected_batch.to(noisy.device))[rows, None])
+        noisy[:n].add_(x, alpha=alpha).add_(received.index_select(0, jstar), alpha=1 - alpha)   # line 19
+        if len(groups.via):                                                       # lines 15-16, one row per group
+            noisy[n:].add_(x.index_select(0, sender), alpha=alpha).add_(received.index_select(0, via), alpha=1 - alpha)
+        local = noisy[:n].clone() if len(groups.via) else noisy    # (a view would keep every row in the state)
         # lines 20-22: an uncovered j receives x~_i as it is; a covered one its group's message
         edge_group = torch.from_numpy(groups.edge_group).to(x.device)
         pick = torch.where(edge_group >= 0, n + edge_group, net.rows(edges[:, 0]))
-        messages = local_and_grouped.index_select(0, pick)
+        messages = noisy.index_select(0, pick)
         covered = int((groups.edge_group >= 0).sum())
         counts = self.count(state, reduced=covered, full=len(edges) - covered,
                             fallback=cover.fallback if cover else 0, uncoverable=cover.uncoverable if cover else 0)
