@@ -36,7 +36,8 @@ def config(algorithm: str) -> dict[str, Any]:
         "topology": {"agents": 3, "graph": "complete"},
         "model": {"name": "convnet"},
         "algorithm": {"name": algorithm, "lr": 0.05, "batch_size": 32},
-        "privacy": {"epsilon": "inf" if algorithm in NON_PRIVATE else 1.0, "delta": 0.01, "clip": 10.0, "accountant": "rdp"},
+        "privacy": {"epsilon": "inf" if algorithm in NON_PRIVATE else 1.0, "delta": 0.01, "clip": 10.0,
+                    "accountant": "rdp"},
         "audit": {"models": 5000, "selection_fraction": 0.2, "chunk": 500, "digits": [0, 1, 2], "per_digit": 100},
     }
 
