@@ -6,8 +6,9 @@ and starts ``engine.workers`` actors, each holding one contiguous shard of agent
 (:mod:`decentdp.runtime.sharded`).  The experiment's simulator is replaced by a
 :class:`RaySimulator` with the simulator's interface, so the runner (``run/loop.py``) drives the run
 unchanged: the driver starts each round on every worker, the workers exchange halo rows with their
-peers directly (Ray actor calls into each other's :class:`~decentdp.runtime.sharded.Mailbox`), and
-the driver fetches rows only when the runner evaluates or checkpoints.
+peers directly (gloo point-to-point messages in a torch.distributed process group formed by the
+workers: :class:`GlooTransport`), and the driver fetches rows only when the runner evaluates or
+checkpoints.
 
 Faults: the driver keeps the state, ledger and scheduler of the last checkpoint round (the rounds
 the runner checkpoints), fetched from the workers.  When a worker process dies, every worker is
@@ -23,8 +24,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
+import signal
 import socket
+import sys
+import tempfile
+import threading
 from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -32,11 +39,10 @@ import torch
 from decentdp.algorithms.base import State
 from decentdp.errors import ConfigError
 from decentdp.runtime.sharded import (
-    Mailbox,
-    MailboxTransport,
     Payload,
     make_shard,
     merge_ledgers,
+    payload_bytes,
     per_agent_keys,
     shard_bounds,
     shard_state,
@@ -61,7 +67,7 @@ NO_OUTSIDE_HTTP = {
 }
 """Environment of the Ray processes a local start spawns (restored in this process afterwards)."""
 
-#: Seconds a worker waits for a peer's rows before it declares the peer lost.
+#: Seconds a worker waits for a peer's rows (and for the process group to form) before it gives up.
 PEER_TIMEOUT = 300.0
 #: Seconds to wait for the workers to start (placing them may wait for free CPUs on a cluster).
 START_TIMEOUT = 300.0
@@ -115,6 +121,7 @@ def connect(address: str, workers: int) -> tuple[Any, bool]:
         with _environment(NO_OUTSIDE_HTTP):
             ray.init(address="local", num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False,
                      log_to_driver=False, configure_logging=False, _node_ip_address="127.0.0.1")
+        _exit_on_sigterm()
         return ray, True
     try:
         ray.init(address=address, log_to_driver=False, configure_logging=False)
@@ -123,24 +130,44 @@ def connect(address: str, workers: int) -> tuple[Any, bool]:
     return ray, False
 
 
-class ShardWorker:
-    """One Ray actor: a shard of the run (its state rows, oracle, ledger, scheduler) and its mailbox."""
+def _exit_on_sigterm() -> None:
+    """Make SIGTERM exit through Python's normal shutdown, which stops the Ray instance this process
+    started (by default SIGTERM ends the process at once and leaves Ray's helper processes behind)."""
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
 
-    def __init__(self, blueprint: Any, bounds: list[int], index: int, threads: int, timeout: float) -> None:
+
+class ShardWorker:
+    """One Ray actor: a shard of the run (its state rows, oracle, ledger, scheduler) and its transport."""
+
+    def __init__(self, blueprint: Any, bounds: list[int], index: int, threads: int) -> None:
         torch.set_num_threads(threads)
-        self.mailbox = Mailbox(timeout)
-        self.transport = RayTransport(index, self.mailbox)
+        self.transport = GlooTransport(index)
         self.shard = make_shard(blueprint, bounds, index, self.transport)
         self.state: State = {}
 
     def pid(self) -> int:
         return os.getpid()
 
-    def connect(self, peers: list[Any]) -> None:
-        self.transport.peers = peers
+    def rendezvous(self) -> str:
+        """Where the workers of a cluster form their process group: this worker's node and a free port."""
+        import ray
 
-    def deliver(self, step: int, sender: int, payload: Payload) -> None:
-        self.mailbox.put(step, sender, payload)
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            return f"tcp://{host}:{probe.getsockname()[1]}"
+
+    def connect(self, rendezvous: str) -> None:
+        """Join the run's gloo process group (every worker at once) at ``rendezvous`` (``tcp://`` on a
+        cluster, ``file://`` when every worker runs on this machine)."""
+        import torch.distributed as dist
+
+        if rendezvous.startswith("file://") and sys.platform.startswith("linux"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: gloo's sockets stay on loopback
+        dist.init_process_group("gloo", init_method=rendezvous, rank=self.transport.shard,
+                                world_size=len(self.shard.bounds) - 1, timeout=timedelta(seconds=PEER_TIMEOUT))
 
     def load(self, state: State, ledger: dict[str, Any], scheduler: dict[str, Any], rng: Any,
              agents_per_pass: int | None) -> None:
@@ -176,15 +203,64 @@ class ShardWorker:
         return self.transport.bytes_sent
 
 
-class RayTransport(MailboxTransport):
-    """Payloads travel as Ray actor calls into the receiving worker's mailbox (fire and forget)."""
+#: Tensor dtypes a payload may hold, by their code in a header.
+_DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32, torch.bool, torch.float16, torch.bfloat16,
+           torch.uint8)
+#: Header length: a count, then per tensor its dtype code, its number of dimensions and up to 6 sizes.
+_HEADER = 64
 
-    def __init__(self, shard: int, mailbox: Mailbox) -> None:
-        super().__init__(shard, mailbox)
-        self.peers: list[Any] = []
 
-    def _send(self, peer: int, step: int, payload: Payload) -> None:
-        self.peers[peer].deliver.remote(step, self.shard, payload)
+def _header(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    head = torch.zeros(_HEADER, dtype=torch.long)
+    head[0] = len(tensors)
+    for k, tensor in enumerate(tensors):
+        fields = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+        head[1 + 8 * k:1 + 8 * k + len(fields)] = torch.tensor(fields)
+    return head
+
+
+def _allocate(head: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    values = head.tolist()
+    tensors = []
+    for k in range(values[0]):
+        dtype, ndim = values[1 + 8 * k], values[2 + 8 * k]
+        tensors.append(torch.empty(values[3 + 8 * k:3 + 8 * k + ndim], dtype=_DTYPES[dtype]))
+    return tuple(tensors)
+
+
+class GlooTransport:
+    """Payloads between workers as torch.distributed gloo point-to-point messages: per peer, a fixed-size
+    header (each tensor's dtype and shape), then the tensors.  Chosen over Ray actor calls by
+    measurement (``benchmarks/distributed_transport.py``: 5-35 times less time per exchange)."""
+
+    def __init__(self, shard: int) -> None:
+        self.shard = shard
+        self.step = 0
+        self.bytes_sent = 0
+
+    def exchange(self, outgoing: Mapping[int, Payload]) -> dict[int, Payload]:
+        import torch.distributed as dist
+
+        step, self.step = self.step, self.step + 1
+        sent = {peer: (payload,) if isinstance(payload, torch.Tensor) else tuple(payload)
+                for peer, payload in outgoing.items()}
+        heads = {peer: torch.empty(_HEADER, dtype=torch.long) for peer in sent}
+        tag = step * _HEADER  # distinct tags for the header and each tensor of one step
+        _wait([dist.isend(_header(tensors), peer, tag=tag) for peer, tensors in sent.items()] +
+              [dist.irecv(head, peer, tag=tag) for peer, head in heads.items()])
+        received = {peer: _allocate(head) for peer, head in heads.items()}
+        _wait([dist.isend(tensor.contiguous(), peer, tag=tag + 1 + k)
+               for peer, tensors in sent.items() for k, tensor in enumerate(tensors) if tensor.numel()] +
+              [dist.irecv(tensor, peer, tag=tag + 1 + k)
+               for peer, tensors in received.items() for k, tensor in enumerate(tensors) if tensor.numel()])
+        self.bytes_sent += sum(payload_bytes(tensors) for tensors in sent.values())
+        return {peer: received[peer][0] if isinstance(outgoing[peer], torch.Tensor) else received[peer]
+                for peer in sent}
+
+
+def _wait(requests: list[Any]) -> None:
+    for request in requests:
+        request.wait()
 
 
 @dataclasses.dataclass
@@ -259,10 +335,13 @@ class _RemoteScheduler:
 class RaySimulator:
     """The simulator's interface (``setup``, ``run``, ``schedule``, ``scheduler``) over Ray workers."""
 
-    def __init__(self, experiment: Any, ray: Any, owns_ray: bool, workers: int) -> None:
+    def __init__(self, experiment: Any, ray: Any, owns_ray: bool, workers: int, local: bool = True) -> None:
         self.experiment = experiment
         self.ray = ray
         self.owns_ray = owns_ray
+        self.local = local  # every worker on this machine
+        self._directory = tempfile.mkdtemp(prefix="decentdp-ray-")
+        self._starts = 0
         whole = experiment.simulator
         self.schedule = whole.schedule
         self.scheduler = _RemoteScheduler(self, whole.scheduler.state_dict())
@@ -284,11 +363,16 @@ class RaySimulator:
 
     # -- workers -------------------------------------------------------------------------------------------
     def _start_workers(self) -> None:
-        actor = self.ray.remote(num_cpus=1, max_concurrency=4, max_restarts=0)(ShardWorker)
-        self.workers = [actor.remote(self.blueprint, self.bounds, index, self.threads, PEER_TIMEOUT)
+        actor = self.ray.remote(num_cpus=1, max_restarts=0)(ShardWorker)
+        self.workers = [actor.remote(self.blueprint, self.bounds, index, self.threads)
                         for index in range(len(self.bounds) - 1)]
         try:
-            self._wait([worker.connect.remote(self.workers) for worker in self.workers], START_TIMEOUT)
+            if self.local:  # a file store: no listening socket at all (a TCP store listens on every interface)
+                self._starts += 1
+                rendezvous = f"file://{self._directory}/group-{self._starts}"
+            else:
+                rendezvous = self._wait([self.workers[0].rendezvous.remote()], START_TIMEOUT)[0]
+            self._wait([worker.connect.remote(rendezvous) for worker in self.workers], START_TIMEOUT)
         except TimeoutError:
             self.close()
             raise ConfigError("engine.workers", f"{len(self.bounds) - 1} workers did not start within "
@@ -340,6 +424,7 @@ class RaySimulator:
     def close(self) -> None:
         """Stop the workers (and the Ray instance this process started)."""
         self._stop_workers()
+        shutil.rmtree(self._directory, ignore_errors=True)
         if self.owns_ray and self.ray.is_initialized():
             self.ray.shutdown()
 
@@ -415,7 +500,7 @@ def distribute(experiment: Any) -> None:
                                             "at least one agent")
     ray, owns = connect(engine.address, engine.workers)
     try:
-        experiment.simulator = RaySimulator(experiment, ray, owns, engine.workers)
+        experiment.simulator = RaySimulator(experiment, ray, owns, engine.workers, local=not engine.address)
     except BaseException:
         if owns and ray.is_initialized():
             ray.shutdown()
