@@ -4,8 +4,8 @@ Reduced size (the configs' full size is 2000 rounds; ``decentdp run CONFIG`` run
 rounds (default 200), an evaluation every ``rounds / 2``, and TOP-DP's decay period scaled with the
 horizon (``rounds / 2``, as 1000 of 2000 in the configs: one decay halfway).  Every other setting
 (N = 30 on Erdos-Renyi(0.2), the MLP with 100 hidden units, batch 64, clip 4, the budgets) is the
-config's; the noise is calibrated for the reduced horizon.  A results folder that already holds a
-``summary.json`` is skipped, so that the command resumes after an interruption.
+config's; the noise is calibrated for the reduced horizon.  A config whose results folder exists is
+skipped (finished, or running in another of these processes: several may share the list).
 
     OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python experiments/top-dp/run_reduced.py 'fig3-*-sync-*' \\
         --out results/top-dp-reduced > results/top-dp-reduced/fig3-sync.log 2>&1 &
@@ -40,8 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     for config in configs:
         out = args.out / config.stem
-        if (out / "summary.json").exists():
-            print(f"{config.stem}: done already", flush=True)
+        if out.exists():  # done, or running in another of these processes (delete a broken one to rerun it)
+            print(f"{config.stem}: {'done already' if (out / 'summary.json').exists() else 'started elsewhere'}",
+                  flush=True)
             continue
         print(f"{config.stem}: running", flush=True)
         code = decentdp(["run", str(config), "--data-dir", str(args.data_dir), "--out", str(out), "--no-progress",
