@@ -240,7 +240,8 @@ def test_a_joint_release_is_charged_once_with_sensitivity_sqrt_k() -> None:
     assert oracle.ledger.releases().tolist() == [1, 1, 1, 1]
     rdp = oracle.ledger.epsilon("rdp")
     np.testing.assert_allclose(rdp, _rdp_epsilon_of(expected), rtol=1e-12)
-    np.testing.assert_allclose(oracle.ledger.epsilon("pld"), _pld_epsilon_of(expected), rtol=1e-9)
+    # (the ledger discretises PLD per history: within 0.25 % of epsilon, see accounting.py)
+    np.testing.assert_allclose(oracle.ledger.epsilon("pld"), _pld_epsilon_of(expected), rtol=5e-3)
     # Twice the sensitivity costs more than one sum would have.
     assert rdp[0] > _rdp_epsilon_of(gaussian_event(sigma, q)) * 1.2
 
@@ -430,7 +431,8 @@ def test_ledger_epsilon_equals_dp_accounting_on_the_composed_events(case: int) -
         ledger.charge(round_index, np.array([ledger.intern(event)] * n))
     composed = dp_accounting.ComposedDpEvent(events)
     np.testing.assert_allclose(ledger.epsilon("rdp"), _rdp_epsilon_of(composed), rtol=1e-9)
-    np.testing.assert_allclose(ledger.epsilon("pld"), _pld_epsilon_of(composed), rtol=1e-6)
+    # The ledger picks its PLD discretisation per history (error ~0.25 % of epsilon, see accounting.py).
+    np.testing.assert_allclose(ledger.epsilon("pld"), _pld_epsilon_of(composed), rtol=5e-3)
     assert ledger.releases().tolist() == [len(events)] * n
 
 
@@ -521,7 +523,7 @@ def test_an_exhausted_agent_releases_zeros_through_the_oracle() -> None:
 def test_a_budget_is_never_exceeded_by_any_mixture_of_events() -> None:
     rng = np.random.default_rng(42)
     budget = 3.0
-    ledger = PrivacyLedger(1, budget, DELTA)
+    ledger = PrivacyLedger(1, budget, DELTA, budget_accountant="rdp")  # checked against RDP, release by release
     orders = np.asarray(rdp_privacy_accountant.RdpAccountant().orders, dtype=np.float64)
     spent = np.zeros(len(orders))  # dp_accounting's RDP of the accepted releases (RDP composes additively)
     accepted = refusals = 0
@@ -602,7 +604,7 @@ def test_an_algorithm_registered_by_a_test_module_runs_from_a_config(tmp_path: P
     privacy = json.loads((tmp_path / "out" / "privacy.json").read_text())
     assert privacy["releases"] == [3, 3, 3, 3]
     assert privacy["refused_releases"] == [0, 0, 0, 0]
-    assert max(privacy["epsilon_rdp"]) <= 2.0
+    assert max(privacy["epsilon"]) <= 2.0 and privacy["epsilon_accountant"] == "tight"
     assert bool(torch.isfinite(result.state["params"]).all())
 
 

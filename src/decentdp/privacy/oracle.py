@@ -127,7 +127,7 @@ class DataOracle:
         self._norms: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         self.last_authorized: torch.Tensor | None = None  # diagnostics of the last release, for operators:
         self.last_batch_sizes: torch.Tensor | None = None  # never read by algorithms
-        self.last_clipped_fraction = 0.0
+        self._clipping: torch.Tensor | float | None = None  # (clipped, total) of the last release
 
     def batch(self) -> BatchKey:
         """Draw the round's next Poisson batch (for the active agents) and return its single-use key."""
@@ -246,6 +246,8 @@ class DataOracle:
         self._releases += 1
         self._released.add(key.index)
         released = []
+        refused_rows = ~authorized[owners.numpy()]  # on the host: the ledger decided there
+        offsets = np.cumsum([0, *[len(item.owners) for item in sums]])
         with self.timer.phase("noise"):
             for position, item in enumerate(sums):
                 values, item._sums, item._open = item._sums, None, False
@@ -255,9 +257,9 @@ class DataOracle:
                 elif len(sums) > 1 and slots is None:
                     slots = [position] * len(item.owners)
                 mechanism.perturb(values, item.owners, noise, slots)
-                refused = torch.from_numpy(~authorized[item.owners.cpu().numpy()]).to(values.device)
-                if bool(refused.any()):
-                    values[refused] = 0.0  # refused agents release nothing
+                refused = refused_rows[offsets[position]:offsets[position + 1]]
+                if refused.any():  # refused agents release nothing
+                    values[torch.from_numpy(refused).to(values.device, non_blocking=True)] = 0.0
                 released.append(values)
         self.last_authorized = torch.from_numpy(authorized)
         self.last_batch_sizes = self._batches[key.index].sizes
@@ -265,13 +267,27 @@ class DataOracle:
         return tuple(released)
 
     def _record_clipping(self, index: int, authorized: np.ndarray) -> None:
-        """The fraction of released per-sample gradients that were clipped (an operator's diagnostic)."""
-        clipped, total = 0, 0
+        """Count the released per-sample gradients that were clipped (an operator's diagnostic), on the device:
+        nothing is read back until :attr:`last_clipped_fraction` is (only by ``--diagnostics``)."""
+        counts = []
         for owners, norms, mask in self._norms.pop(index, []):
-            real = mask.bool() & torch.from_numpy(authorized).to(mask.device)[owners][:, None]
-            clipped += int((norms[real] > self.clip_norm).sum())
-            total += int(real.sum())
-        self.last_clipped_fraction = clipped / total if total else 0.0
+            real = mask.bool() & torch.from_numpy(authorized).to(mask.device, non_blocking=True)[owners][:, None]
+            counts.append(torch.stack([((norms > self.clip_norm) & real).sum(), real.sum()]))
+        self._clipping = torch.stack(counts).sum(dim=0) if counts else None
+
+    @property
+    def last_clipped_fraction(self) -> float:
+        """The fraction of the last release's per-sample gradients that were clipped (read back here, once)."""
+        if self._clipping is None:
+            return 0.0
+        if not isinstance(self._clipping, float):
+            clipped, total = self._clipping.tolist()
+            self._clipping = clipped / total if total else 0.0
+        return self._clipping
+
+    @last_clipped_fraction.setter
+    def last_clipped_fraction(self, value: float) -> None:
+        self._clipping = float(value)
 
     def _event_ids(self, mechanism: Mechanism, rows: np.ndarray) -> np.ndarray:
         """Each owner's joint event id for ``rows[o]`` sums (cached: steady rounds ask for the same)."""
