@@ -130,18 +130,21 @@ def run_message_audit(experiment: Experiment, audit: AuditSection,
         return block_simulation(experiment, x, y, parts, audit.target, len(x) - 1, member, seed, model=model,
                                 wrap_mechanism=wrap_mechanism)
 
+    noise: list[float] = []  # the target's claimed multiplier, for the summary
+
     def score(run: BlockRun) -> np.ndarray:
+        noise[:] = [run.noise_multipliers[audit.target]]
         tap = ReleaseTap(run.oracle, run.targets, lambda rows: rows[:, coordinate])
         run.train()
         tap.detach()
         rate = float(run.oracle.sample_rates[int(run.targets[0])])
         projections = torch.stack(tap.values).double().cpu().numpy()
         rows = torch.stack(tap.rows).cpu().numpy()
-        return likelihood_ratio_scores(projections, rows, run.noise_multipliers[audit.target], config.privacy.clip,
-                                       rate)
+        return likelihood_ratio_scores(projections, rows, noise[0], config.privacy.clip, rate)
 
     outcome = run_audit(experiment, audit, "messages", build, score)
     outcome.summary["canary_coordinate"] = coordinate
+    outcome.summary["noise_multiplier"] = noise[0] if noise else 0.0
     return outcome
 
 
