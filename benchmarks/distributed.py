@@ -85,6 +85,7 @@ def measure(name: str, workers_list: list[int], rounds: int, data_dir: str, ray:
                            "parameters": experiment.model.dim, "edges": experiment.topology.report.n_edges,
                            "simulator_s_per_round": simulator, "full_matrix_bytes": agents * experiment.model.dim * 4,
                            "ray": []}
+    del experiment  # one run's data in memory at a time (each worker holds its agents' records)
     for workers in workers_list:
         start = time.perf_counter()
         engine = RaySimulator(build(model, agents, graph, data_dir), ray, False, workers)

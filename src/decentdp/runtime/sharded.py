@@ -299,10 +299,18 @@ class ShardScheduler(Scheduler):
 
 class ShardSampler(PoissonSampler):
     """Poisson batches of the agents ``lo .. hi-1`` of ``data``: the round-wide draw over every slot of
-    the run, of which this shard keeps its own contiguous slice, so its batches are the simulator's."""
+    the run, of which this shard keeps its own contiguous slice, so its batches are the simulator's.
+
+    The shard keeps a copy of its agents' records only (an agent's records, possibly shared with
+    others in overlapping splits, are copied once per agent), so the rest of the training set can be
+    freed in its process."""
 
     def __init__(self, data: AgentData, sample_rates: torch.Tensor, rng: Any, lo: int, hi: int) -> None:
-        super().__init__(AgentData(data.x, data.y, data.indices[lo:hi]), sample_rates[lo:hi], rng)
+        owned = data.indices[lo:hi]
+        records = torch.cat([index.long() for index in owned])
+        starts = np.cumsum([0, *[len(index) for index in owned]])
+        local = tuple(torch.arange(start, stop) for start, stop in zip(starts[:-1], starts[1:], strict=True))
+        super().__init__(AgentData(data.x[records], data.y[records], local), sample_rates[lo:hi], rng)
         self.all_lengths = [len(index) for index in data.indices]
         self.first_slot = sum(self.all_lengths[:lo])
 
