@@ -258,6 +258,7 @@ class PrivacyLedger:
         self._pair_index: dict[tuple[int, int], int] = {}  # (local row, receiver id) -> pair account
         self._room_event = np.full(n, _NO_EVENT, dtype=np.int64)  # headroom cache: `_room` more releases
         self._room = np.zeros(n, dtype=np.int64)                 # of event `_room_event` fit
+        self._room_exact = np.ones(n, dtype=bool)  # False: `_room` is RDP's count, a lower bound of tight's
 
     @property
     def n_agents(self) -> int:
@@ -276,24 +277,28 @@ class PrivacyLedger:
         return self._agents.history(agent, self.events)
 
     # -- charging ------------------------------------------------------------------------------------------
-    def _headroom(self, agent: int, event_id: int) -> int:
-        """How many more releases of ``event_id`` agent ``agent`` may make within its budget."""
+    def _headroom(self, agent: int, event_id: int, quick: bool = False) -> tuple[int, bool]:
+        """How many more releases of ``event_id`` agent ``agent`` may make within its budget, and whether
+        that count is exact.  ``quick`` with the ``tight`` accountant answers from the running RDP totals
+        (constant work): tight epsilon is never above RDP's, so what fits under RDP fits, and the exact
+        (PLD) count, never smaller, is asked for only when an agent would otherwise be refused."""
         budget = float(self.budgets[agent])
         if math.isinf(budget):
-            return UNLIMITED
+            return UNLIMITED, True
         event = self.events[event_id]
         if isinstance(event, dp_accounting.NonPrivateDpEvent):
-            return 0
+            return 0, True
         accounts = self._agents
         extends = accounts.event[agent] == event_id
         done = int(accounts.count[agent]) if extends else 0
-        if self._rdp_totals_apply(self.budget_accountant):  # running totals: constant work whatever the history
+        by_rdp = self._rdp_totals_apply(self.budget_accountant)
+        if by_rdp or (quick and self.budget_accountant == "tight" and self._rdp_totals_apply("rdp")):
             prefix = accounts.closed_rdp[agent] if extends else accounts.rdp(agent, self.events)
             guess = _rdp_guess(prefix, event, budget, self.delta)
-            return _search(lambda total: _fits_rdp(prefix, event, total, budget, self.delta), guess) - done
+            return _search(lambda total: _fits_rdp(prefix, event, total, budget, self.delta), guess) - done, by_rdp
         history = self.history(agent)
         return _max_count(history[:-1] if extends else history, event, budget, self.delta, self.budget_accountant,
-                          self.relation) - done
+                          self.relation) - done, True
 
     def _rdp_totals_apply(self, accountant: str) -> bool:
         """The running RDP totals price the events as they are, which is the add-remove relation."""
@@ -326,8 +331,10 @@ class PrivacyLedger:
                 raise ValueError("a per-receiver release sends at most one message per (sender, receiver) pair")
         stale = asking & (events != self._room_event)
         for agent in np.flatnonzero(stale):
-            self._room[agent] = self._headroom(int(agent), int(events[agent]))
+            self._room[agent], self._room_exact[agent] = self._headroom(int(agent), int(events[agent]), quick=True)
             self._room_event[agent] = events[agent]
+        for agent in np.flatnonzero(asking & (self._room < count) & ~self._room_exact):  # refuse on exact counts only
+            self._room[agent], self._room_exact[agent] = self._headroom(int(agent), int(events[agent]))
         allowed = asking & (self._room >= count)
         self.refused[asking & ~allowed] += 1
         rows = np.flatnonzero(allowed)

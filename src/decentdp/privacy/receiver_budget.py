@@ -62,9 +62,9 @@ class ReceiverLedger(PrivacyLedger):
 
     budget_view = "pairwise"
 
-    def _headroom(self, agent: int, event_id: int) -> int:
+    def _headroom(self, agent: int, event_id: int, quick: bool = False) -> tuple[int, bool]:
         # The agent (colluding) view is recorded and reported, not enforced: :meth:`charge` decides.
-        return UNLIMITED
+        return UNLIMITED, True
 
     @property
     def _relation(self) -> str:
