@@ -75,7 +75,8 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"decentdp {__version__}",
                         help="print decentdp's version and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                                     help="run, privacy, list or init (each has its own --help)")
+                                     help="run, privacy, list, init, report, sweep, audit or attack (each has "
+                                          "its own --help)")
 
     run = commands.add_parser("run", help="run an experiment described by a TOML config",
                               description=_RUN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
