@@ -15,8 +15,8 @@ which implements every method of :class:`~decentdp.algorithms.base.Network` over
 Every network call is a *collective*: all shards make the same calls in the same order (the
 algorithms do, since their control flow depends on public values only), and each call is one
 :meth:`Transport.exchange` with the shard's peers.  The transport is the only part that knows
-processes exist (:mod:`decentdp.runtime.ray_backend` implements it with Ray actors;
-:class:`LocalTransport` with threads, for tests and for measuring the sharding itself).
+processes exist (:mod:`decentdp.runtime.ray_backend` implements it with gloo messages between Ray
+worker processes; :class:`LocalTransport` with threads, for tests).
 
 Draws are keyed by global agent id (:mod:`decentdp.rng`), Poisson sampling draws the round-wide
 vector and keeps the shard's slice (:class:`ShardSampler`), and the scheduler plans globally and
@@ -77,7 +77,8 @@ class Transport(Protocol):
 
 
 class Mailbox:
-    """Payloads delivered to one shard, keyed by (collective step, sender), awaited by the shard's round."""
+    """Payloads delivered to one shard, keyed by (collective step, sender), awaited by the shard's round
+    (the receiving end of :class:`LocalTransport`)."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
@@ -110,37 +111,23 @@ class Mailbox:
             return {sender: self._items.pop((step, sender)) for sender in senders}
 
 
-class MailboxTransport:
-    """A transport whose payloads land in the receiving shard's :class:`Mailbox`; ``_send`` moves them."""
+class LocalTransport:
+    """Shards as threads of one process (tests, and the sharding's own cost): payloads are copied into
+    the receiving shard's :class:`Mailbox`, as a transport between processes delivers copies."""
 
-    def __init__(self, shard: int, mailbox: Mailbox) -> None:
+    def __init__(self, shard: int, mailboxes: Sequence[Mailbox]) -> None:
         self.shard = shard
-        self.mailbox = mailbox
+        self.mailboxes = mailboxes
         self.step = 0
         self.bytes_sent = 0
-
-    def _send(self, peer: int, step: int, payload: Payload) -> None:
-        raise NotImplementedError
 
     def exchange(self, outgoing: Mapping[int, Payload]) -> dict[int, Payload]:
         step, self.step = self.step, self.step + 1
         for peer, payload in outgoing.items():
             self.bytes_sent += payload_bytes(payload)
-            self._send(peer, step, payload)
-        return self.mailbox.take(step, list(outgoing))
-
-
-class LocalTransport(MailboxTransport):
-    """Shards as threads of one process (tests, and the sharding's own cost); payloads are copied, as a
-    transport between processes delivers copies."""
-
-    def __init__(self, shard: int, mailboxes: Sequence[Mailbox]) -> None:
-        super().__init__(shard, mailboxes[shard])
-        self.mailboxes = mailboxes
-
-    def _send(self, peer: int, step: int, payload: Payload) -> None:
-        copied = payload.clone() if isinstance(payload, torch.Tensor) else tuple(item.clone() for item in payload)
-        self.mailboxes[peer].put(step, self.shard, copied)
+            copied = payload.clone() if isinstance(payload, torch.Tensor) else tuple(item.clone() for item in payload)
+            self.mailboxes[peer].put(step, self.shard, copied)
+        return self.mailboxes[self.shard].take(step, list(outgoing))
 
 
 class ShardNetwork(SimulatedNetwork):
