@@ -441,8 +441,19 @@ class RaySimulator:
             try:
                 self._collect(self._wait([worker.round.remote(round_index) for worker in self.workers]))
                 return
-            except (self.ray.exceptions.RayActorError, TimeoutError):
+            except Exception:
+                # a dead worker fails its own call, and may fail its peers' first (their messages stop)
+                if not self._worker_lost():
+                    raise
                 self._recover(round_index)
+
+    def _worker_lost(self) -> bool:
+        """Whether a worker process is gone (or too stuck to answer within a minute)."""
+        try:
+            self.ray.get([worker.pid.remote() for worker in self.workers], timeout=60)
+        except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
+            return True
+        return False
 
     def _recover(self, round_index: int) -> None:
         self.restarts += 1
