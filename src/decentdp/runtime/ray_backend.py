@@ -47,6 +47,7 @@ from decentdp.runtime.sharded import (
     shard_bounds,
     shard_state,
 )
+from decentdp.runtime.simulator import unwrapped
 from decentdp.util.profiling import NO_TIMER, PhaseTimer
 
 LOCAL_RAY_ENVIRONMENT = {
@@ -346,7 +347,7 @@ class RaySimulator:
         self.schedule = whole.schedule
         self.scheduler = _RemoteScheduler(self, whole.scheduler.state_dict())
         self.timer: PhaseTimer = NO_TIMER  # phases are timed inside the workers' processes, not here
-        self.wrap_network: Callable[[object], object] = lambda network: network
+        self.wrap_network: Callable[[object], object] = unwrapped
         self.bounds = shard_bounds(experiment.data.n_agents, workers)
         self.threads = max(1, torch.get_num_threads() // workers)
         cfg = experiment.config.experiment
@@ -377,6 +378,9 @@ class RaySimulator:
             self.close()
             raise ConfigError("engine.workers", f"{len(self.bounds) - 1} workers did not start within "
                                                 f"{START_TIMEOUT:g} s (each needs a free CPU in the cluster)") from None
+        except BaseException:
+            self.close()  # no worker left behind
+            raise
 
     def worker_pids(self) -> list[int]:
         """The workers' process ids (a test kills one)."""
