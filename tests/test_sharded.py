@@ -254,3 +254,14 @@ def test_more_workers_than_agents_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="engine.workers: 11 workers for 10 agent"):
         run_experiment(config, tmp_path / "out", progress=False, log=lambda line: None)
     assert not (tmp_path / "out").exists()
+
+
+def test_secure_noise_is_sharded_too() -> None:
+    """With per-agent secret keys (privacy.noise = secure), shards holding the run's keys draw the same noise."""
+    _, experiment = _config("dp-dsgd", 4, "privacy.noise=secure")
+    reference = _copy(experiment)
+    expected = reference.simulator.run(reference.initial_state(), 0, 4, lambda done, current: True)
+    state, shards = _run_shards(experiment, 2, 4)
+    assert float((state["params"] - expected["params"]).abs().max()) <= 1e-5
+    merged = merge_ledgers(type(reference.ledger), [shard.ledger.state_dict() for shard in shards])
+    assert _histories(merged) == _histories(reference.ledger)
