@@ -547,14 +547,16 @@ def test_list_algorithms_with_their_own_settings(listing: dict[str, Any]) -> Non
 def test_list_graphs_name_the_parameter_each_needs(listing: dict[str, Any]) -> None:
     needs = {entry["name"]: entry["needs"] for entry in listing["graphs"]}
     assert {graph: params for graph, params in needs.items() if params} == {
-        "erdos-renyi": ["p"], "geometric": ["radius"], "fiedler": ["fiedler"], "k-regular": ["k"]}
+        "erdos-renyi": ["p"], "geometric": ["radius"], "fiedler": ["fiedler"], "k-regular": ["k"],
+        "partial-mesh": ["p"]}
 
 
 def test_list_models_with_their_options(listing: dict[str, Any]) -> None:
     options = {entry["name"]: entry["options"] for entry in listing["models"]}
     assert options["mlp"] == {"hidden": 100}
     assert options["lenet5"] == {"activation": "tanh"}
-    assert options["convnet"] == {}
+    assert options["convnet"] == {"activation": "mish", "norm": "none"}
+    assert options["cifar-cnn"] == {}
 
 
 def test_list_follows_the_registry(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -38,6 +38,8 @@ NATURAL_CASES: list[tuple[str, tuple[int, int, int], int]] = [
     ("cifar-cnn", DIGITS, 10),
     ("cifar-cnn", MNIST, 10),
     ("cifar-cnn", CIFAR, 10),
+    ("cga-cnn", MNIST, 10),
+    ("cga-cnn", CIFAR, 10),
     ("resnet9", CIFAR, 10),
     ("linear", DIGITS, 10),
     ("linear", MNIST, 10),
@@ -53,6 +55,7 @@ ONE_CASE_PER_MODEL: dict[str, tuple[tuple[int, int, int], int]] = {
     "mlp": (DIGITS, 10),
     "lenet5": (MNIST, 10),
     "cifar-cnn": (CIFAR, 10),
+    "cga-cnn": (MNIST, 10),
     "resnet9": (CIFAR, 10),
     "linear": (DIGITS, 10),
     "logistic": (DIGITS, 2),
@@ -97,6 +100,16 @@ def test_lenet5_classic_parameter_count() -> None:
     # LeNet-5 on 28x28 (padded) and on 32x32 both have the classic 61,706 parameters.
     assert count_parameters(build_model("lenet5", MNIST, 10, seed=0)) == 61_706
     assert count_parameters(build_model("lenet5", MNIST_PADDED, 10, seed=0)) == 61_706
+
+
+def test_cga_cnn_is_the_authors_network() -> None:
+    # CGA's CNN(ch, fc): fc = 576 for 28x28 inputs and 1024 for 32x32; no ReLU unless asked for.
+    for input_shape, fc in ((MNIST, 576), (CIFAR, 1024)):
+        model = build_model("cga-cnn", input_shape, 10, seed=0)
+        assert [m.in_features for m in model.modules() if isinstance(m, nn.Linear)] == [fc]
+        assert not any(isinstance(m, nn.ReLU) for m in model.modules())
+    relu = build_model("cga-cnn", MNIST, 10, seed=0, activation="relu")
+    assert sum(isinstance(m, nn.ReLU) for m in relu.modules()) == 4
 
 
 def test_mlp_hidden_option() -> None:
@@ -230,7 +243,7 @@ def test_unknown_option_names_the_option() -> None:
     assert err.value.field == "model.options.depth"
     assert "hidden" in err.value.message
     with pytest.raises(ConfigError) as err:
-        build_model("convnet", DIGITS, 10, seed=0, hidden=10)
+        build_model("cifar-cnn", DIGITS, 10, seed=0, hidden=10)
     assert err.value.field == "model.options.hidden"
     assert "no options" in err.value.message
 

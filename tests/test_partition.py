@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from decentdp.data.partition import PARTITIONS, class_histograms, overlap_matrix, partition
@@ -15,6 +15,7 @@ SCHEME_PARAMS = {
     "overlap": {"t": 0.5},
     "dirichlet": {"alpha": 0.5},
     "unequal": {"size_skew": 1.0},
+    "pathological": {},
 }
 
 
@@ -93,6 +94,8 @@ def test_overlap_rounding_ties_are_not_biased() -> None:
 )
 def test_disjoint_cover(scheme: str, n_agents: int, n_classes: int, seed: int) -> None:
     labels = make_labels(400, n_classes, seed=seed % 7)
+    if scheme == "pathological":  # more agents than classes must be a multiple of them (a ConfigError otherwise)
+        assume(n_agents <= n_classes or n_agents % n_classes == 0)
     params = dict(SCHEME_PARAMS[scheme])
     if scheme == "overlap":
         params["t"] = 0.3  # some agents own no class when n_agents > n_classes: t must leave them data
@@ -102,8 +105,14 @@ def test_disjoint_cover(scheme: str, n_agents: int, n_classes: int, seed: int) -
         assert part.dtype == np.int64
         assert np.all(np.diff(part) > 0)  # sorted, no duplicates
         assert len(part) >= 1
-    merged = np.concatenate(parts)
-    np.testing.assert_array_equal(np.sort(merged), np.arange(len(labels)))
+    merged = np.sort(np.concatenate(parts))
+    assert np.all(np.diff(merged) > 0)  # pairwise disjoint
+    if scheme == "pathological":  # CGA's split trims every class to the smallest class's size, then covers that
+        counts = np.bincount(labels, minlength=n_classes)
+        kept = np.bincount(labels[merged], minlength=n_classes)
+        np.testing.assert_array_equal(kept, np.full(n_classes, counts.min()))
+    else:
+        np.testing.assert_array_equal(merged, np.arange(len(labels)))
 
 
 @pytest.mark.parametrize("scheme", PARTITIONS)
@@ -185,8 +194,8 @@ def test_invalid_values_name_the_field(kwargs: dict, field: str) -> None:
 
 
 def test_unknown_scheme_lists_allowed() -> None:
-    with pytest.raises(ConfigError, match="iid, overlap, dirichlet, unequal"):
-        partition(make_labels(100, 5), 4, "pathological", seed=0)
+    with pytest.raises(ConfigError, match=", ".join(PARTITIONS)):
+        partition(make_labels(100, 5), 4, "shards", seed=0)
 
 
 def test_overlap_agent_without_class_rejected() -> None:

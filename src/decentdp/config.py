@@ -26,7 +26,7 @@ PartitionName = Literal["iid", "overlap", "dirichlet", "unequal", "pathological"
 GraphName = Literal["complete", "ring", "star", "path", "grid", "torus", "erdos-renyi", "geometric", "fiedler",
                     "complete-bipartite", "k-regular", "two-star", "tree", "partial-mesh"]
 MixingName = Literal["metropolis-hastings", "average", "max-degree"]
-ModelName = Literal["convnet", "mlp", "lenet5", "cifar-cnn", "resnet9", "linear", "logistic"]
+ModelName = Literal["convnet", "mlp", "lenet5", "cifar-cnn", "cga-cnn", "resnet9", "linear", "logistic"]
 
 
 class _Section(BaseModel):

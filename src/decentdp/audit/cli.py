@@ -45,7 +45,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     """Add ``audit`` (``mia``, ``messages``) and ``attack`` (``inversion``) to the CLI's commands."""
     audit = commands.add_parser("audit", help="empirical epsilon lower bounds (membership inference, messages)",
                                 description=_AUDIT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    kinds = audit.add_subparsers(dest="audit_kind", required=True, metavar="KIND")
+    kinds = audit.add_subparsers(dest="audit_kind", required=True, metavar="KIND",
+                                 help="mia or messages (each has its own --help)")
     for name, text in (("mia", "membership inference on the loss of a blank image (Bayrooti et al., App. D)"),
                        ("messages", "a neighbour's test for a Dirac gradient canary in an agent's releases")):
         sub = kinds.add_parser(name, help=text, description=text)
@@ -54,7 +55,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     attack = commands.add_parser("attack", help="privacy attacks on released messages (gradient inversion)",
                                  description=_ATTACK_DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    attacks = attack.add_subparsers(dest="attack_kind", required=True, metavar="KIND")
+    attacks = attack.add_subparsers(dest="attack_kind", required=True, metavar="KIND",
+                                   help="inversion (its own --help lists its options)")
     _common(attacks.add_parser("inversion", help="reconstruct an agent's records from one of its messages",
                                description=_ATTACK_DESCRIPTION))
 

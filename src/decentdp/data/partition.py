@@ -121,7 +121,8 @@ def partition(
     Returns
     -------
     list of numpy.ndarray
-        ``n_agents`` sorted int64 index arrays, pairwise disjoint, whose union is ``range(len(labels))``.
+        ``n_agents`` sorted int64 index arrays, pairwise disjoint, whose union is ``range(len(labels))``
+        (``pathological``: every class trimmed to the smallest class's size, as CGA's code does).
 
     Raises
     ------
