@@ -257,11 +257,14 @@ def test_more_workers_than_agents_is_a_config_error(tmp_path: Path) -> None:
 
 
 def test_secure_noise_is_sharded_too() -> None:
-    """With per-agent secret keys (privacy.noise = secure), shards holding the run's keys draw the same noise."""
+    """With per-agent secret keys (privacy.noise = secure), each shard holds its own agents' keys and no
+    other's, and draws the simulator's batches and noise."""
     _, experiment = _config("dp-dsgd", 4, "privacy.noise=secure")
     reference = _copy(experiment)
     expected = reference.simulator.run(reference.initial_state(), 0, 4, lambda done, current: True)
     state, shards = _run_shards(experiment, 2, 4)
+    held = [shard.oracle.rng.keys.agent_ids for shard in shards]
+    assert held == [list(range(shard.rows.start, shard.rows.stop)) for shard in shards]
     assert float((state["params"] - expected["params"]).abs().max()) <= 1e-5
     merged = merge_ledgers(type(reference.ledger), [shard.ledger.state_dict() for shard in shards])
     assert _histories(merged) == _histories(reference.ledger)

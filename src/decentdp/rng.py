@@ -98,6 +98,10 @@ class AgentRandom:
         self.seed = int(seed)
         self.device = torch.device(device)
 
+    def for_agents(self, agent_ids: Sequence[int]) -> AgentRandom:
+        """The source a process holding only ``agent_ids`` gets: the same (it holds no secret) here."""
+        return self
+
     def record_uniforms(self, round_index: int, step: int, lengths: Sequence[int]) -> torch.Tensor:
         """``sum(lengths)`` float64 uniforms in [0, 1) for Poisson sampling, agent ``i``'s records in its
         slice (one round-wide draw here, see the module docstring)."""
@@ -254,6 +258,10 @@ class SecureRandom(AgentRandom):
     def __init__(self, seed: int, keys: AgentKeys, device: torch.device | str = "cpu") -> None:
         super().__init__(seed, device)
         self.keys = keys
+
+    def for_agents(self, agent_ids: Sequence[int]) -> SecureRandom:
+        """The same run's source holding the keys of ``agent_ids`` only (what one shard receives)."""
+        return SecureRandom(self.seed, self.keys.subset(agent_ids), self.device)
 
     def _uniforms(self, agent: int, count: int, round_index: int, stream: Stream, step: int,
                   slot: int | None = None) -> np.ndarray:

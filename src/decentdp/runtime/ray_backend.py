@@ -38,6 +38,7 @@ import torch
 
 from decentdp.algorithms.base import State
 from decentdp.errors import ConfigError
+from decentdp.rng import AgentKeys
 from decentdp.runtime.sharded import (
     Payload,
     make_shard,
@@ -139,13 +140,26 @@ def _exit_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
 
 
+def _without_keys(experiment: Any, put: Any) -> Any:
+    """``put(experiment)`` with a secure run's agent keys taken out while it is serialised: the blueprint
+    every worker receives holds no key (each worker is given its own agents' keys, see ``_shard_rng``)."""
+    rng = experiment.oracle.rng
+    keys = getattr(rng, "keys", None)
+    if keys is None:
+        return put(experiment)
+    rng.keys = AgentKeys({})
+    try:
+        return put(experiment)
+    finally:
+        rng.keys = keys
+
 class ShardWorker:
     """One Ray actor: a shard of the run (its state rows, oracle, ledger, scheduler) and its transport."""
 
-    def __init__(self, blueprint: Any, bounds: list[int], index: int, threads: int) -> None:
+    def __init__(self, blueprint: Any, bounds: list[int], index: int, threads: int, rng: Any) -> None:
         torch.set_num_threads(threads)
         self.transport = GlooTransport(index)
-        self.shard = make_shard(blueprint, bounds, index, self.transport)
+        self.shard = make_shard(blueprint, bounds, index, self.transport, rng)
         self.state: State = {}
 
     def pid(self) -> int:
@@ -352,7 +366,7 @@ class RaySimulator:
         self.threads = max(1, torch.get_num_threads() // workers)
         cfg = experiment.config.experiment
         self.snapshot_every = cfg.checkpoint_every or cfg.eval_every
-        self.blueprint = ray.put(experiment)  # the whole run, built once, as every worker starts from it
+        self.blueprint = _without_keys(experiment, ray.put)  # the whole run, as every worker starts from it
         self.workers: list[Any] = []
         self.launched = False
         self.version = 0  # rounds (and setup) run so far by this engine: the ledger view's cache key
@@ -365,7 +379,7 @@ class RaySimulator:
     # -- workers -------------------------------------------------------------------------------------------
     def _start_workers(self) -> None:
         actor = self.ray.remote(num_cpus=1, max_restarts=0)(ShardWorker)
-        self.workers = [actor.remote(self.blueprint, self.bounds, index, self.threads)
+        self.workers = [actor.remote(self.blueprint, self.bounds, index, self.threads, self._shard_rng(index))
                         for index in range(len(self.bounds) - 1)]
         try:
             if self.local:  # a file store: no listening socket at all (a TCP store listens on every interface)
@@ -405,8 +419,12 @@ class RaySimulator:
         rng, passes = experiment.oracle.rng, experiment.oracle.agents_per_pass
         rows = [slice(lo, hi) for lo, hi in zip(self.bounds[:-1], self.bounds[1:], strict=True)]
         self._wait([worker.load.remote(shard_state(snapshot.state, self._per_agent, part), snapshot.ledger,
-                                       snapshot.scheduler, rng, passes)
+                                       snapshot.scheduler, rng.for_agents(range(part.start, part.stop)), passes)
                     for worker, part in zip(self.workers, rows, strict=True)])
+
+    def _shard_rng(self, index: int) -> Any:
+        """Worker ``index``'s random source: in a secure run, the keys of its own agents and no other's."""
+        return self.experiment.oracle.rng.for_agents(range(self.bounds[index], self.bounds[index + 1]))
 
     def _launch(self, state: State, round_index: int) -> None:
         """Give the workers the run as it stands (new, or resumed from a checkpoint) and take its ledger over."""

@@ -302,6 +302,8 @@ class ShardSampler(PoissonSampler):
         self.first_slot = sum(self.all_lengths[:lo])
 
     def draws(self, round_index: int, step: int = 0) -> torch.Tensor:
+        if self.rng.secure:  # each agent's slice comes from its own key, and the shard holds only its agents'
+            return self.rng.record_uniforms(round_index, step, self.lengths)
         everyone = self.rng.record_uniforms(round_index, step, self.all_lengths)
         return everyone[self.first_slot:self.first_slot + self.n_slots]
 
@@ -382,28 +384,32 @@ class Shard:
         random source (its keys, for a secure run) and pass size, as a checkpoint holds them."""
         self.oracle.ledger = split_ledger(type(self.oracle.ledger), ledger, self.rows.start, self.rows.stop)
         self.simulator.scheduler.load_state_dict(scheduler)
+        rng = rng.for_agents(range(self.rows.start, self.rows.stop))  # a secure run: this shard's keys only
         for part in (self.oracle, self.oracle.sampler, self.simulator, self.simulator.scheduler):
             part.rng = rng
         self.oracle.agents_per_pass = agents_per_pass
 
 
-def make_shard(experiment: Any, bounds: list[int], index: int, transport: Transport) -> Shard:
+def make_shard(experiment: Any, bounds: list[int], index: int, transport: Transport,
+               rng: AgentRandom | None = None) -> Shard:
     """Shard ``index`` of a run from its fully built :class:`~decentdp.run.build.Experiment`: the same data,
     model, calibration, algorithm and schedules, restricted to the agents ``bounds[index] ..
-    bounds[index+1]-1`` (keyed draws make their batches and noise the simulator's)."""
+    bounds[index+1]-1`` (keyed draws make their batches and noise the simulator's).  ``rng`` is the
+    shard's random source (a secure run's: its agents' keys only); by default the run's, restricted."""
     lo, hi = bounds[index], bounds[index + 1]
     full = experiment.oracle
     device = full.device
-    sampler = ShardSampler(experiment.data, experiment.sample_rates, full.rng, lo, hi)
+    rng = rng if rng is not None else full.rng.for_agents(range(lo, hi))
+    sampler = ShardSampler(experiment.data, experiment.sample_rates, rng, lo, hi)
     ledger = split_ledger(type(experiment.ledger), experiment.ledger.state_dict(), lo, hi)
     mechanism = None if full.mechanism is None else ShardMechanism(full.mechanism, lo)
-    oracle = DataOracle(full.model, sampler, ledger, full.rng, mechanism, full.clip_norm,
+    oracle = DataOracle(full.model, sampler, ledger, rng, mechanism, full.clip_norm,
                         agents_per_pass=full.agents_per_pass, agent_ids=torch.arange(lo, hi, device=device))
     whole = experiment.simulator
-    scheduler = ShardScheduler(whole.scheduler.kind, full.rng, whole.scheduler.n_total,
+    scheduler = ShardScheduler(whole.scheduler.kind, rng, whole.scheduler.n_total,
                                whole.scheduler.offline_probability, whole.scheduler.participation, device=device)
     graphs = ShardGraphs(whole.graphs, bounds, index, transport, device)
-    simulator = Simulator(experiment.algorithm, graphs, oracle, scheduler, whole.schedule, full.rng)
+    simulator = Simulator(experiment.algorithm, graphs, oracle, scheduler, whole.schedule, rng)
     return Shard(bounds, index, oracle, simulator)
 
 
