@@ -17,6 +17,7 @@ from decentdp.algorithms.dp_dsgd import DPDSGD
 from decentdp.algorithms.dp_dsgt import DPDSGT
 from decentdp.algorithms.optim import SGD, Adam, OptimizerAlgorithm
 from decentdp.config import validate_config
+from decentdp.errors import ConfigError
 from decentdp.rng import AgentRandom, Stream
 from decentdp.run.build import build_experiment
 from decentdp.run.loop import run_experiment
@@ -221,15 +222,27 @@ def test_central_training_pools_all_data_into_one_agent() -> None:
     np.testing.assert_array_equal(experiment.histograms.sum(0), np.bincount(experiment.dataset.y_train.numpy()))
 
 
+def _tiny_experiment(name: str, device: torch.device):
+    """The tiny config run by ``name``; non-private (epsilon = inf) where the algorithm adds no noise and says so."""
+    try:
+        return build_experiment(validate_config(tiny_config(algorithm={"name": name})), device=device)
+    except ConfigError as error:
+        if error.field != "privacy.epsilon":
+            raise
+    return build_experiment(validate_config(tiny_config(algorithm={"name": name}, privacy={"epsilon": "inf"})),
+                            device=device)
+
+
 @pytest.mark.parametrize("name", algorithm_names())
 def test_rounds_create_every_tensor_on_an_explicit_device(name: str, device: torch.device) -> None:
     """With torch's default device set to 'meta', any tensor a round creates without naming a device is
     a meta tensor and fails as soon as it meets real data: so every creation takes its device from the
     data, the parameters or the engine, as a GPU run needs."""
-    experiment = build_experiment(validate_config(tiny_config(algorithm={"name": name})), device=device)
+    experiment = _tiny_experiment(name, device)
     state = experiment.initial_state()
     torch.set_default_device("meta")
     try:
+        state = experiment.simulator.setup(state)  # the setup phase before round 0 (as a run has), then rounds
         for k in range(2):
             state = experiment.algorithm.round(state, experiment.simulator.context(k))
     finally:

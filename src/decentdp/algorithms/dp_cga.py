@@ -109,7 +109,7 @@ class DPCGA(SettingsAlgorithm):
         tensor's coordinates, ``(N, K, d)``; ``previous`` holds the last round's solutions."""
         n, width, _ = stacked.shape
         if previous.shape != (n, len(numels), width):  # the first round, or the graph was redrawn
-            previous = torch.zeros(n, len(numels), width, dtype=torch.float64)
+            previous = torch.zeros(n, len(numels), width, dtype=torch.float64, device="cpu")  # QPs run on the CPU
         solutions = previous.double().cpu().clone()
         blocks_g = stacked.split(numels, dim=2)
         blocks_own = own.split(numels, dim=1)

@@ -108,7 +108,7 @@ class DPDL(SettingsAlgorithm):
             w_self = self_weights(net).clamp(min=0.0)
             coef = cross_coefficients(s.cross_coef, w_self, net.n_total)
             own_coef += torch.where(w_self > 0, coef, torch.zeros_like(coef))
-            own_coef += s.calibration_scale * w_self * torch.sigmoid(torch.tensor(-1.0, dtype=params.dtype))
+            own_coef += s.calibration_scale * w_self * torch.sigmoid(params.new_tensor(-1.0))
         aggregate.add_(grads.own * own_coef[:, None])                            # g~^i, eq. (18)
         velocity = aggregate.add_(state["momentum"], alpha=s.momentum)           # (19)
         moved = torch.add(params, velocity, alpha=-ctx.lr)                        # (20)

@@ -152,7 +152,8 @@ class CoverPlanner:
         multiplier = sigma[self.edges[:, 0]].astype(np.float64).copy()
         for i in senders:
             uncovered = set(self.neighbours[i])
-            order = torch.randperm(len(self.neighbours[i]), generator=generator).tolist()  # line 12
+            order = torch.randperm(len(self.neighbours[i]), generator=generator,                  # line 12
+                                   device=generator.device).tolist()
             for position in order:
                 if not uncovered:
                     break
