@@ -342,18 +342,18 @@ def calibrate_scale(event_of: Callable[[float], dp_accounting.DpEvent], count: i
     """Smallest noise multiplier ``s`` such that ``count`` releases of ``event_of(s)`` stay within
     (target_epsilon, delta): the calibration of any mechanism whose event grows more private with ``s``.
 
-    A bisection that always returns the *safe* end of its bracket, so the result never overshoots
-    the target under the same accountant (budget enforcement and reporting rely on this); within
-    ``tolerance`` (relative) of the exact root.  PLD compositions cost milliseconds to tenths of a
-    second each, RDP's microseconds, so for ``tight`` and ``pld`` the bracket comes from RDP where
-    RDP can price the event (its sigma is safe for ``tight``, and within a few percent of PLD's),
-    leaving about ten PLD evaluations instead of thirty.
+    A bracketing search (:func:`_narrow`) that always returns the *safe* end of its bracket, so the
+    result never overshoots the target under the same accountant (budget enforcement and reporting
+    rely on this); within ``tolerance`` (relative) of the exact root.  PLD compositions cost
+    milliseconds to tenths of a second each, RDP's microseconds, so for ``tight`` and ``pld`` the
+    bracket comes from RDP where RDP can price the event (its sigma is safe for ``tight``, and within
+    a few percent of PLD's), leaving a handful of PLD evaluations.
     """
     if math.isinf(target_epsilon):
         return 0.0
 
-    def eps(scale: float, name: str = accountant) -> float:
-        return epsilon_of_history(((event_of(scale), count),), float(delta), name, relation)
+    def eps(scale: float) -> float:
+        return epsilon_of_history(((event_of(scale), count),), float(delta), accountant, relation)
 
     def grow(fits: Callable[[float], bool]) -> tuple[float, float]:
         low, high = 0.0, 1.0
@@ -379,7 +379,8 @@ def calibrate_scale(event_of: Callable[[float], dp_accounting.DpEvent], count: i
                     high, low = low, low * 0.95
     if high is None:
         low, high = grow(fits)
-    return _narrow(lambda scale: math.log(eps(scale) / target_epsilon), low, high, tolerance)
+    # (an epsilon of exactly 0, a noise far beyond the target's, counts as the smallest positive float)
+    return _narrow(lambda scale: math.log(max(eps(scale), 5e-324) / target_epsilon), low, high, tolerance)
 
 
 def _narrow(excess: Callable[[float], float], low: float, high: float, tolerance: float) -> float:
