@@ -3,6 +3,7 @@ reference implementation they are compared with (a per-agent loop of Opacus ``Gr
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 import platform
@@ -180,6 +181,22 @@ def time_interleaved(runners: dict[str, Callable[[], None]], warmup: int, rounds
     return times
 
 
+def interleaved_arguments(description: str, argv: list[str] | None, rounds: int, warmup: int,
+                          quick: tuple[int, int]) -> argparse.Namespace:
+    """The options of a benchmark that times methods round by round (:func:`time_interleaved`) on MNIST:
+    ``--data-dir``, ``--rounds``, ``--warmup``, ``--quick`` (``quick`` = its rounds and warm-up) and ``--json``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="folder holding mnist.npz")
+    parser.add_argument("--rounds", type=int, default=rounds, help=f"timed rounds per method (default {rounds})")
+    parser.add_argument("--warmup", type=int, default=warmup,
+                        help=f"untimed rounds per method first (default {warmup})")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{quick[1]} warm-up and {quick[0]} timed rounds per method")
+    parser.add_argument("--json", action="store_true", help="end with one line of JSON holding every figure")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.warmup = quick
+    return args
 
 
 def machine_info() -> dict[str, Any]:

@@ -18,18 +18,16 @@ Run from the repository root::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 from _common import (
-    DEFAULT_DATA_DIR,
     EPSILON,
     EngineRunner,
     ExperimentFactory,
     experiment_config,
+    interleaved_arguments,
     machine_info,
     print_machine,
     print_table,
@@ -61,15 +59,7 @@ def measure(model: str, factory: ExperimentFactory, warmup: int, rounds: int) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="folder holding mnist.npz")
-    parser.add_argument("--rounds", type=int, default=10, help="timed rounds per method (default 10)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds per method first (default 2)")
-    parser.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed rounds per method")
-    parser.add_argument("--json", action="store_true", help="end with one line of JSON holding every figure")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.rounds, args.warmup = 3, 1
+    args = interleaved_arguments(__doc__.split("\n", 1)[0], argv, rounds=10, warmup=2, quick=(3, 1))
     retain_freed_memory()
     machine = machine_info()
     print_machine(machine)

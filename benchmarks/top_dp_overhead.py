@@ -21,19 +21,17 @@ Run from the repository root::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from _common import (
-    DEFAULT_DATA_DIR,
     EngineRunner,
     ExperimentFactory,
+    interleaved_arguments,
     machine_info,
     print_machine,
     print_table,
@@ -97,15 +95,7 @@ class SetupRunner(EngineRunner):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="folder holding mnist.npz")
-    parser.add_argument("--rounds", type=int, default=20, help="timed rounds per method (default 20)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds per method first (default 3)")
-    parser.add_argument("--quick", action="store_true", help="1 warm-up and 5 timed rounds per method")
-    parser.add_argument("--json", action="store_true", help="end with one line of JSON holding every figure")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.rounds, args.warmup = 5, 1
+    args = interleaved_arguments(__doc__.split("\n", 1)[0], argv, rounds=20, warmup=3, quick=(5, 1))
     retain_freed_memory()
     machine = machine_info()
     print_machine(machine)

@@ -177,6 +177,14 @@ def _toml_value(value: Any) -> str:
     return repr(value)
 
 
+def _read_toml(file: Path, field: str) -> dict[str, Any]:
+    """``file`` parsed as TOML, or one error naming ``field`` and the file."""
+    try:
+        return tomllib.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(field, f"cannot read {file} as TOML: {exc}") from None
+
+
 def load_sweep(path: str | Path) -> Sweep:
     """Read and check a sweep file: its own keys, the base config, and every field and range it searches
     (each value at the ends of each range must make a valid config, checked by the config schema)."""
@@ -185,10 +193,7 @@ def load_sweep(path: str | Path) -> Sweep:
     file = Path(path)
     if not file.is_file():
         raise ConfigError("SWEEP", f"no such sweep file: {file}")
-    try:
-        raw = tomllib.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError("SWEEP", f"cannot read {file} as TOML: {exc}") from None
+    raw = _read_toml(file, "SWEEP")
     unknown = sorted(set(raw) - {"sweep", "space"})
     if unknown:
         raise ConfigError(unknown[0], "unknown section of a sweep file; allowed: [sweep], [space]")
@@ -216,10 +221,7 @@ def load_sweep(path: str | Path) -> Sweep:
     base_file = (file.parent / section.config).resolve()
     if not base_file.is_file():
         raise ConfigError("sweep.config", f"no such config file: {base_file}")
-    try:
-        base_raw = tomllib.loads(base_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError("sweep.config", f"cannot read {base_file} as TOML: {exc}") from None
+    base_raw = _read_toml(base_file, "sweep.config")
     base = apply_overrides(base_raw, [f"{name}={_toml_value(value)}" for name, value in section.set.items()])
     sweep = Sweep(file, section, space, base)
     base_config = validate_config(sweep.trial_config({}, section.seeds[0]))
