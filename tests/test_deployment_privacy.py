@@ -16,7 +16,7 @@ import torch
 from dp_accounting.pld import pld_privacy_accountant
 
 from decentdp.config import validate_config
-from decentdp.errors import ConfigError
+from decentdp.errors import ConfigError, PrivacyError
 from decentdp.privacy.accounting import calibrate_noise_multiplier, epsilon_of_history, epsilon_spent
 from decentdp.privacy.events import gaussian_event, laplace_event
 from decentdp.privacy.ledger import PrivacyLedger
@@ -92,7 +92,7 @@ def test_replace_one_laplace_doubles_the_sensitivity() -> None:
     history = ((laplace_event(2.0), 3),)
     assert epsilon_of_history(history, 1e-5, "pld", "replace-one") == pytest.approx(
         epsilon_of_history(((laplace_event(1.0), 3),), 1e-5, "pld"), rel=1e-6)
-    with pytest.raises(Exception, match="no replace-one bound"):
+    with pytest.raises(PrivacyError, match="no replace-one bound"):
         epsilon_of_history(((gaussian_event(2.0, 0.1), 3),), 1e-5, "rdp", "replace-one")
 
 

@@ -248,15 +248,16 @@ def _gaussian_epsilon(priced: History, delta: float, relation: str) -> float:
     closed form; no discretisation, so a large budget at sample rate 1 calibrates in milliseconds."""
     sigma = sum(count / event.noise_multiplier**2 for event, count in priced) ** -0.5
     loss = privacy_loss_mechanism.GaussianPrivacyLoss(sigma / 2 if relation == "replace-one" else sigma)
-    if loss.get_delta_for_epsilon(0.0) <= delta:
+
+    def excess(epsilon: float) -> float:  # delta decreases in epsilon; 0 counts as the smallest positive float
+        return math.log(max(loss.get_delta_for_epsilon(epsilon), 5e-324) / delta)
+
+    if excess(0.0) <= 0:
         return 0.0
-    low, high = 0.0, 1.0
-    while loss.get_delta_for_epsilon(high) > delta:
-        low, high = high, high * 2
-    while high - low > 1e-12 * high:  # delta decreases in epsilon: return the safe (upper) end
-        middle = (low + high) / 2
-        low, high = (middle, high) if loss.get_delta_for_epsilon(middle) > delta else (low, middle)
-    return high
+    high = 1.0
+    while excess(high) > 0:
+        high *= 2
+    return _narrow(excess, high / 2 if high > 1 else 0.0, high, 1e-9)
 
 
 def _pld_interval(history: History, delta: float, relation: str) -> float:
