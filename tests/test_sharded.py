@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from decentdp.algorithms import algorithm_class, algorithm_names
-from decentdp.algorithms.select_mix import SelectMix
+from decentdp.algorithms import algorithm_names
+from decentdp.algorithms.dp_cga import graph_max_in_degree
 from decentdp.config import load_config
 from decentdp.errors import ConfigError, DecentDPError
 from decentdp.rng import AgentRandom
@@ -39,17 +39,13 @@ from decentdp.topology import build_topology
 
 DEMO = Path(__file__).resolve().parents[1] / "experiments" / "demo.toml"
 
-_SELECT_MIX = ("draws one public uniform per agent it holds (select_mix.InEdges.choose: torch.rand(n_agents)); "
-               "shard-independent would be torch.rand(n_total)[agent_ids], the same draws in the simulator")
 #: Algorithms whose rounds depend on how agents are split over processes, each with the reason found by this
 #: test (strict: an entry must go once its algorithm is fixed).
-NOT_SHARD_INDEPENDENT = {
-    name: _SELECT_MIX for name in algorithm_names() if issubclass(algorithm_class(name), SelectMix)} | {
+NOT_SHARD_INDEPENDENT: dict[str, str] = {
     "muffliato": "reads the whole mixing matrix as network.mix(eye(n_agents)) and every agent's sigma; a "
                  "shard sees its own rows only",
-    "dp-cga": "pads its dual variables to the largest in-degree among the agents it holds, not in the graph",
-    "top-dp": _SELECT_MIX + "; and its cover planner indexes global ids as rows (IndexError on a shard)",
-    "top-dp-async": _SELECT_MIX + "; and its cover planner indexes global ids as rows (IndexError on a shard)",
+    "top-dp": "its cover planner indexes global ids as rows (IndexError on a shard)",
+    "top-dp-async": "its cover planner indexes global ids as rows (IndexError on a shard)",
 }
 
 
@@ -193,6 +189,16 @@ def test_every_network_method_matches_the_simulated_network(graph: str, params: 
     for s, received in zip(shards, _collective(shards, lambda s: s.exchange(code(s.out_edges))), strict=True):
         assert torch.equal(received, code(s.in_edges))
     assert torch.equal(torch.cat([s.degrees for s in shards]), whole.degrees)
+
+
+def test_every_shard_learns_the_graphs_largest_in_degree() -> None:
+    """dp-cga pads its dual variables to the graph's largest in-degree, flooded over the shards' network."""
+    whole, shards = _networks("erdos-renyi", 13, 3, p=0.3)
+    expected = int(whole.degrees.max())
+    counts = [torch.bincount(s.rows(s.in_edges[:, 1]), minlength=s.n_agents) for s in shards]
+    assert min(int(c.max()) for c in counts) < expected  # some shard does not hold the largest degree
+    got = _collective(shards, lambda s: graph_max_in_degree(s, counts[s.shard]))
+    assert got == [expected] * len(shards)
 
 
 def test_swap_pairs_agents_across_shards_and_checks_pairs() -> None:

@@ -55,15 +55,29 @@ def solve_projection(gram: np.ndarray, linear: np.ndarray, margin: float) -> np.
     return quadprog.solve_qp(p, -linear, np.eye(size), np.full(size, margin))[0]
 
 
-def edge_slots(network: Network) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Receiver row and position of each in-edge among its receiver's in-edges, and the largest in-degree."""
+def graph_max_in_degree(network: Network, counts: torch.Tensor) -> int:
+    """The largest in-degree in the whole graph, from each local agent's ``counts``: the maximum flooded
+    over ``n_total - 1`` neighbour exchanges (at least the diameter of the connected graph; the count
+    depends on public values only, so every process of a sharded run makes the same calls).  The
+    padding of the dual variables is then the same whichever agents a process holds."""
+    if network.n_total == network.n_agents:  # every agent is here: nothing to learn from neighbours
+        return int(counts.max()) if len(counts) else 0
+    best = counts.to(torch.float64)
+    receiver = network.rows(network.in_edges[:, 1])
+    for _ in range(network.n_total - 1):
+        best = best.scatter_reduce(0, receiver, network.broadcast(best), reduce="amax")
+    return int(best.max()) if len(best) else 0
+
+
+def edge_slots(network: Network) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Receiver row and position of each in-edge among its receiver's in-edges, and each agent's in-degree."""
     receiver = network.rows(network.in_edges[:, 1])
     order = torch.argsort(receiver, stable=True)
     counts = torch.bincount(receiver, minlength=network.n_agents)
     starts = torch.cumsum(counts, 0) - counts
     slot = torch.empty_like(receiver)
     slot[order] = torch.arange(len(receiver), device=receiver.device) - starts[receiver[order]]
-    return receiver, slot, int(counts.max()) if len(counts) else 0
+    return receiver, slot, counts
 
 
 @register
@@ -76,6 +90,7 @@ class DPCGA(SettingsAlgorithm):
     def __init__(self, settings: CGASettings) -> None:
         super().__init__(settings)
         self.failures = 0  # QPs that failed and reused the previous solution (over the run)
+        self._width: tuple[Network, int] | None = None  # the round network and its graph's largest in-degree
 
     def sums_per_batch(self, degrees: np.ndarray) -> np.ndarray:
         return np.asarray(degrees, dtype=np.int64) + 1
@@ -92,7 +107,10 @@ class DPCGA(SettingsAlgorithm):
         net = ctx.network
         params = state["params"]
         grads = cross_gradients(params, ctx)
-        receiver, slot, width = edge_slots(net)
+        receiver, slot, counts = edge_slots(net)
+        if self._width is None or self._width[0] is not net:  # once per graph (a collective when sharded)
+            self._width = (net, graph_max_in_degree(net, counts))
+        width = self._width[1]
         stacked = params.new_zeros(net.n_agents, max(width, 1), params.shape[1])   # G of every agent, padded
         stacked[receiver, slot] = grads.received * net.in_weights.to(params.dtype)[:, None]
         own = grads.own * self_weights(net).to(params.dtype)[:, None]              # g = pi_ii g^{i<-i}

@@ -38,9 +38,14 @@ def mix_step(own: torch.Tensor, other: torch.Tensor, alpha: float, step: torch.T
 
 
 class InEdges:
-    """Each agent's in-edges grouped by receiver, to draw one neighbour per agent in one vector operation."""
+    """Each agent's in-edges grouped by receiver, to draw one neighbour per agent in one vector operation.
+
+    The public draw is one uniform per agent *of the run* (``n_total``), of which the agents held here
+    take theirs by global id: a shard of a sharded run selects the simulator's neighbours."""
 
     def __init__(self, network: Network) -> None:
+        self.n_total = int(network.n_total)
+        self.agent_ids = network.agent_ids
         dst = network.in_edges[:, 1]
         rows = network.rows(dst)
         self.order = torch.argsort(rows, stable=True)               # in-edge indices grouped by receiver row
@@ -52,7 +57,8 @@ class InEdges:
         """For each agent, the index (into ``in_edges``) of one incoming edge, uniformly at random (public)."""
         if bool((self.count == 0).any()):
             raise ValueError("an agent has no neighbour to select")
-        draws = torch.rand(len(self.count), generator=generator, device=generator.device)
+        draws = torch.rand(self.n_total, generator=generator, device=generator.device)[
+            self.agent_ids.to(generator.device)].to(self.count.device)
         pick = torch.minimum((draws * self.count).long(), self.count - 1)
         return self.order[self.start + pick]
 
