@@ -31,9 +31,11 @@ from decentdp.runtime.sharded import (
     make_shard,
     merge_ledgers,
     per_agent_keys,
+    read_shard_checkpoints,
     shard_bounds,
     shard_state,
     split_ledger,
+    write_shard_checkpoint,
 )
 from decentdp.topology import build_topology
 
@@ -237,6 +239,47 @@ def test_ledgers_split_and_merge_back() -> None:
     merged = merge_ledgers(type(reference.ledger), parts)
     assert _histories(merged) == _histories(reference.ledger)
     np.testing.assert_array_equal(merged.epsilon("rdp"), reference.ledger.epsilon("rdp"))
+
+
+@pytest.mark.parametrize(("written", "read"), [(3, 1), (3, 2), (2, 4), (1, 3)])
+def test_shards_write_checkpoints_that_any_split_reads(tmp_path: Path, written: int, read: int) -> None:
+    """Each shard writes its own rows; read back whole they are the simulator's state and ledger, and a
+    shard of another split reads exactly its rows (a resume on another number of workers)."""
+    _, experiment = _config("dp-dsgt", 4)
+    reference = _copy(experiment)
+    expected = reference.simulator.run(reference.simulator.setup(reference.initial_state()), 0, 4,
+                                       lambda done, current: True)
+    state, shards = _run_shards(experiment, written, 4)
+    per_agent = per_agent_keys(state, experiment.data.n_agents)
+    files = [write_shard_checkpoint(tmp_path, shard, shard_state(state, per_agent, shard.rows), per_agent)
+             for shard in shards]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [entry["file"] for entry in files]  # no temporaries
+    whole = read_shard_checkpoints(tmp_path, files, 0, experiment.data.n_agents)
+    assert set(whole["state"]) == set(expected) and set(whole["per_agent"]) == per_agent
+    for key, value in expected.items():
+        assert float((whole["state"][key].double() - value.double()).abs().max()) <= 1e-5, key
+    assert _histories(type(reference.ledger).from_state_dict(whole["ledger"])) == _histories(reference.ledger)
+    assert whole["scheduler"] == reference.simulator.scheduler.state_dict()
+    bounds = shard_bounds(experiment.data.n_agents, read)
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        part = read_shard_checkpoints(tmp_path, files, lo, hi)
+        for key in per_agent:
+            assert torch.equal(part["state"][key], whole["state"][key][lo:hi]), key
+        own = split_ledger(type(reference.ledger), part["ledger"], lo, hi)
+        assert _histories(own) == _histories(reference.ledger)[lo:hi]
+
+
+def test_a_torn_shard_checkpoint_is_refused(tmp_path: Path) -> None:
+    _, experiment = _config("dp-dsgd", 2)
+    state, shards = _run_shards(experiment, 2, 2)
+    per_agent = per_agent_keys(state, experiment.data.n_agents)
+    files = [write_shard_checkpoint(tmp_path, shard, shard_state(state, per_agent, shard.rows), per_agent)
+             for shard in shards]
+    with pytest.raises(ValueError, match="do not cover agents 0..9"):
+        read_shard_checkpoints(tmp_path, files[1:], 0, 10)
+    (tmp_path / files[0]["file"]).write_bytes(b"partial")
+    with pytest.raises(ValueError, match="missing or differs"):
+        read_shard_checkpoints(tmp_path, files, 0, 10)
 
 
 @pytest.mark.parametrize("workers", [0, -1])

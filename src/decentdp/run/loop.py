@@ -125,8 +125,8 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
     def save(round_done: int, current: State) -> None:
         if folder is not None:
             with timer.phase("checkpoint"):
-                folder.checkpoint(experiment, round_done, dict(current), metrics,  # dict: a sharded state's rows
-                                  elapsed + time.perf_counter() - clock)
+                folder.checkpoint(experiment, round_done, current, metrics,  # a sharded engine's workers
+                                  elapsed + time.perf_counter() - clock)                # write their own rows
 
     def evaluate(done: int, current: State) -> None:
         with timer.phase("evaluation"):

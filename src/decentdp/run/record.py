@@ -42,6 +42,7 @@ from decentdp.results import (
 )
 from decentdp.rng import SIMULATION_NOTICE, AgentKeys, SecureRandom
 from decentdp.run.build import Experiment
+from decentdp.runtime.sharded import SHARD_CHECKPOINT_FORMAT, ShardCheckpointWriter, read_shard_checkpoints
 
 #: What each epsilon of a run whose budgets hold per receiver assumes (privacy.json).
 RECEIVER_VIEWS = {
@@ -109,6 +110,17 @@ def privacy_statement(config: ExperimentConfig) -> dict[str, Any]:
     return statement
 
 
+def _merged_shards(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The whole run's state, ledger and scheduler from the shard files a checkpoint's manifest names."""
+    if manifest.get("format") != SHARD_CHECKPOINT_FORMAT:
+        raise ConfigError("--resume", f"the checkpoint in {path} names shard files of an unknown format "
+                                      f"{manifest.get('format')!r}")
+    try:
+        return read_shard_checkpoints(path / manifest["directory"], manifest["files"], 0, manifest["n_agents"])
+    except ValueError as exc:
+        raise ConfigError("--resume", f"cannot read the checkpoint's shard files: {exc}") from None
+
+
 class ResultsFolder:
     """Writes one run's results folder ``path`` (and, for a secure run, its key file elsewhere)."""
 
@@ -123,6 +135,8 @@ class ResultsFolder:
             if not checkpoint.is_file():
                 raise ConfigError("--resume", f"no checkpoint to resume in {self.path}")
             saved = torch.load(checkpoint, weights_only=True, map_location="cpu")  # moved to the run's device later
+            if "shards" in saved:  # written by the workers of a sharded run: their rows merged (for any split)
+                saved |= _merged_shards(self.path, saved["shards"])
             changed = [key for key in config_differences(validate_config(saved["config"]), config)
                        if key not in PLACEMENT_FIELDS]  # e.g. a ray run resumed on other workers
             if changed == ["experiment.rounds"] and saved["round"] == saved["config"]["experiment"]["rounds"]:
@@ -182,15 +196,20 @@ class ResultsFolder:
 
     def checkpoint(self, experiment: Experiment, round_done: int, state: State, metrics: list[dict[str, Any]],
                    wall_seconds: float) -> None:
-        """Everything a resume needs, written atomically, and the metrics so far."""
-        payload = {"round": round_done, "state": state, "metrics": metrics,
+        """Everything a resume needs, written atomically, and the metrics so far.  An engine whose
+        processes write their own shards (``engine.backend = "ray"``) has them write the state, ledger and
+        scheduler rows first; ``checkpoint.pt`` then names their files (``shards``) instead of holding them."""
+        payload = {"round": round_done, "metrics": metrics,
                    "config": experiment.config.to_toml_dict(),
                    "key_file": None if self.key_file is None else str(self.key_file),
                    "passes": {"agents_per_pass": experiment.oracle.agents_per_pass,
                               "evaluation_chunk": experiment.evaluator.chunk},
-                   "scheduler": experiment.simulator.scheduler.state_dict(),
-                   "ledger": experiment.ledger.state_dict(), "wall_seconds": wall_seconds,
-                   "device": str(experiment.device)}
+                   "wall_seconds": wall_seconds, "device": str(experiment.device)}
+        if isinstance(experiment.simulator, ShardCheckpointWriter):
+            payload["shards"] = experiment.simulator.write_shards(self.path, round_done)
+        else:
+            payload |= {"state": dict(state), "scheduler": experiment.simulator.scheduler.state_dict(),
+                        "ledger": experiment.ledger.state_dict()}
         tmp = self.path / f".{CHECKPOINT_FILE}.tmp"
         torch.save(payload, tmp)
         tmp.replace(self.path / CHECKPOINT_FILE)

@@ -7,13 +7,18 @@ and starts ``engine.workers`` actors, each holding one contiguous shard of agent
 :class:`RaySimulator` with the simulator's interface, so the runner (``run/loop.py``) drives the run
 unchanged: the driver starts each round on every worker, the workers exchange halo rows with their
 peers directly (gloo point-to-point messages in a torch.distributed process group formed by the
-workers: :class:`GlooTransport`), and the driver fetches rows only when the runner evaluates or
-checkpoints.
+workers: :class:`GlooTransport`), and the driver fetches rows only when the runner evaluates.
 
-Faults: the driver keeps the state, ledger and scheduler of the last checkpoint round (the rounds
-the runner checkpoints), fetched from the workers.  When a worker process dies, every worker is
-replaced, the snapshot is loaded, and the rounds since it are replayed; keyed draws make the replay
-identical, and the ledgers restart from the snapshot's, so no release is counted twice or lost.
+Checkpoints are written by the workers: at each checkpoint round every worker writes its shard (state
+rows, ledger rows, scheduler) to ``shards/round-K/`` of the results folder (a temporary folder when
+the run has none), each file renamed into place once complete; the runner's ``checkpoint.pt`` is then
+only a manifest naming those files, written atomically by the driver after every worker has finished
+(:meth:`RaySimulator.write_shards`).  A resume reads the files of any split, on any number of workers
+or in the simulator (:func:`~decentdp.runtime.sharded.read_shard_checkpoints`).
+
+Faults: when a worker process dies, every worker is replaced, each new worker reads its rows of the
+last checkpoint's shard files, and the rounds since it are replayed; keyed draws make the replay
+identical, and the ledgers restart from the checkpoint's, so no release is counted twice or lost.
 
 Safety of a local instance: :data:`LOCAL_RAY_ENVIRONMENT` binds every Ray process to 127.0.0.1 and
 keeps Ray from contacting anything else (see ``docs/distributed.md``).
@@ -24,6 +29,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -32,6 +39,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,8 +53,11 @@ from decentdp.runtime.sharded import (
     merge_ledgers,
     payload_bytes,
     per_agent_keys,
+    read_shard_checkpoints,
     shard_bounds,
+    shard_manifest,
     shard_state,
+    write_shard_checkpoint,
 )
 from decentdp.runtime.simulator import unwrapped
 from decentdp.util.profiling import NO_TIMER, PhaseTimer
@@ -161,6 +172,7 @@ class ShardWorker:
         self.transport = GlooTransport(index)
         self.shard = make_shard(blueprint, bounds, index, self.transport, rng)
         self.state: State = {}
+        self.per_agent: set[str] = set()  # the state entries with one row per agent (the others replicated)
 
     def pid(self) -> int:
         return os.getpid()
@@ -184,10 +196,21 @@ class ShardWorker:
         dist.init_process_group("gloo", init_method=rendezvous, rank=self.transport.shard,
                                 world_size=len(self.shard.bounds) - 1, timeout=timedelta(seconds=PEER_TIMEOUT))
 
-    def load(self, state: State, ledger: dict[str, Any], scheduler: dict[str, Any], rng: Any,
+    def load(self, state: State, per_agent: set[str], ledger: dict[str, Any], scheduler: dict[str, Any], rng: Any,
              agents_per_pass: int | None) -> None:
-        self.state = state
+        self.state, self.per_agent = state, per_agent
         self.shard.load(ledger, scheduler, rng, agents_per_pass)
+
+    def write_checkpoint(self, directory: str) -> dict[str, Any]:
+        """Write this shard's part of a checkpoint into ``directory``; its manifest entry."""
+        return write_shard_checkpoint(Path(directory), self.shard, self.state, self.per_agent)
+
+    def read_checkpoint(self, directory: str, files: list[dict[str, Any]], rng: Any,
+                        agents_per_pass: int | None) -> None:
+        """Continue from this shard's rows of a checkpoint written in shards (of this split or another)."""
+        rows = self.shard.rows
+        saved = read_shard_checkpoints(Path(directory), files, rows.start, rows.stop)
+        self.load(saved["state"], set(saved["per_agent"]), saved["ledger"], saved["scheduler"], rng, agents_per_pass)
 
     def setup(self) -> tuple[float, float]:
         self.state = self.shard.simulator.setup(self.state)
@@ -280,12 +303,16 @@ def _wait(requests: list[Any]) -> None:
 
 @dataclasses.dataclass
 class _Snapshot:
-    """What a restart continues from: a round, and the state, ledger and scheduler after it."""
+    """What a restart continues from: a round, and the shard files the workers wrote after it."""
 
     round_index: int
-    state: State
-    ledger: dict[str, Any]
-    scheduler: dict[str, Any]
+    directory: Path
+    files: list[dict[str, Any]]
+
+
+#: A checkpoint's folder of shard files under ``shards/``: its round, and a token, so that no write ever
+#: replaces a file that a manifest (of this run, or of the run it resumed) names.
+_ROUND_FOLDER = re.compile(r"round-\d+-[0-9a-f]+")
 
 
 class ShardedState(Mapping[str, torch.Tensor]):
@@ -356,6 +383,10 @@ class RaySimulator:
         self.owns_ray = owns_ray
         self.local = local  # every worker on this machine
         self._directory = tempfile.mkdtemp(prefix="decentdp-ray-")
+        # where the workers write their checkpoints: the results folder's shards/ once the runner names it
+        self._store = Path(self._directory) / "shards"
+        self._attached = False  # whether the store is the results folder's (else a temporary one)
+        self._committed: Path | None = None  # the shard files the results folder's manifest names
         self._starts = 0
         whole = experiment.simulator
         self.schedule = whole.schedule
@@ -414,26 +445,31 @@ class RaySimulator:
             self.ray.get(ready[0])
         return self.ray.get(futures)
 
+    def _rows(self) -> list[slice]:
+        return [slice(lo, hi) for lo, hi in zip(self.bounds[:-1], self.bounds[1:], strict=True)]
+
     def _load(self, snapshot: _Snapshot) -> None:
-        experiment = self.experiment
-        rng, passes = experiment.oracle.rng, experiment.oracle.agents_per_pass
-        rows = [slice(lo, hi) for lo, hi in zip(self.bounds[:-1], self.bounds[1:], strict=True)]
-        self._wait([worker.load.remote(shard_state(snapshot.state, self._per_agent, part), snapshot.ledger,
-                                       snapshot.scheduler, rng.for_agents(range(part.start, part.stop)), passes)
-                    for worker, part in zip(self.workers, rows, strict=True)])
+        """Every worker reads its rows of the snapshot's shard files (fresh workers, after a loss)."""
+        rng, passes = self.experiment.oracle.rng, self.experiment.oracle.agents_per_pass
+        self._wait([worker.read_checkpoint.remote(str(snapshot.directory), snapshot.files,
+                                                  rng.for_agents(range(part.start, part.stop)), passes)
+                    for worker, part in zip(self.workers, self._rows(), strict=True)])
 
     def _shard_rng(self, index: int) -> Any:
         """Worker ``index``'s random source: in a secure run, the keys of its own agents and no other's."""
         return self.experiment.oracle.rng.for_agents(range(self.bounds[index], self.bounds[index + 1]))
 
-    def _launch(self, state: State, round_index: int) -> None:
-        """Give the workers the run as it stands (new, or resumed from a checkpoint) and take its ledger over."""
+    def _launch(self, state: State) -> None:
+        """Give the workers the run as it stands (new, or resumed from a checkpoint: split here for this
+        number of workers) and take its ledger over."""
         experiment = self.experiment
         self._keys = list(state)
         self._per_agent = per_agent_keys(state, experiment.data.n_agents)
-        self._snapshot = _Snapshot(round_index, {key: value.clone() for key, value in state.items()},
-                                   experiment.ledger.state_dict(), self.scheduler.state_dict())
-        self._load(self._snapshot)
+        ledger, scheduler = experiment.ledger.state_dict(), self.scheduler.state_dict()
+        rng, passes = experiment.oracle.rng, experiment.oracle.agents_per_pass
+        self._wait([worker.load.remote(shard_state(state, self._per_agent, part), self._per_agent, ledger, scheduler,
+                                       rng.for_agents(range(part.start, part.stop)), passes)
+                    for worker, part in zip(self.workers, self._rows(), strict=True)])
         self.launched = True
         experiment.ledger = experiment.oracle.ledger = _ShardedLedger(self, type(experiment.ledger))
 
@@ -491,29 +527,57 @@ class RaySimulator:
 
     def setup(self, state: State) -> State:
         """The algorithm's setup phase on every worker (a new run)."""
-        self._launch(state, 0)
+        self._launch(state)
         self._collect(self._wait([worker.setup.remote() for worker in self.workers]))
-        view = ShardedState(self, self._keys, self._per_agent)
-        self._take_snapshot(0, view)
-        return view
+        self._take_snapshot(0)
+        return ShardedState(self, self._keys, self._per_agent)
 
-    def _take_snapshot(self, round_index: int, view: ShardedState) -> None:
-        self._snapshot = _Snapshot(round_index, dict(view), self.experiment.ledger.state_dict(),
-                                   self.scheduler.state_dict())
+    def _take_snapshot(self, round_index: int) -> _Snapshot:
+        """Every worker writes its shard of the state after ``round_index`` into the store; once all have,
+        it is what a lost worker restarts from, and the store keeps it and the results folder's only."""
+        directory = self._store / f"round-{round_index:06d}-{secrets.token_hex(4)}"
+        files = self._wait([worker.write_checkpoint.remote(str(directory)) for worker in self.workers])
+        self._snapshot = _Snapshot(round_index, directory, files)
+        self._prune({directory, self._committed})
+        return self._snapshot
+
+    def _prune(self, keep: set[Path | None]) -> None:
+        """Remove the store's round folders other than ``keep``; in a results folder, only once this run
+        has committed a manifest (until then, the one a resumed run started from names older folders)."""
+        if (not self._attached or self._committed is not None) and self._store.is_dir():
+            for folder in self._store.iterdir():
+                if _ROUND_FOLDER.fullmatch(folder.name) and folder not in keep:
+                    shutil.rmtree(folder, ignore_errors=True)
+
+    def write_shards(self, results: Path, round_done: int) -> dict[str, Any]:
+        """The checkpoint after ``round_done`` for the results folder ``results``: the workers write their
+        shards under ``results/shards/`` (unless this round's are there already: the snapshot of a
+        checkpoint round), and the manifest entry naming them is returned, for the runner to write
+        atomically once every file is complete.  The folders of this and the previous manifest are kept
+        (the previous until the new manifest replaces it), older ones removed."""
+        store = Path(results) / "shards"
+        snapshot = self._snapshot
+        if store != self._store or snapshot is None or snapshot.round_index != round_done:
+            self._store, self._attached = store, True
+            snapshot = self._take_snapshot(round_done)
+        self._prune({snapshot.directory, self._committed})
+        self._committed = snapshot.directory
+        return shard_manifest(str(snapshot.directory.relative_to(store.parent)), self.bounds[-1], snapshot.files)
 
     def run(self, state: State, start_round: int, rounds: int,
             after_round: Callable[[int, State], bool]) -> State:
         """Rounds ``start_round .. rounds-1`` on the workers; ``after_round`` sees each round's
         :class:`ShardedState` (rows are fetched only when read).  The workers stop when it returns."""
-        if not self.launched:
-            self._launch(dict(state), start_round)
+        if not self.launched:  # a resumed run: its first snapshot is where it resumes
+            self._launch(dict(state))
+            self._take_snapshot(start_round)
         view: Mapping[str, torch.Tensor] = state
         try:
             for k in range(start_round, rounds):
                 self._round(k)
                 view = ShardedState(self, self._keys, self._per_agent)
                 if (k + 1) % self.snapshot_every == 0:
-                    self._take_snapshot(k + 1, view)
+                    self._take_snapshot(k + 1)
                 if not after_round(k + 1, view):
                     break
             final, ledger = dict(view), self.experiment.ledger.current()  # kept once the workers are gone

@@ -27,15 +27,17 @@ only float summation orders differ.  Ledgers are split and merged by :func:`spli
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from decentdp.algorithms.base import RoundPlan
+from decentdp.algorithms.base import RoundPlan, State
 from decentdp.privacy.events import EventTable
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.privacy.mechanisms import Mechanism, NoiseDraw
@@ -414,15 +416,18 @@ def make_shard(experiment: Any, bounds: list[int], index: int, transport: Transp
 
 
 def split_ledger(kind: type[PrivacyLedger], state: dict[str, Any], lo: int, hi: int) -> PrivacyLedger:
-    """The agents ``lo .. hi-1`` of a whole run's ledger saved with ``state_dict`` (row ``i`` = agent ``i``)."""
-    if state["agent_ids"][lo:hi] != list(range(lo, hi)):
+    """The agents ``lo .. hi-1`` of a ledger saved with ``state_dict`` whose rows are consecutive agents
+    (a whole run's: row ``i`` = agent ``i``; or a span of shards merged, starting at any agent)."""
+    first = state["agent_ids"][0] if state["agent_ids"] else 0
+    start, stop = lo - first, hi - first
+    if start < 0 or state["agent_ids"][start:stop] != list(range(lo, hi)):
         raise ValueError("a shard's agents must be contiguous rows of the ledger")
     broadcast = state["broadcast_runs"]
     return kind.from_state_dict({
         **state,
-        **{key: state[key][lo:hi] for key in ("agent_ids", "budgets", "refused", "agent_runs")},
-        "broadcast_runs": None if broadcast is None else broadcast[lo:hi],
-        "pairs": [[row - lo, receiver, runs] for row, receiver, runs in state["pairs"] if lo <= row < hi],
+        **{key: state[key][start:stop] for key in ("agent_ids", "budgets", "refused", "agent_runs")},
+        "broadcast_runs": None if broadcast is None else broadcast[start:stop],
+        "pairs": [[row - start, receiver, runs] for row, receiver, runs in state["pairs"] if start <= row < stop],
     })
 
 
@@ -449,3 +454,76 @@ def merge_ledgers(kind: type[PrivacyLedger], states: Sequence[dict[str, Any]]) -
     merged["events"] = table.to_json()
     merged["broadcast_runs"] = broadcast if any_broadcast else None
     return kind.from_state_dict(merged)
+
+
+# -- checkpoints written by the shards ------------------------------------------------------------------------
+
+#: The format of a checkpoint whose rows the shards wrote (the ``shards`` entry of ``checkpoint.pt``).
+SHARD_CHECKPOINT_FORMAT = "decentdp-shards-1"
+
+
+@runtime_checkable
+class ShardCheckpointWriter(Protocol):
+    """An engine whose processes write their own shards of a checkpoint (``engine.backend = "ray"``)."""
+
+    def write_shards(self, results: Path, round_done: int) -> dict[str, Any]:
+        """Have every shard write its part of the checkpoint after ``round_done`` under ``results`` and
+        return the manifest entry (:func:`shard_manifest`) that names the complete files."""
+        ...
+
+
+def shard_file(index: int, shards: int) -> str:
+    """The file name of shard ``index`` of ``shards``."""
+    return f"shard-{index:04d}-of-{shards:04d}.pt"
+
+
+def write_shard_checkpoint(directory: Path, shard: Shard, state: State, per_agent: set[str]) -> dict[str, Any]:
+    """Shard ``shard``'s part of a checkpoint: its rows of every per-agent state entry (and a copy of the
+    replicated ones), its ledger rows and its scheduler's state (the pairing's position; every other draw
+    is keyed by round), written to a temporary name and renamed, so that a file under its final name is
+    always complete.  Returns the file's manifest entry."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lo, hi = shard.rows.start, shard.rows.stop
+    path = directory / shard_file(shard.index, len(shard.bounds) - 1)
+    payload = {"agents": [lo, hi], "per_agent": sorted(per_agent),
+               "state": {key: value.detach().cpu() for key, value in state.items()},
+               "ledger": shard.ledger.state_dict(), "scheduler": shard.simulator.scheduler.state_dict()}
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, "wb") as handle:
+        torch.save(payload, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    return {"file": path.name, "agents": [lo, hi], "bytes": path.stat().st_size}
+
+
+def shard_manifest(directory: str, n_agents: int, files: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The ``shards`` entry of a checkpoint: where the shard files lie (relative to the results folder) and
+    which agents each holds; written by the driver once every file is complete."""
+    return {"format": SHARD_CHECKPOINT_FORMAT, "directory": directory, "n_agents": n_agents, "files": list(files)}
+
+
+def read_shard_checkpoints(directory: Path, files: Sequence[dict[str, Any]], lo: int, hi: int) -> dict[str, Any]:
+    """Agents ``lo .. hi-1`` of a checkpoint written in shards of any sizes: ``state`` (their rows of
+    per-agent entries, the replicated ones), ``per_agent`` (the names of the former), ``ledger`` (the
+    merged ledger of the shards that hold them, a ``state_dict``; :func:`split_ledger` takes their rows)
+    and ``scheduler``.  With ``0 .. N-1`` it is
+    the whole run's checkpoint, as the simulator writes it; a shard of another split reads its own rows."""
+    entries = sorted(files, key=lambda entry: entry["agents"][0])
+    span = [entry for entry in entries if entry["agents"][0] < hi and entry["agents"][1] > lo]
+    covered = [entry["agents"] for entry in span]
+    if not span or covered[0][0] > lo or covered[-1][1] < hi or \
+            any(left[1] != right[0] for left, right in zip(covered[:-1], covered[1:], strict=True)):
+        raise ValueError(f"the checkpoint's shards {covered} do not cover agents {lo}..{hi - 1}")
+    parts = []
+    for entry in span:
+        path = directory / entry["file"]
+        if not path.is_file() or path.stat().st_size != entry["bytes"]:
+            raise ValueError(f"shard file {path} is missing or differs from the one the manifest names")
+        parts.append(torch.load(path, weights_only=True, map_location="cpu"))
+    first = span[0]["agents"][0]
+    per_agent = set(parts[0]["per_agent"])
+    state = {key: torch.cat([part["state"][key] for part in parts])[lo - first:hi - first] if key in per_agent
+             else value for key, value in parts[0]["state"].items()}
+    ledger = merge_ledgers(PrivacyLedger, [part["ledger"] for part in parts]).state_dict()
+    return {"state": state, "per_agent": sorted(per_agent), "ledger": ledger, "scheduler": parts[0]["scheduler"]}
