@@ -16,18 +16,24 @@ per cover group (:meth:`~decentdp.privacy.oracle.DataOracle.repeat`), each row w
 The receivers ``j`` that one neighbour ``k`` covers (lines 14-16) all get the same expression; they
 get one message (one noise draw), not one per receiver: each receiver alone sees the same
 distribution either way (view a), and colluding receivers learn less from one copy than from several
-independent ones (view b).  Every message is then one gather of ``(E, d)`` rows.  The accounting views (a)-(c) are
+independent ones (view b).  The mixes of eq. 5c and line 19 are applied to those ``N + G`` released
+rows (``G`` groups) in place, as two sparse products that read each row's own and received estimate
+where it lies (:func:`add_selected`); out-edge ``e`` then carries row ``pick[e]`` (its group's, or the
+local estimate for an uncovered receiver, lines 20-22), delivered by :func:`deliver`.  The receivers'
+state is what arrived, as rows and one row index per in-edge.  The accounting views (a)-(c) are
 described in :mod:`decentdp.algorithms.topology_noise`; budgets hold per receiver (view a).
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from decentdp.algorithms.base import Calibrated, NoisePlan, RoundContext, State
+from decentdp.algorithms.base import Calibrated, Network, NoisePlan, RoundContext, State
 from decentdp.algorithms.registry import register
 from decentdp.algorithms.select_mix import SelectMix
 from decentdp.algorithms.topology_noise import (
@@ -42,8 +48,43 @@ from decentdp.algorithms.topology_noise import (
 from decentdp.privacy.mechanisms import NoNoise
 
 
+def deliver(network: Network, rows: torch.Tensor, pick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send out-edge ``e`` the message ``rows[pick[e]]``, where ``rows`` starts with the ``n_agents`` local
+    estimates.  Returns ``(received, index)``: ``received`` starts with the same local estimates, and
+    in-edge ``e`` received ``received[index[e]]``.
+
+    In one process the out-edges *are* the in-edges (the same list, the :class:`Network` contract) and
+    every message arrives as it was built, so the receivers hold the senders' rows themselves and
+    nothing is copied: the ``(E, d)`` message tensor is never formed.  Any other network (a shard of
+    a sharded run) gets the ``(E_out, d)`` messages through :meth:`Network.exchange`."""
+    if network.out_edges is network.in_edges:
+        return rows, pick
+    n = network.n_agents
+    arrived = network.exchange(rows.index_select(0, pick))
+    return torch.cat([rows[:n], arrived]), n + torch.arange(len(arrived), device=arrived.device)
+
+
+def add_selected(out: torch.Tensor, source: torch.Tensor, columns: torch.Tensor, weights: Sequence[float],
+                 beta: float = 1.0) -> torch.Tensor:
+    """``out[r] <- beta out[r] + sum_m weights[m] source[columns[m, r]]`` for every row, in ``out``'s storage:
+    one sparse (CSR) product with ``len(weights)`` entries per row, which reads each source row where it
+    lies instead of gathering the rows into temporaries first."""
+    count, per_row = columns.shape[1], len(weights)
+    device = columns.device
+    values = torch.tensor(weights, dtype=out.dtype, device=device).repeat(count)
+    with warnings.catch_warnings():  # "sparse CSR support is in beta": a CSR product is all that is used
+        warnings.simplefilter("ignore", UserWarning)
+        select = torch.sparse_csr_tensor(torch.arange(0, per_row * count + 1, per_row, device=device),
+                                         columns.t().reshape(-1), values, size=(count, source.shape[0]),
+                                         device=device)
+    return out.addmm_(select, source, beta=beta)
+
+
 class TopDPBase(SelectMix):
-    """What both TOP-DP protocols share: settings, decay, calibration, counters, the setup step."""
+    """What both TOP-DP protocols share: settings, decay, calibration, counters, the setup step.
+
+    Agents are addressed by global id wherever a neighbour's value is read (sigma, expected batch),
+    so that a shard of a sharded run plans exactly as the simulator does."""
 
     Settings = TopDPSettings
     budget_view: ClassVar[str] = "pairwise"
@@ -54,6 +95,7 @@ class TopDPBase(SelectMix):
         self.topology_aware = topology_aware
         self.gamma = decay_gamma
         self.period = decay_period
+        self._batches: tuple[int, np.ndarray] | None = None
 
     @classmethod
     def from_settings(cls, settings: TopDPSettings) -> TopDPBase:
@@ -67,24 +109,43 @@ class TopDPBase(SelectMix):
         return calibrate_top_dp(plan, self.gamma, self.period, self.setup_releases)
 
     def init_state(self, params: torch.Tensor) -> State:
-        counters = {f"count.{name}": torch.zeros((), dtype=torch.int64, device=params.device) for name in COUNTERS}
+        """The estimates and, per agent, the counters of its messages (per agent, so that shards split them)."""
+        counters = {f"count.{name}": torch.zeros(params.shape[0], dtype=torch.int64, device=params.device)
+                    for name in COUNTERS}
         return {"params": params, **counters}
 
     def run_report(self, state: State) -> dict[str, Any]:
-        return {"top_dp_messages": report({name: int(state[f"count.{name}"]) for name in COUNTERS})}
+        return {"top_dp_messages": report({name: int(state[f"count.{name}"].sum()) for name in COUNTERS})}
 
     def sigma(self, ctx: RoundContext) -> np.ndarray:
-        """sigma_{t,i} of every agent this round (eq. 6b; 0 in a non-private run)."""
+        """sigma_{t,i} of every agent of the run, by global id (eq. 6b; 0 in a non-private run)."""
         mechanism = ctx.oracle.mechanism
         if mechanism is None:
-            return np.zeros(ctx.oracle.n_agents)
-        return mechanism.noise_multipliers.double().numpy() * self.gamma ** (ctx.round_index // self.period)
+            return np.zeros(ctx.network.n_total)
+        return mechanism.noise_multipliers.cpu().double().numpy() * self.gamma ** (ctx.round_index // self.period)
 
-    def mechanism(self, ctx: RoundContext, multipliers: np.ndarray, owners: np.ndarray, sigma: np.ndarray,
+    def expected_batches(self, ctx: RoundContext) -> np.ndarray:
+        """``L`` of the agents held here and of their neighbours, by global id (NaN for the others), for the
+        reuse coefficients of eq. 5a.  The neighbours' arrive with one broadcast per graph: a collective,
+        made by every shard in its first round on the graph."""
+        net = ctx.network
+        if self._batches is None or self._batches[0] != id(net.in_edges):
+            local = ctx.oracle.expected_batch.to(net.agent_ids.device)
+            received = net.broadcast(local[:, None])[:, 0]
+            batch = np.full(int(net.n_total), np.nan)
+            batch[net.agent_ids.cpu().numpy()] = local.double().cpu().numpy()
+            batch[net.in_edges[:, 0].cpu().numpy()] = received.double().cpu().numpy()
+            self._batches = (id(net.in_edges), batch)
+        return self._batches[1]
+
+    def mechanism(self, ctx: RoundContext, multipliers: np.ndarray, owners: np.ndarray, full: np.ndarray,
                   ) -> RowGaussian | NoNoise:
+        """The release's noise: ``multipliers`` per row of local owner ``owners[r]``, ``full`` sigma_t per local row."""
         if ctx.oracle.mechanism is None:
             return NoNoise()
-        return RowGaussian(multipliers, owners, sigma, ctx.oracle.clip_norm, ctx.network.out_edges.cpu().numpy())
+        net = ctx.network
+        edges = torch.stack([net.rows(net.out_edges[:, 0]), net.out_edges[:, 1]], dim=1).cpu().numpy()
+        return RowGaussian(multipliers, owners, full, ctx.oracle.clip_norm, edges)
 
     def setup(self, state: State, ctx: RoundContext) -> State:
         """Lines 2-3 (Alg. 2) / 4-6 (Alg. 1): one noisy step from x_0 at full sigma_0, sent to all neighbours."""
@@ -92,8 +153,14 @@ class TopDPBase(SelectMix):
         return {**state, "params": params - ctx.lr * ctx.oracle.gradient(params)}
 
     @staticmethod
-    def count(state: State, **added: int) -> dict[str, torch.Tensor]:
-        return {f"count.{name}": state[f"count.{name}"] + added.get(name, 0) for name in COUNTERS}
+    def count(state: State, senders: np.ndarray, **flags: np.ndarray) -> dict[str, torch.Tensor]:
+        """The counters plus, per local agent, its messages this round with each flag set (``senders``: rows)."""
+        counts = {}
+        for name in COUNTERS:
+            current = state[f"count.{name}"]
+            added = np.bincount(senders[flags[name]], minlength=len(current)) if name in flags else 0
+            counts[f"count.{name}"] = current + torch.from_numpy(np.asarray(added, dtype=np.int64)).to(current.device)
+        return counts
 
 
 @register
@@ -110,7 +177,7 @@ class TopDP(TopDPBase):
 
     @property
     def round_temporaries(self) -> int:
-        return 8  # the received messages and the new ones are (E, d); E / N is the mean degree
+        return 4  # the released rows (N + G, G < E) and the received ones of the last round
 
     def planner(self, ctx: RoundContext) -> CoverPlanner:
         net = ctx.network
@@ -120,42 +187,47 @@ class TopDP(TopDPBase):
 
     def setup(self, state: State, ctx: RoundContext) -> State:
         state = super().setup(state, ctx)
-        return {**state, "received": ctx.network.broadcast(state["params"])}   # line 6
+        net = ctx.network
+        received, index = deliver(net, state["params"], net.rows(net.out_edges[:, 0]))   # line 6
+        return {**state, "params": received[:net.n_agents], "received": received, "received_index": index}
 
     def round(self, state: State, ctx: RoundContext) -> State:
         net, oracle = ctx.network, ctx.oracle
-        x, received = state["params"], state["received"]
-        n, alpha = net.n_agents, self.alpha
+        x, received, index = state["params"], state["received"], state["received_index"]   # x = received[:n]
+        n, alpha, device = net.n_agents, self.alpha, x.device
+        ids = net.agent_ids.cpu().numpy()
         sigma = self.sigma(ctx)                                                   # line 8
-        batch = oracle.expected_batch.double().numpy()
         generator = ctx.public_generator()
         edges = net.out_edges
+        senders = net.rows(edges[:, 0]).cpu().numpy()
         if self.topology_aware and oracle.mechanism is not None:
-            cover = self.planner(ctx).plan(alpha, sigma, batch, generator, range(n))   # lines 10-17
-            groups = cover_groups(cover.via)
+            planner = self.planner(ctx)
+            cover = planner.plan(alpha, sigma, self.expected_batches(ctx), generator)  # lines 10-17
+            groups, coverable = cover_groups(cover.via), planner.coverable
         else:
-            cover, groups = None, cover_groups(np.full(len(edges), -1, dtype=np.int64))
+            groups, coverable = cover_groups(np.full(len(edges), -1, dtype=np.int64)), None
         jstar = self.in_edges(net).choose(generator)                              # line 18
-        via = torch.from_numpy(groups.via).to(x.device)                           # (G,) in-edges (k, i)
-        sender = net.rows(net.in_edges[via, 1])
-        rows = torch.cat([torch.arange(n, device=x.device), sender])              # local row, then one per group
-        multipliers = np.concatenate([sigma, cover.multiplier[groups.first] if cover is not None else []])
-        slots = torch.cat([net.agent_ids, edges[torch.from_numpy(groups.first).to(x.device), 1]])
+        rows = np.concatenate([np.arange(n), senders[groups.first]])              # local row, then one per group
+        multipliers = np.concatenate([sigma[ids], cover.multiplier[groups.first] if coverable is not None else []])
+        slots = torch.cat([net.agent_ids.cpu(), edges[torch.from_numpy(groups.first).to(edges.device), 1].cpu()])
         key = oracle.batch()                                                      # line 9: one batch, one sum
-        sums = oracle.repeat(oracle.clip(key, x), rows)
-        (noisy,) = oracle.release(sums, mechanism=self.mechanism(ctx, multipliers, rows.cpu().numpy(), sigma),
-                                  receivers=slots)
-        # eq. 5c / line 19 in place on the released rows: -lambda (g + G) / L_i + alpha x~_i + (1 - alpha) x~_k
-        noisy.mul_((-ctx.lr / oracle.expected_batch.to(noisy.device))[rows, None])
-        noisy[:n].add_(x, alpha=alpha).add_(received.index_select(0, jstar), alpha=1 - alpha)   # line 19
-        if len(groups.via):                                                       # lines 15-16, one row per group
-            noisy[n:].add_(x.index_select(0, sender), alpha=alpha).add_(received.index_select(0, via), alpha=1 - alpha)
-        local = noisy[:n].clone() if len(groups.via) else noisy    # (a view would keep every row in the state)
+        sums = oracle.repeat(oracle.clip(key, x), torch.from_numpy(rows))
+        (noisy,) = oracle.release(sums, mechanism=self.mechanism(ctx, multipliers, rows, sigma[ids]), receivers=slots)
+        # eq. 5c (groups) and line 19 (local rows) in place on the released rows, in one product:
+        #   -lambda (g + G) / L_i  +  alpha x~_i  +  (1 - alpha) x~_k   (k = the cover's neighbour, or j*)
+        scale = (-ctx.lr / oracle.expected_batch.double().cpu().numpy())[rows]
+        uniform = bool((scale == scale[0]).all())
+        if not uniform:
+            noisy.mul_(torch.from_numpy(scale).to(device, noisy.dtype)[:, None])
+        reads = torch.cat([jstar, torch.from_numpy(groups.via).to(device)])      # in-edges (k, i) of every row
+        columns = torch.stack([torch.from_numpy(rows).to(device), index.index_select(0, reads)])
+        add_selected(noisy, received, columns, (alpha, 1 - alpha), beta=float(scale[0]) if uniform else 1.0)
         # lines 20-22: an uncovered j receives x~_i as it is; a covered one its group's message
-        edge_group = torch.from_numpy(groups.edge_group).to(x.device)
-        pick = torch.where(edge_group >= 0, n + edge_group, net.rows(edges[:, 0]))
-        messages = noisy.index_select(0, pick)
-        covered = int((groups.edge_group >= 0).sum())
-        counts = self.count(state, reduced=covered, full=len(edges) - covered,
-                            fallback=cover.fallback if cover else 0, uncoverable=cover.uncoverable if cover else 0)
-        return {"params": local, "received": net.exchange(messages), **counts}
+        covered = groups.edge_group >= 0
+        pick = torch.from_numpy(np.where(covered, n + groups.edge_group, senders)).to(device)
+        received, index = deliver(net, noisy, pick)
+        flags = {"reduced": covered, "full": ~covered}
+        if coverable is not None:
+            flags.update(fallback=~covered & coverable, uncoverable=~covered & ~coverable)
+        return {"params": received[:n], "received": received, "received_index": index,
+                **self.count(state, senders, **flags)}

@@ -39,26 +39,28 @@ class TopDPAsync(TopDPBase):
     def noisy_step(self, x: torch.Tensor, ctx: RoundContext, paired: torch.Tensor) -> torch.Tensor:
         oracle, net = ctx.oracle, ctx.network
         sigma = self.sigma(ctx)                                                          # lines 6, 19
+        batch = self.expected_batches(ctx)  # (a collective on a graph's first round: every shard calls it)
+        ids = net.agent_ids.cpu().numpy()
         active = ctx.plan.active if ctx.plan is not None else torch.ones_like(paired)
-        rows = torch.nonzero(active).squeeze(1)
-        owners = rows.cpu().numpy()
-        multipliers = sigma[owners].copy()
+        rows = torch.nonzero(active.cpu()).squeeze(1)
+        owners = rows.numpy()
+        multipliers = sigma[ids[owners]].copy()
         reduced = paired.cpu().numpy()[owners] & self.topology_aware & (oracle.mechanism is not None)
-        fallback = 0
+        fallback = np.zeros(len(owners), dtype=bool)
         if reduced.any():
-            partner = net.rows(ctx.plan.partner).cpu().numpy()[owners[reduced]]
-            reused = reuse_coefficients(self.alpha, sigma, oracle.expected_batch.double().numpy(),
-                                        owners[reduced], partner)
-            multipliers[reduced], usable = residual_multipliers(sigma[owners[reduced]], reused)  # line 20
-            fallback = int((~usable).sum())
-            reduced[np.flatnonzero(reduced)[~usable]] = False
-        self._counts = {"reduced": int(reduced.sum()), "full": len(owners) - int(reduced.sum()), "fallback": fallback}
+            partner = ctx.plan.partner.cpu().numpy()[owners[reduced]]                    # global ids
+            reused = reuse_coefficients(self.alpha, sigma, batch, ids[owners[reduced]], partner)
+            multipliers[reduced], usable = residual_multipliers(sigma[ids[owners[reduced]]], reused)  # line 20
+            fallback[np.flatnonzero(reduced)[~usable]] = True
+            reduced &= ~fallback
+        self._flags = owners, {"reduced": reduced, "full": ~reduced, "fallback": fallback}
         key = oracle.batch()
-        (noisy,) = oracle.release(oracle.clip(key, x), mechanism=self.mechanism(ctx, multipliers, owners, sigma),
-                                  receivers=net.agent_ids[rows])
-        step = torch.zeros_like(x).index_copy_(0, rows, noisy)
+        (noisy,) = oracle.release(oracle.clip(key, x), mechanism=self.mechanism(ctx, multipliers, owners, sigma[ids]),
+                                  receivers=net.agent_ids.cpu()[rows])
+        step = torch.zeros_like(x).index_copy_(0, rows.to(x.device), noisy)
         return step.div_(oracle.expected_batch.to(x.device)[:, None])
 
     def round(self, state: State, ctx: RoundContext) -> State:
         params = super().round(state, ctx)["params"]                                      # lines 18-26
-        return {"params": params, **self.count(state, **self._counts)}
+        owners, flags = self._flags
+        return {"params": params, **self.count(state, owners, **flags)}

@@ -45,7 +45,7 @@ from decentdp.algorithms.select_mix import SelectMixSettings
 from decentdp.errors import ConfigError
 from decentdp.privacy.accounting import calibrate_scale
 from decentdp.privacy.events import gaussian_event
-from decentdp.privacy.mechanisms import GaussianMechanism, NoiseDraw, round_up_to_float32
+from decentdp.privacy.mechanisms import GaussianMechanism, NoiseDraw, add_noise, round_up_to_float32
 from decentdp.privacy.paper_accounting import theorem1_epsilon, theorem1_noise_multiplier
 
 
@@ -130,47 +130,72 @@ class Cover:
 
 
 class CoverPlanner:
-    """The greedy cover of eq. 4, per agent over its neighbours in a random (public) order."""
+    """The greedy cover of eq. 4 for the agents one engine holds, over their neighbours in a random (public) order.
+
+    The public graph (``network.topology``, known to every agent) gives each neighbour ``k``'s own
+    neighbours, so a shard of a sharded run covers its agents' out-edges exactly as the simulator
+    does: ids are global, out- and in-edges are the shard's (rows of ``network.out_edges`` and
+    ``network.in_edges``), and the random orders are drawn for every agent of the run in id order,
+    so that the public generator ends in the same state on every shard.  Per sender, the receivers
+    that each neighbour ``k`` can cover (``N_i \\ ({k} u N_k)``) are precomputed as bit masks over the
+    sender's neighbours, so a round's greedy pass is a few integer operations per neighbour.
+    """
 
     def __init__(self, network: Network) -> None:
-        edges = network.out_edges.cpu().numpy()
-        n = int(network.n_total)
-        self.edges = edges
-        self.neighbours: list[list[int]] = [[] for _ in range(n)]
-        for src, dst in edges.tolist():
-            self.neighbours[src].append(dst)
-        self.sets = [set(nb) for nb in self.neighbours]
-        in_edges = network.in_edges.cpu().numpy()
-        self.in_index = {(int(s), int(d)): e for e, (s, d) in enumerate(in_edges.tolist())}
-        self.out_index = {(int(s), int(d)): e for e, (s, d) in enumerate(edges.tolist())}
+        graph = np.asarray(network.topology.edges(), dtype=np.int64).reshape(-1, 2)   # the public graph
+        n_total = int(network.n_total)
+        neighbours: list[list[int]] = [[] for _ in range(n_total)]
+        for src, dst in graph.tolist():
+            neighbours[src].append(dst)
+        sets = [set(nb) for nb in neighbours]
+        self.degrees = [len(nb) for nb in neighbours]
+        self.edges = network.out_edges.cpu().numpy()
+        self.in_edges = network.in_edges.cpu().numpy()
+        in_index = {(int(s), int(d)): e for e, (s, d) in enumerate(self.in_edges.tolist())}
+        out_index = {(int(s), int(d)): e for e, (s, d) in enumerate(self.edges.tolist())}
+        self.local = {int(i) for i in network.agent_ids.cpu().tolist()}
+        #: per local sender i, per position p of neighbour k in its list: the mask of positions q of the
+        #: receivers k can cover, the in-edge (k, i), and the out-edge (i, j) of every position q
+        self.masks: dict[int, list[int]] = {}
+        self.via_edge: dict[int, list[int]] = {}
+        self.out_edge: dict[int, list[int]] = {}
+        for i in sorted(self.local):
+            mine = neighbours[i]
+            self.masks[i] = [sum(1 << q for q, j in enumerate(mine) if j != k and j not in sets[k]) for k in mine]
+            self.via_edge[i] = [in_index[(k, i)] for k in mine]
+            self.out_edge[i] = [out_index[(i, j)] for j in mine]
         # N_i^j = N_i \ ({j} u N_j): the neighbours of i that can cover j
-        self.coverable = np.array([bool(self.sets[i] - {j} - self.sets[j]) for i, j in edges.tolist()])
+        self.coverable = np.array([bool(sets[i] - {j} - sets[j]) for i, j in self.edges.tolist()], dtype=bool)
 
-    def plan(self, alpha: float, sigma: np.ndarray, expected_batch: np.ndarray, generator: torch.Generator,
-             senders: Sequence[int]) -> Cover:
+    def plan(self, alpha: float, sigma: np.ndarray, expected_batch: np.ndarray, generator: torch.Generator) -> Cover:
+        """One round's cover; ``sigma`` and ``expected_batch`` are indexed by global id (only the held agents'
+        and their neighbours' entries are read)."""
         via = np.full(len(self.edges), -1, dtype=np.int64)
-        multiplier = sigma[self.edges[:, 0]].astype(np.float64).copy()
-        for i in senders:
-            uncovered = set(self.neighbours[i])
-            order = torch.randperm(len(self.neighbours[i]), generator=generator,                  # line 12
-                                   device=generator.device).tolist()
+        multiplier = sigma[self.edges[:, 0]].astype(np.float64)
+        k, i = self.in_edges[:, 0], self.in_edges[:, 1]                                   # line 13, per (k, i)
+        residual, usable = residual_multipliers(sigma[i], reuse_coefficients(alpha, sigma, expected_batch, i, k))
+        usable_list = usable.tolist()
+        for agent, degree in enumerate(self.degrees):
+            order = torch.randperm(degree, generator=generator, device=generator.device).tolist()  # line 12
+            if agent not in self.local:
+                continue
+            masks, via_edge, out_edge = self.masks[agent], self.via_edge[agent], self.out_edge[agent]
+            uncovered = (1 << degree) - 1
             for position in order:
                 if not uncovered:
                     break
-                k = self.neighbours[i][position]
-                reused = reuse_coefficients(alpha, sigma, expected_batch, np.array([i]), np.array([k]))
-                residual, usable = residual_multipliers(sigma[[i]], reused)                  # line 13
-                if not usable[0]:
+                in_edge = via_edge[position]
+                if not usable_list[in_edge]:
                     continue
-                targets = uncovered & (self.sets[i] - {k} - self.sets[k])                     # N_i^* n N_i^k
-                for j in targets:                                                             # lines 14-16
-                    edge = self.out_index[(i, j)]
-                    via[edge], multiplier[edge] = self.in_index[(k, i)], residual[0]
-                uncovered -= targets                                                          # line 17
+                targets = uncovered & masks[position]                                          # N_i^* n N_i^k
+                uncovered &= ~targets                                                          # line 17
+                while targets:                                                                 # lines 14-16
+                    bit = targets & -targets
+                    edge = out_edge[bit.bit_length() - 1]
+                    via[edge], multiplier[edge] = in_edge, residual[in_edge]
+                    targets ^= bit
         left = via < 0
-        mine = np.isin(self.edges[:, 0], np.asarray(list(senders), dtype=np.int64))
-        return Cover(via, multiplier, int((left & mine & self.coverable).sum()),
-                     int((left & mine & ~self.coverable).sum()))
+        return Cover(via, multiplier, int((left & self.coverable).sum()), int((left & ~self.coverable).sum()))
 
 
 @dataclass(frozen=True)
@@ -197,9 +222,14 @@ def cover_groups(via: np.ndarray) -> CoverGroups:
 class RowGaussian:
     """Gaussian noise with a multiplier per released row, and what each view observes of it.
 
-    ``multipliers[r]`` (float64, rounded up to float32 when drawn) is row ``r``'s noise; ``full[i]``
-    is agent ``i``'s sigma_t, what each receiver is charged in view (a); ``edges`` are the out-edges
-    ``(i, j)`` whose receivers observe ``i`` this round."""
+    ``multipliers[r]`` (float64, rounded up to float32 when drawn) is row ``r``'s noise; ``full[o]``
+    is local agent ``o``'s sigma_t, what each receiver is charged in view (a); ``edges`` are the
+    out-edges as (sender's local row, receiver's global id): the receivers that observe the sender
+    this round (the ledger's sender rows are local, its receivers global ids)."""
+
+    #: Rows drawn per block: one row of the paper's MLP (79,510 floats) is 318 KB, so the block stays in
+    #: a core's L2 cache while it is scaled and added, instead of a second (R, d) buffer in memory.
+    BLOCK_BYTES = 2**19
 
     def __init__(self, multipliers: np.ndarray, owners: np.ndarray, full: np.ndarray, clip: float,
                  edges: np.ndarray) -> None:
@@ -212,9 +242,17 @@ class RowGaussian:
 
     def perturb(self, values: torch.Tensor, owners: torch.Tensor, noise: NoiseDraw,
                 slots: Sequence[int] | None = None) -> None:
-        buffer = torch.empty_like(values)
-        noise.normal(owners.tolist(), buffer, slots)
-        values.add_(buffer.mul_(self.scales.to(values.device)[:, None]))
+        """``values[r] += scales[r] * N(0, 1)``, drawn block by block into one small buffer (eq. 5b's residual
+        noise, or the full sigma_t for local estimates and uncovered receivers)."""
+        count, dim = values.shape
+        rows, keys = owners.tolist(), None if slots is None else list(slots)
+        block = max(1, min(count, self.BLOCK_BYTES // (values.element_size() * dim)))
+        buffer = torch.empty(block, dim, dtype=noise.dtype, device=values.device)
+        scales = self.scales.to(values.device)
+        for start in range(0, count, block):
+            stop = min(count, start + block)
+            draws = noise.normal(rows[start:stop], buffer[: stop - start], None if keys is None else keys[start:stop])
+            add_noise(values[start:stop], draws, scales[start:stop])
 
     def agent_event(self, owner: int, sample_rate: float, rows: int) -> dp_accounting.DpEvent:
         """View (b): all of the owner's rows on one batch, one Gaussian with ``sum_r sigma_r^-2``."""
