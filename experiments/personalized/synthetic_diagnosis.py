@@ -16,7 +16,9 @@ T/n in {1, 2, 4, 8} on ``--seeds`` problem instances of ``synthetic.toml`` (p = 
 * ``laplace`` at large budgets (eps-bar in {10, 30, 100}): where the sound mechanism reaches the
   purely local models.
 
-And the private warm start (output perturbation, Chaudhuri et al. 2011, then model propagation)
+Non-private CD at T/n in {4, 32, 1000} from zero, the local models and their propagation (is its
+accuracy Q_L's optimum or early stopping?), and Proposition 2's contraction (how far its allocation
+is from the equal one).  And the private warm start (output perturbation, Chaudhuri et al. 2011, then model propagation)
 for eps in {0.05, 0.5, 5, 50, inf}: accuracy of the propagated models (Theta(0) of Figure 2(b)),
 and the ratio ||noise|| / ||theta_loc|| per agent beside its lower bound 2 p / (m_i eps): the
 local model satisfies 2 lambda_i theta = -(mean clipped gradient), so ||theta_loc|| <= C / (2 lambda_i),
@@ -103,6 +105,27 @@ def warm_start(seed: int, epsilon: float) -> dict[str, float]:
                                               * 2 * problem.reg / clip).max())}
 
 
+def nonprivate_cd(seed: int, wakeups: int) -> dict[str, float]:
+    """Non-private CD accuracy after ``wakeups`` per agent from Theta(0) = 0, from the local models and from
+    their propagation: whether its accuracy is Q_L's optimum or early stopping."""
+    run = build_run(load_config(CONFIG, [f"experiment.seed={seed}", f"personalized.wakeups={wakeups}",
+                                         'privacy.epsilon="inf"']))
+    problem = run.problem
+    assert run.plan is not None
+    local = local_models(problem)
+    starts = {"zero": torch.zeros_like(local), "local": local, "propagated": model_propagation(problem, local)}
+    return {name: evaluate(run.data, coordinate_descent(problem, theta.clone(), run.plan))["accuracy_mean"]
+            for name, theta in starts.items()}
+
+
+def allocation_spread(seed: int, ticks_per_agent: int = 8) -> dict[str, float]:
+    """Proposition 2's contraction C = 1 - sigma / (n L_max) and the spread C^(T/3) of its allocation."""
+    problem = build_run(load_config(CONFIG, [f"experiment.seed={seed}"])).problem
+    contraction = 1 - problem.strong_convexity / (problem.n_agents * float(problem.block_lipschitz.max()))
+    return {"sigma": problem.strong_convexity, "L_max": float(problem.block_lipschitz.max()),
+            "contraction": contraction, "spread": contraction ** (ticks_per_agent * problem.n_agents / 3)}
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
@@ -138,6 +161,14 @@ def main() -> None:
         row = {key: _mean([r[key] for r in rows]) for key in rows[0]}
         results["warm_start"].append({"epsilon": None if math.isinf(epsilon) else epsilon, **row})
         print(f"warm start eps {epsilon}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
+    for wakeups in (4, 32, 1000):
+        rows = [nonprivate_cd(seed, wakeups) for seed in seeds]
+        row = {key: _mean([r[key] for r in rows]) for key in rows[0]}
+        results.setdefault("nonprivate_cd", []).append({"wakeups": wakeups, **row})
+        print(f"non-private CD, T/n = {wakeups}: " + ", ".join(f"from {k} {v:.3f}" for k, v in row.items()),
+              flush=True)
+    results["allocation"] = allocation_spread(0)
+    print("Proposition 2 (seed 0): " + ", ".join(f"{k} {v:.6g}" for k, v in results["allocation"].items()))
     (out / "diagnosis.json").write_text(json.dumps(results, indent=2) + "\n")
     _plot(results, out / "diagnosis.png")
 
