@@ -169,3 +169,28 @@ def test_sampling_ahead_and_mixing_never_wait_for_the_device() -> None:
             network.mix_add(x, network.mix(x), 0.5)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: host synchronisation is a CUDA matter")
+@pytest.mark.parametrize("algorithm,schedule", [("dp-dsgd", {}), ("dpdl", {}), ("li18-ma", {"kind": "pairing"}),
+                                                 ("li18-ma", {"offline_probability": 0.3})])
+def test_a_private_round_never_waits_for_the_device(algorithm: str, schedule: dict[str, object]) -> None:
+    """Whole rounds (sampling, clipping, noise, the ledger's charge, mixing; cross-gradients; a pairing
+    plan; offline agents) under torch's sync debug mode 'error', which raises on any read-back: the
+    oracle's bookkeeping runs on host values known before the round.  The first round is a warm-up
+    (its batch is sampled on demand, and graph-derived host copies are made once)."""
+    config = validate_config(tiny_config(algorithm={"name": algorithm}, schedule=schedule,
+                                         topology={"graph": "ring", "agents": 6}))
+    experiment = build_experiment(config, device=torch.device("cuda"))
+    simulator = experiment.simulator
+    state = simulator.setup(experiment.initial_state())
+    state = experiment.algorithm.round(state, simulator.context(0))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            for k in range(1, 4):
+                state = experiment.algorithm.round(state, simulator.context(k))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(state["params"]).all()

@@ -21,9 +21,11 @@ An algorithm is one file: a subclass of :class:`Algorithm` decorated with
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -33,6 +35,7 @@ from decentdp.privacy.oracle import SETUP_ROUND, DataOracle
 from decentdp.rng import AgentRandom, Stream
 
 State = dict[str, torch.Tensor]
+T = TypeVar("T")
 
 
 class Network(Protocol):
@@ -86,12 +89,56 @@ class Network(Protocol):
 
 
 @dataclass(frozen=True)
+class HostGraph:
+    """A network's static index tensors, copied to the host once (see :func:`host_graph`)."""
+
+    agent_ids: torch.Tensor  # (n_agents,) global ids of the local rows
+    in_edges: torch.Tensor   # (E_in, 2)
+    out_edges: torch.Tensor  # (E_out, 2)
+    in_rows: torch.Tensor    # (E_in,) local row of each in-edge's receiver
+
+
+_PER_GRAPH: dict[tuple[int, str], Any] = {}
+
+
+def once_per_graph(network: Network, name: str, compute: Callable[[], T]) -> T:
+    """``compute()`` once for as long as ``network``'s graph lives, then the same value.
+
+    Keyed by the identity of the network's ``in_edges`` tensor, which lives exactly as long as its
+    graph (wrappers made per round, such as the profiler's, share it), and dropped with it."""
+    key = (id(network.in_edges), name)
+    if key not in _PER_GRAPH:
+        _PER_GRAPH[key] = compute()
+        weakref.finalize(network.in_edges, _PER_GRAPH.pop, key, None)
+    return _PER_GRAPH[key]
+
+
+def host_graph(network: Network) -> HostGraph:
+    """The network's ids and edges on the host, for bookkeeping (data owners, noise keys, receivers).
+
+    Read back from the device once per graph, not every round: a read-back waits for everything
+    queued on an accelerator."""
+    return once_per_graph(network, "host", lambda: HostGraph(
+        network.agent_ids.cpu(), network.in_edges.cpu(), network.out_edges.cpu(),
+        network.rows(network.in_edges[:, 1]).cpu()))
+
+
+@dataclass(frozen=True)
 class RoundPlan:
     """Who takes part in a round: ``active`` agents (a boolean mask over local rows) and, for pairwise
-    protocols, ``partner`` (global ids; an agent's own id when it is unpaired)."""
+    protocols, ``partner`` (global ids; an agent's own id when it is unpaired), on the engine's device.
+
+    ``active_on_host`` is the same mask as the scheduler drew it, on the host: the oracle's
+    bookkeeping reads it, so that planning a round never reads a value back from the device."""
 
     active: torch.Tensor
     partner: torch.Tensor | None = None
+    active_on_host: np.ndarray | None = None
+
+    @property
+    def everyone_active(self) -> bool:
+        """Whether every local agent is active (from the host mask when the plan has one)."""
+        return bool((self.active_on_host if self.active_on_host is not None else self.active.cpu()).all())
 
 
 @dataclass(frozen=True)

@@ -21,22 +21,28 @@ from dataclasses import dataclass
 
 import torch
 
-from decentdp.algorithms.base import Network, RoundContext
+from decentdp.algorithms.base import Network, RoundContext, host_graph, once_per_graph
 
 
 def reverse_edges(network: Network) -> torch.Tensor:
     """For each out-edge ``(j, i)``, the position in ``in_edges`` of its reverse ``(i, j)``.
 
-    A message computed at ``j`` on in-edge ``(i -> j)`` is sent back to ``i`` along out-edge ``(j -> i)``."""
-    n = network.n_total
-    inward = network.in_edges[:, 0] * n + network.in_edges[:, 1]
-    wanted = network.out_edges[:, 1] * n + network.out_edges[:, 0]
-    order = torch.argsort(inward)
-    position = torch.searchsorted(inward[order], wanted).clamp(max=len(order) - 1)
-    found = order[position]
-    if not bool((inward[found] == wanted).all()):
-        raise ValueError("cross-gradients need undirected links: some out-edge has no reverse in-edge")
-    return found
+    A message computed at ``j`` on in-edge ``(i -> j)`` is sent back to ``i`` along out-edge ``(j -> i)``.
+    Found once per graph, on the host (where the check that every link is undirected reads it), and
+    kept on the network's device."""
+    def find() -> torch.Tensor:
+        host = host_graph(network)
+        n = network.n_total
+        inward = host.in_edges[:, 0] * n + host.in_edges[:, 1]
+        wanted = host.out_edges[:, 1] * n + host.out_edges[:, 0]
+        order = torch.argsort(inward)
+        position = torch.searchsorted(inward[order], wanted).clamp(max=len(order) - 1)
+        found = order[position]
+        if not bool((inward[found] == wanted).all()):
+            raise ValueError("cross-gradients need undirected links: some out-edge has no reverse in-edge")
+        return found.to(network.in_edges.device)
+
+    return once_per_graph(network, "reverse edges", find)
 
 
 @dataclass(frozen=True)
@@ -51,16 +57,15 @@ class CrossGradients:
 def cross_gradients(params: torch.Tensor, ctx: RoundContext) -> CrossGradients:
     """Eqs. (8)-(12): every agent's self-gradient and the cross-gradients its neighbours computed for it."""
     net, oracle = ctx.network, ctx.oracle
+    host = host_graph(net)                                # owners and noise keys: bookkeeping on the host
     models_in = net.broadcast(params)                     # step 1: in-edge (i -> j) carries x_i to owner j
-    owners = net.rows(net.in_edges[:, 1])
     key = oracle.batch()                                  # one batch per owner for all its models (A.7.5)
-    own = oracle.clip(key, params, slots=net.agent_ids.tolist())                      # (9) on x_j
-    cross = oracle.clip(key, models_in, owners=owners, slots=net.in_edges[:, 0].tolist())  # (8)-(9) on x_i
+    own = oracle.clip(key, params, slots=host.agent_ids.tolist())                          # (9) on x_j
+    cross = oracle.clip(key, models_in, owners=host.in_rows, slots=host.in_edges[:, 0].tolist())  # (8)-(9) on x_i
     g_own, g_cross = oracle.release(own, cross)           # (10): one joint event per owner, sqrt(k_j) C
     if oracle.mechanism is not None:                      # (11)-(12): divide by the expected batch L_j
-        batch = oracle.expected_batch.to(g_own.device)
-        g_own.div_(batch[:, None])
-        g_cross.div_(batch[owners][:, None])
+        g_own.div_(oracle.expected_batch.to(g_own.device)[:, None])
+        g_cross.div_(oracle.expected_batch[host.in_rows].to(g_cross.device)[:, None])
     received = net.exchange(g_cross[reverse_edges(net)])  # j sends g^{i<-j} to i
     return CrossGradients(g_own, received)
 

@@ -42,7 +42,7 @@ class DPDPSGD(DPDSGD):
     def round(self, state: State, ctx: RoundContext) -> State:
         plan = ctx.plan
         if plan is None or plan.partner is None:
-            if plan is not None and not bool(plan.active.all()):
+            if plan is not None and not plan.everyone_active:
                 return self._pairwise(state, ctx, plan.active, ctx.network.agent_ids)
             return super().round(state, ctx)                 # A_t = W: lines 1-3 synchronously
         return self._pairwise(state, ctx, plan.active, plan.partner)

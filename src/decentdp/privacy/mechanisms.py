@@ -44,9 +44,11 @@ class NoiseDraw:
     joint releases).  Drawing twice for the same (row, slot) raises :class:`NoiseReuseError`.
     """
 
-    def __init__(self, rng: AgentRandom, agent_ids: torch.Tensor, round_index: int, release: int) -> None:
+    def __init__(self, rng: AgentRandom, agent_ids: torch.Tensor | Sequence[int], round_index: int,
+                 release: int) -> None:
         self.rng = rng
-        self.agent_ids = agent_ids
+        # Keys are host integers (a device tensor is read back once here; the oracle passes host ids).
+        self.agent_ids = agent_ids.tolist() if isinstance(agent_ids, torch.Tensor) else list(agent_ids)
         self.round_index = round_index
         self.release = release
         self._used: set[tuple[int, int | None]] = set()
@@ -62,7 +64,7 @@ class NoiseDraw:
             raise NoiseReuseError(f"noise key (round {self.round_index}, release {self.release}) drawn twice for "
                                   "one row: every release needs fresh noise")
         self._used.update(keys)
-        return [int(self.agent_ids[row]) for row in rows]
+        return [self.agent_ids[row] for row in rows]
 
     def normal(self, rows: Sequence[int], out: torch.Tensor, slots: Sequence[int] | None = None,
                workers: int = 1) -> torch.Tensor:
@@ -87,7 +89,8 @@ class Mechanism(Protocol):
 
     def perturb(self, values: torch.Tensor, owners: torch.Tensor, noise: NoiseDraw,
                 slots: Sequence[int] | None = None) -> None:
-        """Add noise in place to ``values`` (``(R, d)``), row ``r`` released by local agent ``owners[r]``."""
+        """Add noise in place to ``values`` (``(R, d)``), row ``r`` released by local agent ``owners[r]``
+        (``owners`` on the host, as the oracle gives them: noise keys and scales are host bookkeeping)."""
         ...
 
     def agent_event(self, owner: int, sample_rate: float, rows: int) -> dp_accounting.DpEvent:
@@ -128,6 +131,10 @@ class _ScaledNoise:
     def multiplier(self, owner: int) -> float:
         return float(self.noise_multipliers[owner])
 
+    def _row_scales(self, owners: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Each row's noise scale on ``device``, picked on the host (the scales live there)."""
+        return self.scales[owners.cpu()].to(device, non_blocking=True)
+
 
 class GaussianMechanism(_ScaledNoise):
     """``N(0, (sigma_i C)^2)`` per coordinate, for sums with l2 sensitivity ``C`` (DP-SGD; Alg. 1 line 9).
@@ -141,7 +148,7 @@ class GaussianMechanism(_ScaledNoise):
     def perturb(self, values: torch.Tensor, owners: torch.Tensor, noise: NoiseDraw,
                 slots: Sequence[int] | None = None) -> None:
         count, dim = values.shape
-        scale = self.scales.to(values.device)[owners]
+        scale = self._row_scales(owners, values.device)
         owner_rows = owners.tolist()
         # At most an eighth of the rows per block, so that small runs do not hold a full second copy either.
         rows = max(1, min(-(-count // 8), NOISE_BLOCK_BYTES // (4 * dim)))
@@ -171,7 +178,7 @@ class LaplaceMechanism(_ScaledNoise):
     def perturb(self, values: torch.Tensor, owners: torch.Tensor, noise: NoiseDraw,
                 slots: Sequence[int] | None = None) -> None:
         draws = noise.laplace(owners.tolist(), torch.empty_like(values, dtype=noise.dtype), slots)
-        add_noise(values, draws, self.scales.to(values.device)[owners])
+        add_noise(values, draws, self._row_scales(owners, values.device))
 
     def agent_event(self, owner: int, sample_rate: float, rows: int) -> dp_accounting.DpEvent:
         return laplace_event(self.multiplier(owner) / rows, sample_rate)

@@ -57,6 +57,8 @@ class Clipped:
 
     Row ``r`` is a sum over the batch of local agent ``owners[r]``; ``slots[r]`` (optional) names the
     model it was computed for (a receiver's id for cross-gradients) and keys its noise stream.
+    ``owners`` is a host (CPU) tensor: it is bookkeeping (ledger rows, noise keys), which never reads
+    the device, while the sums stay on it.
     """
 
     __slots__ = ("key", "owners", "slots", "_sums", "_open")
@@ -94,6 +96,11 @@ class DataOracle:
         self.expected_batch = (sampler.sample_rates.double() * sampler.data.sizes).float()
         self.device = rng.device
         self.agent_ids = agent_ids if agent_ids is not None else torch.arange(len(self.sample_rates))
+        # Host copies, read once: a round's bookkeeping (who is active, who owns a row, noise keys, the
+        # ledger) runs on the host from values known before the round, never from a device read-back.
+        self._host_ids = self.agent_ids.cpu()
+        self._every_row = torch.arange(self.n_agents)
+        self._expected_batch_here = self.expected_batch.to(self.device)
         self._rates = self.sample_rates.numpy()
         self._event_cache: dict[tuple[int, bytes], tuple[Mechanism, np.ndarray]] = {}
         self._opened: int | None = None  # the last round opened: rounds open once, in increasing order
@@ -104,8 +111,11 @@ class DataOracle:
         return len(self.sample_rates)
 
     # -- the round ---------------------------------------------------------------------------------------
-    def begin(self, round_index: int, active: torch.Tensor | None = None) -> None:
+    def begin(self, round_index: int, active: np.ndarray | torch.Tensor | None = None) -> None:
         """Start a round: only ``active`` agents (a boolean mask; default all) sample, compute and are charged.
+
+        Give the mask on the host (the scheduler's own array, :attr:`RoundPlan.active_on_host`): a mask
+        on an accelerator is read back once here, which waits for the device's queue.
 
         Keys of earlier rounds become invalid.  Each oracle opens a round once, and rounds in increasing
         order: reopening one would draw its batches and noise keys again (a resumed run opens its next
@@ -116,10 +126,15 @@ class DataOracle:
         self._opened = round_index
         self._reset(round_index, active)
 
-    def _reset(self, round_index: int, active: torch.Tensor | None) -> None:
+    def _reset(self, round_index: int, active: np.ndarray | torch.Tensor | None) -> None:
         self.round_index = round_index
-        self.active = active
-        self._active_rows = None if active is None or bool(active.all()) else torch.nonzero(active).squeeze(1)
+        mask = None if active is None else np.asarray(
+            active.cpu() if isinstance(active, torch.Tensor) else active, dtype=bool)
+        everyone = mask is None or bool(mask.all())
+        self._active_on_host = None if everyone else mask
+        #: Active local rows on the host and on the device (``None``: every agent is active).
+        self._active_rows_host = None if everyone else torch.from_numpy(np.flatnonzero(mask))
+        self._active_rows = None if everyone else self._active_rows_host.to(self.device, non_blocking=True)
         self._batches: dict[int, Batch] = {}
         self._pending: dict[int, int] = {}  # batch index -> sealed sums computed on it, not yet released
         self._released: set[int] = set()
@@ -155,32 +170,33 @@ class DataOracle:
         """
         batch = self._check_open(key)
         if owners is None:
-            owners = self._active_rows if self._active_rows is not None else \
-                torch.arange(self.n_agents, device=self.device)
-            models = params if self._active_rows is None else params.index_select(0, owners)
+            host, rows = (self._every_row, None) if self._active_rows is None else \
+                (self._active_rows_host, self._active_rows)
+            models = params if rows is None else params.index_select(0, rows)
         else:
             if len(owners) != params.shape[0]:
                 raise ValueError(f"{params.shape[0]} model rows for {len(owners)} data owners")
-            if self.active is not None and not bool(self.active[owners].all()):
+            host = owners.cpu()  # (given on the host, as algorithms do, this reads nothing back)
+            if self._active_on_host is not None and not self._active_on_host[host.numpy()].all():
                 raise ValueError("an inactive agent's data cannot be used in this round")
-            models = params
+            rows, models = owners.to(self.device, non_blocking=True), params
         result = out if out is not None and models is params else torch.empty_like(models)
-        self._compute(models, batch, owners, result, key.index)
+        self._compute(models, batch, rows, result, key.index)
         self._pending[key.index] += 1
-        return Clipped(key, result, owners, slots)
+        return Clipped(key, result, host, slots)
 
-    def _compute(self, models: torch.Tensor, batch: Batch, owners: torch.Tensor, out: torch.Tensor,
+    def _compute(self, models: torch.Tensor, batch: Batch, owners: torch.Tensor | None, out: torch.Tensor,
                  index: int) -> None:
-        """Per-sample gradients of ``models[r]`` on ``owners[r]``'s batch, ``agents_per_pass`` rows at a time."""
-        everyone = len(owners) == self.n_agents and \
-            bool((owners == torch.arange(self.n_agents, device=owners.device)).all())
-        x, y, mask = (batch.x, batch.y, batch.mask) if everyone else \
+        """Per-sample gradients of ``models[r]`` on ``owners[r]``'s batch (device rows; ``None``: every
+        agent on its own, in order), ``agents_per_pass`` rows at a time."""
+        x, y, mask = (batch.x, batch.y, batch.mask) if owners is None else \
             (batch.x[owners], batch.y[owners], batch.mask[owners])
         norms = torch.empty(mask.shape, dtype=models.dtype, device=models.device)
-        step = max(1, self.agents_per_pass or len(owners))
+        count = len(models)
+        step = max(1, self.agents_per_pass or count)
         with self.timer.phase("gradients"):
-            for start in range(0, len(owners), step):
-                rows = slice(start, min(len(owners), start + step))
+            for start in range(0, count, step):
+                rows = slice(start, min(count, start + step))
                 if self.mechanism is None:
                     weights = mask[rows] / mask[rows].sum(dim=1).clamp(min=1.0)[:, None]
                     out[rows] = self.model.batch_gradients(models[rows], x[rows], y[rows], weights)
@@ -196,7 +212,8 @@ class DataOracle:
         self._check_open(clipped.key)
         if not clipped._open:
             raise NoiseReuseError("a Clipped value is released once: it was already released")
-        result = Clipped(clipped.key, clipped._sums.index_select(0, index), clipped.owners[index], None)
+        rows = index.to(clipped._sums.device, non_blocking=True)
+        result = Clipped(clipped.key, clipped._sums.index_select(0, rows), clipped.owners[index.cpu()], None)
         clipped._sums, clipped._open = None, False
         return result
 
@@ -226,14 +243,14 @@ class DataOracle:
             raise ValueError("this run is non-private: its sums are unclipped batch means, whose sensitivity no "
                              "mechanism's event describes")
         mechanism = mechanism if mechanism is not None else (self.mechanism or NoNoise())
-        owners = torch.cat([item.owners for item in sums]).cpu()
+        owners = torch.cat([item.owners for item in sums])  # on the host
         rows = np.bincount(owners.numpy(), minlength=self.n_agents)
         events = self._event_ids(mechanism, rows)
         with self.timer.phase("ledger"):
             if receivers is None:
                 authorized = self.ledger.charge(self.round_index, events, agents=rows > 0)
             else:
-                senders, observers = owners.numpy(), receivers.cpu().numpy()
+                senders, observers = owners.numpy(), receivers.cpu().numpy()  # (receivers: pass them on the host)
                 observed_by = getattr(mechanism, "observed_by", None)
                 if observed_by is not None:  # the mechanism says who observes what (not one receiver per row)
                     senders, observers, observed = observed_by(senders, observers, self._rates)
@@ -242,7 +259,7 @@ class DataOracle:
                 receiver_events = np.array([self.ledger.intern(event) for event in observed], dtype=np.int64)
                 authorized = self.ledger.charge(self.round_index, events, agents=rows > 0, senders=senders,
                                                 receivers=observers, receiver_events=receiver_events)
-        noise = NoiseDraw(self.rng, self.agent_ids, self.round_index, self._releases)
+        noise = NoiseDraw(self.rng, self._host_ids, self.round_index, self._releases)
         self._releases += 1
         self._released.add(key.index)
         released = []
@@ -258,8 +275,8 @@ class DataOracle:
                     slots = [position] * len(item.owners)
                 mechanism.perturb(values, item.owners, noise, slots)
                 refused = refused_rows[offsets[position]:offsets[position + 1]]
-                if refused.any():  # refused agents release nothing
-                    values[torch.from_numpy(refused).to(values.device, non_blocking=True)] = 0.0
+                if refused.any():  # refused agents release nothing (rows found on the host: no mask on the device)
+                    values.index_fill_(0, torch.from_numpy(np.flatnonzero(refused)).to(values.device), 0.0)
                 released.append(values)
         self.last_authorized = torch.from_numpy(authorized)
         self.last_batch_sizes = self._batches[key.index].sizes
@@ -271,7 +288,8 @@ class DataOracle:
         nothing is read back until :attr:`last_clipped_fraction` is (only by ``--diagnostics``)."""
         counts = []
         for owners, norms, mask in self._norms.pop(index, []):
-            real = mask.bool() & torch.from_numpy(authorized).to(mask.device, non_blocking=True)[owners][:, None]
+            allowed = torch.from_numpy(authorized).to(mask.device, non_blocking=True)
+            real = mask.bool() & (allowed if owners is None else allowed[owners])[:, None]
             counts.append(torch.stack([((norms > self.clip_norm) & real).sum(), real.sum()]))
         self._clipping = torch.stack(counts).sum(dim=0) if counts else None
 
@@ -314,5 +332,5 @@ class DataOracle:
         if self._active_rows is not None:  # inactive agents release nothing
             released = out.zero_().index_copy_(0, self._active_rows, released)
         if self.mechanism is not None:
-            released.div_(self.expected_batch.to(released.device)[:, None])
+            released.div_(self._expected_batch_here[:, None])
         return released

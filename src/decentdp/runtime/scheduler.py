@@ -50,7 +50,7 @@ class Scheduler:
         self.participation = participation
         self.device = torch.device(device)
         self.previous_partner = np.arange(n_total)  # nobody was paired before round 0
-        self._graph_cache: tuple[Network, np.ndarray, list[list[int]]] | None = None
+        self._graph_cache: tuple[torch.Tensor, np.ndarray, list[list[int]]] | None = None
 
     @property
     def everyone_always(self) -> bool:
@@ -76,7 +76,8 @@ class Scheduler:
             partner = self._pair(online, draws, network)
             self.previous_partner = partner
         rows, _ = self._graph(network)
-        return RoundPlan(self._to_device(online[rows]), None if partner is None else self._to_device(partner[rows]))
+        return RoundPlan(self._to_device(online[rows]), None if partner is None else self._to_device(partner[rows]),
+                         active_on_host=online[rows])
 
     def _to_device(self, values: np.ndarray) -> torch.Tensor:
         """A host array on the engine's device, without waiting for the device's queue (the source is
@@ -85,12 +86,13 @@ class Scheduler:
 
     def _graph(self, network: Network) -> tuple[np.ndarray, list[list[int]]]:
         """The network's global ids of its rows and every agent's neighbours, on the host, read once per
-        network (a round then reads nothing back from the device)."""
-        if self._graph_cache is None or self._graph_cache[0] is not network:
+        graph (a round then reads nothing back from the device).  Keyed by the ``out_edges`` tensor, so
+        that views of one graph made per round (a profiler's wrapper, a shard's global graph) share it."""
+        if self._graph_cache is None or self._graph_cache[0] is not network.out_edges:
             neighbours: list[list[int]] = [[] for _ in range(self.n_total)]
             for src, dst in network.out_edges.tolist():
                 neighbours[src].append(dst)
-            self._graph_cache = (network, network.agent_ids.cpu().numpy(), neighbours)
+            self._graph_cache = (network.out_edges, network.agent_ids.cpu().numpy(), neighbours)
         return self._graph_cache[1], self._graph_cache[2]
 
     def _pair(self, online: np.ndarray, draws: np.random.Generator, network: Network) -> np.ndarray:

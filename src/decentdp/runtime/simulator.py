@@ -52,7 +52,8 @@ class Simulator:
         plan: RoundPlan | None = None
         if round_index != SETUP_ROUND and not self.scheduler.everyone_always:
             plan = self.scheduler.plan(round_index, network)
-        self.oracle.begin(round_index, None if plan is None else plan.active)
+        self.oracle.begin(round_index, None if plan is None else
+                          plan.active if plan.active_on_host is None else plan.active_on_host)
         lr = self.schedule(max(round_index, 0))
         return RoundContext(round_index, lr, self.wrap_network(network), self.oracle, plan, self.rng)
 
