@@ -18,7 +18,8 @@ T/n in {1, 2, 4, 8} on ``--seeds`` problem instances of ``synthetic.toml`` (p = 
 
 Non-private CD at T/n in {4, 32, 1000} from zero, the local models and their propagation (is its
 accuracy Q_L's optimum or early stopping?), and Proposition 2's contraction (how far its allocation
-is from the equal one).  And the private warm start (output perturbation, Chaudhuri et al. 2011, then model propagation)
+is from the equal one); the local models, non-private and private CD at p = 20 and 50 (Figure 2(c)'s
+axis).  And the private warm start (output perturbation, Chaudhuri et al. 2011, then model propagation)
 for eps in {0.05, 0.5, 5, 50, inf}: accuracy of the propagated models (Theta(0) of Figure 2(b)),
 and the ratio ||noise|| / ||theta_loc|| per agent beside its lower bound 2 p / (m_i eps): the
 local model satisfies 2 lambda_i theta = -(mean clipped gradient), so ||theta_loc|| <= C / (2 lambda_i),
@@ -45,7 +46,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
 from decentdp.config import load_config  # noqa: E402
 from decentdp.personalized.local import local_models, output_perturbation  # noqa: E402
-from decentdp.personalized.runner import build_run, evaluate  # noqa: E402
+from decentdp.personalized.runner import build_run, evaluate, run_personalized  # noqa: E402
 from decentdp.personalized.solver import PrivateUpdates, coordinate_descent, model_propagation  # noqa: E402
 from decentdp.privacy.ledger import PrivacyLedger  # noqa: E402
 from decentdp.run.build import random_source  # noqa: E402
@@ -126,6 +127,21 @@ def allocation_spread(seed: int, ticks_per_agent: int = 8) -> dict[str, float]:
             "contraction": contraction, "spread": contraction ** (ticks_per_agent * problem.n_agents / 3)}
 
 
+def by_dimension(seed: int, dim: int) -> dict[str, float]:
+    """Figure 2(c)'s axis: local models, non-private CD (T/n = 8) and the shipped private CD from Theta(0) = 0
+    (best T/n) at eps-bar 0.15 and 1.05, for features of dimension ``dim``."""
+    def accuracy(overrides: list[str]) -> float:
+        config = load_config(CONFIG, [f"experiment.seed={seed}", f"personalized.dim={dim}", *overrides])
+        return run_personalized(config, log=lambda _line: None)[0]["accuracy_mean"]
+
+    row = {"local": accuracy(['personalized.method="local"']),
+           "non-private": accuracy(['privacy.epsilon="inf"', "personalized.wakeups=8"])}
+    for epsilon in (0.15, 1.05):
+        row[f"private {epsilon}"] = max(accuracy([f"privacy.epsilon={epsilon}", f"personalized.wakeups={wakeups}"])
+                                        for wakeups in WAKEUPS)
+    return row
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
@@ -167,6 +183,11 @@ def main() -> None:
         results.setdefault("nonprivate_cd", []).append({"wakeups": wakeups, **row})
         print(f"non-private CD, T/n = {wakeups}: " + ", ".join(f"from {k} {v:.3f}" for k, v in row.items()),
               flush=True)
+    for dim in (20, 50):
+        rows = [by_dimension(seed, dim) for seed in seeds]
+        row = {key: _mean([r[key] for r in rows]) for key in rows[0]}
+        results.setdefault("by_dimension", []).append({"dim": dim, **row})
+        print(f"p = {dim}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
     results["allocation"] = allocation_spread(0)
     print("Proposition 2 (seed 0): " + ", ".join(f"{k} {v:.6g}" for k, v in results["allocation"].items()))
     (out / "diagnosis.json").write_text(json.dumps(results, indent=2) + "\n")
