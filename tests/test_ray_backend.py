@@ -21,7 +21,7 @@ import torch
 
 from decentdp.config import load_config
 from decentdp.errors import ConfigError
-from decentdp.results import PRIVACY_FILE
+from decentdp.results import CHECKPOINT_FILE, PRIVACY_FILE
 from decentdp.run.build import build_experiment
 from decentdp.run.loop import run_experiment
 
@@ -37,7 +37,7 @@ def local_ray():
     """One local Ray instance for this module (runs attach to it instead of starting their own)."""
     from decentdp.runtime.ray_backend import connect
 
-    ray, owned = connect("", workers=3)
+    ray, owned = connect("", workers=4)  # CPUs for 4 workers (the most a test starts)
     assert owned
     yield ray
     ray.shutdown()
@@ -127,16 +127,70 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint(local_ray) -> None:
     assert [ledger.history(i) for i in range(10)] == [reference.ledger.history(i) for i in range(10)]
 
 
-def test_a_run_resumes_on_another_number_of_workers(local_ray, tmp_path: Path) -> None:
+def _placement(workers: int) -> tuple[str, ...]:
+    """Overrides that run on ``workers`` Ray workers (0: the simulator)."""
+    return ("engine.backend=ray", f"engine.workers={workers}") if workers else ()
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (2, 0), (0, 2)])
+def test_a_run_resumes_on_another_number_of_workers(local_ray, tmp_path: Path, before: int, after: int) -> None:
+    """Stopped after round 6 on ``before`` workers (0: the simulator), resumed on ``after``: the uninterrupted
+    simulator's result, every release counted once."""
     common = ("experiment.rounds=12", "experiment.eval_every=3", "privacy.accountant=rdp")
     whole = run_experiment(_demo(*common), tmp_path / "whole", **QUIET)
-    run_experiment(_demo(*common, "engine.backend=ray", "engine.workers=2"), tmp_path / "split", stop_after=6,
-                   **QUIET)
-    resumed = run_experiment(_demo(*common, "engine.backend=ray", "engine.workers=1"), tmp_path / "split",
-                             resume=True, **QUIET)
+    run_experiment(_demo(*common, *_placement(before)), tmp_path / "split", stop_after=6, **QUIET)
+    saved = torch.load(tmp_path / "split" / CHECKPOINT_FILE, weights_only=True)
+    assert ("shards" in saved) == (before > 0) and ("state" in saved) == (before == 0)  # workers wrote the rows
+    resumed = run_experiment(_demo(*common, *_placement(after)), tmp_path / "split", resume=True, **QUIET)
     assert resumed.summary["accuracy_mean"] == pytest.approx(whole.summary["accuracy_mean"], abs=1e-4)
     assert resumed.summary["epsilon_per_agent"] == whole.summary["epsilon_per_agent"]
     assert _ledger_runs(tmp_path / "split") == _ledger_runs(tmp_path / "whole")
+    torch.testing.assert_close(resumed.state["params"], whole.state["params"], rtol=0, atol=1e-5)
+
+
+def test_the_workers_checkpoint_survives_a_kill_and_resumes_on_four(local_ray, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a results folder the workers write the checkpoints and ``checkpoint.pt`` only names their files.
+    SIGKILL a worker after round 6: the fresh workers read round 4 back from the files and replay; stopped
+    after round 8 and resumed on 4 workers, the run ends as the uninterrupted simulator's, every release
+    counted once (``privacy.json``'s ledger)."""
+    from decentdp.runtime import ray_backend
+
+    engines: list = []
+
+    class Recorded(ray_backend.RaySimulator):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(ray_backend, "RaySimulator", Recorded)
+    common = ("experiment.rounds=12", "experiment.eval_every=2", "experiment.checkpoint_every=4",
+              "privacy.accountant=rdp")
+    whole = run_experiment(_demo(*common), tmp_path / "whole", **QUIET)
+    killed: list[int] = []
+
+    def kill_after_round_6(line: str) -> None:
+        if line.startswith("round     6/") and not killed:
+            killed.append(engines[0].worker_pids()[1])
+            os.kill(killed[0], signal.SIGKILL)
+
+    folder = tmp_path / "ray"
+    run_experiment(_demo(*common, *_placement(2)), folder, stop_after=8, progress=False, log=kill_after_round_6)
+    assert killed and engines[0].restarts == 1
+    saved = torch.load(folder / CHECKPOINT_FILE, weights_only=True)
+    assert saved["round"] == 8 and "state" not in saved and "ledger" not in saved
+    shards = saved["shards"]
+    assert [entry["agents"] for entry in shards["files"]] == [[0, 5], [5, 10]]
+    assert all((folder / shards["directory"] / entry["file"]).stat().st_size == entry["bytes"]
+               for entry in shards["files"])
+    kept = sorted(path.name for path in (folder / "shards").iterdir())
+    assert len(kept) <= 2 and Path(shards["directory"]).name in kept  # older checkpoints' files removed
+    assert not list((folder / "shards").rglob(".*.tmp"))
+
+    resumed = run_experiment(_demo(*common, *_placement(4)), folder, resume=True, **QUIET)
+    assert len(engines) == 2 and engines[1].restarts == 0
+    assert _ledger_runs(folder) == _ledger_runs(tmp_path / "whole")
+    assert resumed.summary["epsilon_per_agent"] == whole.summary["epsilon_per_agent"]
     torch.testing.assert_close(resumed.state["params"], whole.state["params"], rtol=0, atol=1e-5)
 
 
