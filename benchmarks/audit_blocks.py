@@ -6,6 +6,9 @@ as blocks of one simulation (:func:`decentdp.audit.blocks.block_simulation`) and
 trainings each in its own simulation of one block (what one process per model would cost, without the
 process start-up), both for ``--rounds`` rounds of the config; then extrapolates the full audit
 (``audit.models`` per world, ``experiment.rounds`` rounds) from the block mode's seconds per model-round.
+With ``--ungrouped``, (c) the same block trainings with the stacked engine's agent groups switched off
+(one call for all agents, padded to the round's largest batch: the engine before the groups) are
+timed in the same interleaved loop, for a before/after ratio under the same load.
 
     python benchmarks/audit_blocks.py experiments/audits/mia-dp-dsgd.toml --data-dir ../shared/data
 """
@@ -25,6 +28,7 @@ from _machine import cpu_model
 from decentdp.audit.blocks import audit_experiment, block_simulation
 from decentdp.audit.mia import membership_data
 from decentdp.audit.settings import load_audit_config
+from decentdp.gradients import stacked_model
 
 
 def _train(experiment, x, y, parts, blocks: int, seed: int, rounds: int) -> tuple[float, float]:  # noqa: ANN001
@@ -45,6 +49,8 @@ def main() -> None:
     parser.add_argument("--separate", type=int, default=4, help="trainings timed one simulation each")
     parser.add_argument("--rounds", type=int, default=10, help="rounds timed per training")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--ungrouped", action="store_true",
+                        help="also time the blocks with the engine's agent groups off (before/after)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -52,10 +58,18 @@ def main() -> None:
     experiment = audit_experiment(config, data_dir=args.data_dir)
     x, y, parts = membership_data(experiment, audit.digits, audit.per_digit)
     _train(experiment, x, y, parts, 2, 0, 1)  # warm-up, and the calibration (cached for the audit)
-    block_times, separate_times = [], []
-    for repeat in range(args.repeats):  # interleaved: the machine's drift hits both modes alike
+    block_times, separate_times, ungrouped_times = [], [], []
+    for repeat in range(args.repeats):  # interleaved: the machine's drift hits every mode alike
         block_times.append(np.array(_train(experiment, x, y, parts, args.models, 1000 + repeat, args.rounds))
                            / (args.models * args.rounds))
+        if args.ungrouped:
+            grouped_budget = stacked_model.GROUP_ACTIVATION_BYTES
+            stacked_model.GROUP_ACTIVATION_BYTES = 2**62  # one group of every agent at full width
+            try:
+                ungrouped_times.append(np.array(_train(experiment, x, y, parts, args.models, 1000 + repeat,
+                                                       args.rounds)) / (args.models * args.rounds))
+            finally:
+                stacked_model.GROUP_ACTIVATION_BYTES = grouped_budget
         separate = [np.array(_train(experiment, x, y, parts, 1, 2000 + repeat * args.separate + k, args.rounds))
                     for k in range(args.separate)]
         separate_times.append(sum(separate) / (args.separate * args.rounds))
@@ -78,6 +92,12 @@ def main() -> None:
         "platform": platform.platform(), "cpu": cpu_model(), "cores": os.cpu_count(),
         "torch": torch.__version__, "threads": torch.get_num_threads(), "load_average": os.getloadavg()[0],
     }
+    if ungrouped_times:
+        ungrouped, cpu_ungrouped = (float(v) for v in np.median(ungrouped_times, axis=0))
+        result.update({
+            "seconds_per_model_round_ungrouped": ungrouped, "cpu_seconds_per_model_round_ungrouped": cpu_ungrouped,
+            "cpu_speedup_grouped_over_ungrouped": cpu_ungrouped / cpu_per_model_round,
+            "full_audit_cpu_minutes_ungrouped": cpu_ungrouped * full_models * config.experiment.rounds / 60})
     for key, value in result.items():
         print(f"{key:>36}: {value:.4g}" if isinstance(value, float) else f"{key:>36}: {value}")
     if args.json:

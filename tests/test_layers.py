@@ -46,7 +46,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn.utils import vector_to_parameters
 
-from decentdp.gradients import layers
+from decentdp.gradients import layers, stacked_model
 from decentdp.gradients.clipping import clip_factors
 from decentdp.gradients.flat_model import FlatModel
 from decentdp.gradients.layers import StackedConv2d, StackedLinear, Unsupported
@@ -515,6 +515,52 @@ def test_results_do_not_depend_on_the_temporaries_chunking(monkeypatch: pytest.M
     check_embedding(
         {"agents": 2, "batch": 3, "vocabulary": 2, "dim": 3, "positions": 5, "padding_idx": 0, "hidden": 2,
          "classes": 3, "seed": 8})
+
+
+def test_results_do_not_depend_on_the_agent_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a one-byte group budget every agent runs alone, cut to its last real sample (the masks of
+    these checks have padding anywhere, not only at the end): the results are the one-call results."""
+    monkeypatch.setattr(stacked_model, "GROUP_ACTIVATION_BYTES", 1)
+    monkeypatch.setattr(stacked_model, "GROUP_MIN_ACTIVATION_RATIO", 0)
+    check_linear(_LINEAR_GHOST)
+    check_conv(_CONV_GHOST)
+    check_conv(_CONV_MATERIALISED)
+    for name in ("conv-ghost", "group-norm"):  # non-finite samples inside groups
+        test_non_finite_sample_contributes_nothing_and_leaves_others_alone(name)
+
+
+def test_grouped_convnet_equals_one_call_on_poisson_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ConvNet of the audits on Poisson-sized padded batches: groups give the one-call sums and norms."""
+    template = build_model("convnet", (1, 12, 12), 3, seed=0)
+    model = gradient_model(template, classification_loss, "stacked")
+    gen = torch.Generator().manual_seed(3)
+    sizes = torch.tensor([1, 7, 3, 7, 5, 2])
+    mask = (torch.arange(7)[None, :] < sizes[:, None]).float()
+    params = agent_parameters(template, len(sizes), 4)
+    x, y = _float_inputs(gen, len(sizes), 7, 1, 12, 12), _labels(gen, 3, len(sizes), 7)
+    monkeypatch.setattr(stacked_model, "GROUP_ACTIVATION_BYTES", 2**62)
+    one_call = model.clipped_gradient_sums(params, x, y, mask, 0.5)
+    per_sample = model._bytes_per_sample(x, y)
+    monkeypatch.setattr(stacked_model, "GROUP_ACTIVATION_BYTES", 3 * 4 * per_sample)  # 3 agents of width 4
+    assert len(stacked_model.agent_groups(mask, per_sample, stacked_model.GROUP_ACTIVATION_BYTES)) > 1
+    out = torch.full_like(params, float("nan"))
+    grouped = model.clipped_gradient_sums(params, x, y, mask, 0.5, out=out)
+    assert grouped[0] is out
+    torch.testing.assert_close(grouped[0], one_call[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grouped[1], one_call[1], rtol=1e-5, atol=1e-6)
+
+
+def test_agent_groups_cover_every_agent_once_within_the_budget() -> None:
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.float32)
+    groups = stacked_model.agent_groups(mask, bytes_per_sample=10, budget=40)
+    seen = torch.cat([rows for rows, _ in groups]).sort().values
+    assert seen.tolist() == [0, 1, 2, 3, 4]
+    last_real = {0: 2, 1: 3, 2: 1, 3: 4, 4: 1}  # an agent without samples still takes one column
+    for rows, width in groups:
+        assert rows.tolist() == sorted(rows.tolist())
+        assert all(last_real[r] <= width for r in rows.tolist())
+        assert len(rows) == 1 or len(rows) * width * 10 <= 40
+    assert [width for _, width in groups] == sorted(width for _, width in groups)
 
 
 # ---------------------------------------------------------------------------------------------
