@@ -1,10 +1,18 @@
 """The cost of TOP-DP's per-receiver messages: a TOP-DP round against a DP-DSGD round (issue 12, item 5).
 
 TOP-DP (Guo et al., Algorithm 1) releases, per round, one noisy copy of each agent's clipped gradient
-sum for its local estimate plus one per covered out-edge (each receiver gets its own message with its
-own residual noise), and builds every message as an ``(E, d)`` mix.  The target is a synchronous
-TOP-DP round at most 1.5x a DP-DSGD round with the same model, data, graph and expected batch, and an
+sum for its local estimate plus one per cover group (the receivers one neighbour covers share one
+message with its own residual noise), mixes those rows in place, and delivers each out-edge its
+row (in one process by index: no ``(E, d)`` message tensor).  The target is a synchronous TOP-DP
+round at most 1.5x a DP-DSGD round with the same model, data, graph and expected batch, and an
 asynchronous round (Algorithm 2, pairing) with 30 % of agents offline within the same bound.
+
+After the timed rounds, as many more rounds per method run with the oracle's phase timer, which
+splits a round into sampling, gradients, noise and ledger (the rest is the algorithm's own work:
+cover, mixing, delivery); and the *floor* is printed: a DP-DSGD round plus the extra Gaussian rows
+TOP-DP must draw (its local estimates and every cover group need independent noise), at the
+measured cost of one row, over a DP-DSGD round.  No implementation of Algorithm 1 that draws
+its noise from the run's keyed streams can be faster than that floor.
 
 Setting (the paper's Section VII): MNIST, i.i.d. split over N = 30 agents on an Erdos-Renyi graph with
 connection rate 0.2, the MLP with one hidden layer of 100, expected batch 64, clip 4, epsilon 1
@@ -41,6 +49,7 @@ from _common import (
 from decentdp.algorithms.topology_noise import CoverPlanner, cover_groups
 from decentdp.rng import Stream
 from decentdp.util.allocator import retain_freed_memory
+from decentdp.util.profiling import PhaseTimer
 
 AGENTS, BATCH, CLIP, ROUNDS = 30, 64, 4.0, 2000
 OFFLINE = 0.3
@@ -74,7 +83,7 @@ def noise_rows(experiment: Any) -> dict[str, Any]:
     n = network.n_agents
     sigma = experiment.noise_multipliers.double().numpy()
     batch = experiment.oracle.expected_batch.double().numpy()
-    cover = CoverPlanner(network).plan(0.5, sigma, batch, torch.Generator().manual_seed(0), range(n))
+    cover = CoverPlanner(network).plan(0.5, sigma, batch, torch.Generator().manual_seed(0))
     groups = len(cover_groups(cover.via).via)
     rng, dim = experiment.simulator.rng, experiment.model.dim
     seconds = []
@@ -84,6 +93,25 @@ def noise_rows(experiment: Any) -> dict[str, Any]:
         seconds.append((time.perf_counter() - start) / n)
     return {"top_dp_rows": n + groups, "dp_dsgd_rows": n, "covered_edges": int((cover.via >= 0).sum()),
             "row_seconds": sorted(seconds)[2]}
+
+
+def phase_split(experiments: dict[str, Any], runners: dict[str, Any], rounds: int) -> dict[str, dict[str, float]]:
+    """``rounds`` more interleaved rounds per method, split into the oracle's phases (mean seconds per round;
+    ``other``: the algorithm's own work outside the oracle)."""
+    timers = {}
+    for name, experiment in experiments.items():
+        timers[name] = experiment.oracle.timer = PhaseTimer()
+    total = dict.fromkeys(experiments, 0.0)
+    for _ in range(rounds):
+        for name, run in runners.items():
+            start = time.perf_counter()
+            run()
+            total[name] += time.perf_counter() - start
+    split = {}
+    for name, timer in timers.items():
+        phases = {phase: seconds / rounds for phase, seconds in timer.seconds.items()}
+        split[name] = {**phases, "other": total[name] / rounds - sum(phases.values()), "round": total[name] / rounds}
+    return split
 
 
 class SetupRunner(EngineRunner):
@@ -120,14 +148,21 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {name}: {ratio:.2f}x (target <= {TARGET}x)")
     rows = noise_rows(top)
     extra = (rows["top_dp_rows"] - rows["dp_dsgd_rows"]) * rows["row_seconds"]
+    floor = (base + extra) / base
     print(f"  noise rows per round: TOP-DP {rows['top_dp_rows']} ({rows['covered_edges']} covered edges in "
           f"{rows['top_dp_rows'] - AGENTS} groups), DP-DSGD {rows['dp_dsgd_rows']}; one row "
           f"{rows['row_seconds'] * 1e3:.2f} ms, so the extra draws alone cost {extra:.3f} s "
-          f"({extra / base:.2f}x a DP-DSGD round)")
+          f"({extra / base:.2f}x a DP-DSGD round): floor {floor:.2f}x")
+    split = phase_split({name: experiments[name] for name in ("dp_dsgd", "top_dp")},
+                        {name: runners[name] for name in ("dp_dsgd", "top_dp")}, args.rounds)
+    for name, phases in split.items():
+        print(f"  {name} per round (ms): " + ", ".join(f"{phase} {seconds * 1e3:.1f}" for phase, seconds in
+                                                      phases.items()))
     load_after = os.getloadavg()[0]
     print(f"load average after: {load_after:.2f}; data: {'synthetic' if factory.synthetic else 'MNIST'}")
     if args.json:
-        print(json.dumps({**ratios, "round_seconds": stats, "noise": rows, "parameters": top.model.dim,
+        print(json.dumps({**ratios, "round_seconds": stats, "noise": rows, "floor_over_dsgd": floor,
+                          "phase_seconds": split, "parameters": top.model.dim,
                           "edges": len(top.topology.edges()), "offline_probability": OFFLINE,
                           "timed_rounds": args.rounds, "warmup_rounds": args.warmup,
                           "synthetic_data": factory.synthetic, "load_average_after": load_after, **machine},

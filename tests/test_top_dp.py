@@ -22,6 +22,7 @@ from decentdp.privacy.receiver_budget import rdp_epsilon_upper_bound
 from decentdp.rng import AgentRandom, Stream
 from decentdp.run.build import build_experiment
 from decentdp.runtime.network import SimulatedNetwork
+from decentdp.runtime.sharded import ShardNetwork, shard_bounds
 from decentdp.topology import topology_from_matrix
 
 
@@ -89,6 +90,51 @@ def test_heterogeneous_budgets_fall_back_to_full_noise_never_negative_variance()
     assert (cover.via[mine] == -1).all() and (cover.multiplier[mine] == 0.5).all()
     assert cover.fallback == int(planner.coverable[mine].sum()) == 4
     assert np.isfinite(cover.multiplier).all() and (cover.multiplier > 0).all()
+
+
+def test_a_shard_plans_its_out_edges_as_the_simulator_does() -> None:
+    """The planner reads neighbours' neighbours from the public graph and sigma / L by global id, and draws
+    every agent's order, so each shard's cover is the simulator's on the shard's out-edges."""
+    whole = _network(nx.gnp_random_graph(9, 0.5, seed=3))
+    sigma, batch = np.linspace(1.0, 1.6, 9), np.linspace(30.0, 50.0, 9)
+    expected = CoverPlanner(whole).plan(0.5, sigma, batch, torch.Generator().manual_seed(7))
+    position = {tuple(edge): e for e, edge in enumerate(whole.out_edges.tolist())}
+    covered = 0
+    for shard in range(3):
+        net = ShardNetwork(whole.topology, shard_bounds(9, 3), shard, transport=None)
+        cover = CoverPlanner(net).plan(0.5, sigma, batch, torch.Generator().manual_seed(7))
+        for e, edge in enumerate(net.out_edges.tolist()):
+            f = position[tuple(edge)]
+            assert cover.multiplier[e] == expected.multiplier[f]
+            via = (tuple(net.in_edges[cover.via[e]].tolist()) if cover.via[e] >= 0 else None)
+            assert via == (tuple(whole.in_edges[expected.via[f]].tolist()) if expected.via[f] >= 0 else None)
+            covered += cover.via[e] >= 0
+    assert covered == int((expected.via >= 0).sum()) > 0
+
+
+def test_messages_read_by_index_equal_messages_exchanged() -> None:
+    """In one process the receivers read the senders' released rows by index (no (E, d) messages); through
+    ``Network.exchange`` (as on a shard) the same rounds come out."""
+    results = []
+    for exchanged in (False, True):
+        raw = tiny_config(algorithm={"name": "top-dp", "lr": 0.1, "batch_size": 16, "alpha": 0.5},
+                          topology={"graph": "erdos-renyi", "agents": 6, "p": 0.6})
+        experiment = build_experiment(validate_config(raw))
+        network = experiment.simulator.graphs.at(0)
+        if exchanged:  # an in-edge list that is not the out-edge list: messages go through exchange
+            network.in_edges = network.in_edges.clone()
+        with torch.no_grad():
+            state = experiment.simulator.setup(experiment.initial_state())
+            for k in range(3):
+                state = experiment.algorithm.round(state, experiment.simulator.context(k))
+        assert torch.equal(state["params"], state["received"][:6])   # the own estimates, then what arrived
+        edges = len(network.in_edges)
+        assert len(state["received"]) == 6 + edges if exchanged else len(state["received"]) < 6 + edges
+        results.append((state["params"], state["received"][state["received_index"]], experiment.ledger.releases()))
+    assert results[1][0].shape == results[0][0].shape and len(results[1][1]) == len(results[0][1])
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=1e-7)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=1e-7)
+    np.testing.assert_array_equal(results[1][2], results[0][2])
 
 
 def _simulate(algorithm: str, rounds: int, **sections: dict) -> tuple:
