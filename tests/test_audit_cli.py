@@ -94,3 +94,24 @@ def test_attack_inversion_json_and_figure(tmp_path: Path, capsys: pytest.Capture
             "mse_private"} <= set(summary)
     assert summary["ssim_nonprivate"] > summary["ssim_private"]
     assert (out / "reconstructions.png").stat().st_size > 0 and (out / "scores.csv").is_file()
+
+
+def test_attack_inversion_of_a_momentum_difference(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """ND-MM / DPDL-MM through the CLI: the release is named in the summary, and the private one scores lower."""
+    pytest.importorskip("skimage", reason="scikit-image is the audit extra")
+    config = _config(tmp_path, model={"name": "mlp", "options": {"hidden": 32}},
+                     audit={"images": 1, "iterations": 60, "epsilons": [1.0], "release": "momentum-difference",
+                            "momentum_round": 2})
+    assert main(["attack", "inversion", str(config), "--json", "--out", str(tmp_path / "mm")]) == 0
+    summary = _last_json(capsys.readouterr().out)
+    assert summary["release"] == "momentum-difference"
+    assert summary["ssim_nonprivate"] > summary["ssim_private"]
+
+
+def test_momentum_difference_needing_more_records_than_the_set_is_a_config_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("skimage", reason="scikit-image is the audit extra")
+    config = _config(tmp_path, model={"name": "mlp", "options": {"hidden": 32}},
+                     audit={"images": 1, "iterations": 1, "release": "momentum-difference", "momentum_round": 10**6})
+    assert main(["attack", "inversion", str(config)]) == 2
+    assert "audit.momentum_round" in capsys.readouterr().err

@@ -17,6 +17,7 @@ from decentdp.audit.inversion import (  # noqa: E402
     invert,
     label_from_bias,
     matched_scores,
+    momentum_difference,
     released_message,
     to_pixels,
 )
@@ -57,13 +58,18 @@ def digits() -> tuple:
     return dataset, model, box
 
 
-def _attack(digits: tuple, attack: str, epsilon: float | None, index: int) -> tuple[float, int]:
+def _attack(digits: tuple, attack: str, epsilon: float | None, index: int,
+            release: str = "gradient") -> tuple[float, int]:
     dataset, model, box = digits
     theta = model.initial_parameters()
     x, y = dataset.x_train[index:index + 1], dataset.y_train[index:index + 1]
     mechanism = None if epsilon is None else GaussianMechanism(
         torch.tensor([calibrate_noise_multiplier(epsilon, 1e-5, 1 / 700, 100, 1, "rdp")]), 1.0)
-    message = released_message(model, theta, x, y, mechanism, seed=index)
+    if release == "momentum-difference":  # ND-MM / DPDL-MM: v^3 - v^2 of beta = 0.9 steps, inverted at x^2
+        earlier = [(dataset.x_train[k:k + 1], dataset.y_train[k:k + 1]) for k in (100 + 2 * index, 101 + 2 * index)]
+        theta, message = momentum_difference(model, theta, [*earlier, (x, y)], mechanism, index, 0.9, 0.1)
+    else:
+        message = released_message(model, theta, x, y, mechanism, seed=index)
     found = invert(model, theta, message, tuple(x.shape), 10, attack, 150, 0.1, 1e-4, box,
                    torch.Generator().manual_seed(index))
     (scores,) = matched_scores(to_pixels(x, box), to_pixels(found.images, box))
@@ -88,3 +94,45 @@ def test_a_private_gradient_resists_inversion(digits: tuple) -> None:
 def test_label_from_bias_reads_the_negative_entry() -> None:
     message = torch.tensor([0.3, -0.1, 0.2, 0.05, -0.9, 0.25])
     assert label_from_bias(message, 3) == 1
+
+
+def test_a_non_private_momentum_difference_is_inverted(digits: tuple) -> None:
+    """ND-MM: the difference of consecutive momenta carries the round's gradient, enough to see the digit."""
+    dataset = digits[0]
+    for index in range(2):
+        ssim, label = _attack(digits, "geiping", None, index, "momentum-difference")
+        assert ssim >= 0.6
+        assert label == int(dataset.y_train[index])
+
+
+def test_a_private_momentum_difference_resists_inversion(digits: tuple) -> None:
+    """DPDL-MM at epsilon = 1: two releases' noise in the difference, nothing recognisable."""
+    for index in range(2):
+        ssim, _ = _attack(digits, "geiping", 1.0, index, "momentum-difference")
+        assert ssim <= 0.2
+
+
+def test_momentum_difference_follows_the_momentum_steps(digits: tuple) -> None:
+    """v^{t+1} - v^t from eqs. 19-20 by hand, at x^t; the private one differs from it by fresh noise each round."""
+    dataset, model, _ = digits
+    theta = model.initial_parameters()
+    batches = [(dataset.x_train[k:k + 2], dataset.y_train[k:k + 2]) for k in (0, 2, 4)]
+
+    def grad(point: torch.Tensor, batch: int) -> torch.Tensor:
+        return released_message(model, point, *batches[batch], None, 0)
+
+    v1 = grad(theta, 0)
+    x1 = theta - 0.5 * v1
+    v2 = 0.8 * v1 + grad(x1, 1)
+    x2 = x1 - 0.5 * v2
+    v3 = 0.8 * v2 + grad(x2, 2)
+    point, message = momentum_difference(model, theta, batches, None, 0, 0.8, 0.5)
+    torch.testing.assert_close(point, x2)
+    torch.testing.assert_close(message, v3 - v2)
+    mechanism = GaussianMechanism(torch.tensor([2.0]), 1.0)
+    _, first = momentum_difference(model, theta, batches, mechanism, 0, 0.8, 0.5)
+    _, again = momentum_difference(model, theta, batches, mechanism, 0, 0.8, 0.5)
+    torch.testing.assert_close(first, again)  # keyed noise: the same seed, the same release
+    assert (first - message).norm() > 0.5 * message.norm()
+    with pytest.raises(ValueError, match="t >= 1"):
+        momentum_difference(model, theta, batches[:1], None, 0, 0.8, 0.5)

@@ -26,9 +26,9 @@ records an agent's releases and tests for a Dirac gradient canary (tight for the
 A bound above the nominal epsilon means the noise or its accounting is wrong."""
 
 _ATTACK_DESCRIPTION = """\
-Gradient inversion (DLG, iDLG, Geiping et al.) against an agent's released gradient or cross-gradient,
-without DP and at each epsilon of [audit] epsilons; scores are MSE, PSNR and SSIM (scikit-image, the
-`audit` extra: pip install 'decentdp[audit]')."""
+Gradient inversion (DLG, iDLG, Geiping et al.) against an agent's released gradient, cross-gradient or
+difference of consecutive momenta (audit.release), without DP and at each epsilon of [audit] epsilons;
+scores are MSE, PSNR and SSIM (scikit-image, the `audit` extra: pip install 'decentdp[audit]')."""
 
 
 def _common(parser: argparse.ArgumentParser) -> None:

@@ -2,10 +2,11 @@
 
 An eavesdropper holds one released message of an agent: the gradient of a model at a known point
 ``theta`` on a batch of the agent's records (its own model: a gradient; a neighbour's model: a
-cross-gradient, the DPDL paper's ND-CG / DPDL-CG).  Without DP the message is the mean gradient; with
-DP it is the library's release, ``(sum_b clip_C(grad l_b) + sigma C xi) / B`` with sigma calibrated
-for the config's epsilon over its planned releases.  Attacks optimise a dummy batch whose gradient
-matches the message:
+cross-gradient, the DPDL paper's ND-CG / DPDL-CG), or the difference of the momenta the agent
+broadcasts in two consecutive rounds (ND-MM / DPDL-MM, :func:`momentum_difference`).  Without DP the
+gradient is the mean gradient; with DP it is the library's release, ``(sum_b clip_C(grad l_b) + sigma
+C xi) / B`` with sigma calibrated for the config's epsilon over its planned releases.  Attacks optimise
+a dummy batch whose gradient matches the message:
 
 * **DLG** (Zhu et al. 2019): squared distance of gradients, dummy images and soft labels, L-BFGS;
 * **iDLG** (Zhao et al. 2020): the label read from the sign of the last layer's bias gradient (one
@@ -21,7 +22,7 @@ batches) using scikit-image's ``mean_squared_error``, ``peak_signal_noise_ratio`
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +33,8 @@ import torch.nn.functional as F
 from decentdp.algorithms import algorithm_class
 from decentdp.audit.settings import AuditSection
 from decentdp.config import ExperimentConfig
-from decentdp.data.datasets import load_dataset
+from decentdp.data.datasets import Dataset, load_dataset
+from decentdp.errors import ConfigError
 from decentdp.gradients.flat_model import FlatModel
 from decentdp.gradients.stacked_model import gradient_model
 from decentdp.models import build_model, classification_loss
@@ -63,17 +65,51 @@ def _gradient(model: FlatModel, theta: torch.Tensor, x: torch.Tensor, targets: t
 
 
 def released_message(model: FlatModel, theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-                     mechanism: GaussianMechanism | None, seed: int) -> torch.Tensor:
+                     mechanism: GaussianMechanism | None, seed: int, round_index: int = 0) -> torch.Tensor:
     """The message an agent sends for the batch ``x, y`` at ``theta``: the mean gradient (no mechanism), or
-    the clipped sum plus the mechanism's noise (drawn from the run's keyed streams) over the batch size."""
+    the clipped sum plus the mechanism's noise (drawn from the run's keyed streams, keyed by
+    ``round_index``) over the batch size."""
     if mechanism is None:
         return model.batch_gradients(theta[None], x[None], y[None],
                                      torch.full((1, len(x)), 1.0 / len(x), device=x.device))[0]
     sums, _ = model.clipped_gradient_sums(theta[None], x[None], y[None], torch.ones(1, len(x), device=x.device),
                                           mechanism.sensitivity)
     owners = torch.zeros(1, dtype=torch.long, device=x.device)
-    mechanism.perturb(sums, owners, NoiseDraw(AgentRandom(seed, device=x.device), owners, 0, 0))
+    mechanism.perturb(sums, owners, NoiseDraw(AgentRandom(seed, device=x.device), owners, round_index, 0))
     return sums[0] / len(x)
+
+
+def momentum_difference(model: FlatModel, theta: torch.Tensor,
+                        batches: Sequence[tuple[torch.Tensor, torch.Tensor]], mechanism: GaussianMechanism | None,
+                        seed: int, beta: float, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x^t, v^{t+1} - v^t)`` with ``t = len(batches) - 1``: the DPDL paper's ND-MM / DPDL-MM message.
+
+    From ``x^0 = theta`` and ``v^0 = 0`` the agent takes a momentum step per round ``s`` on its batch
+    ``batches[s - 1]`` (records drawn afresh each round; the last batch is the attacked one), each on
+    its release ``g^s`` at ``x^{s-1}`` (the mean gradient, or the DP release of
+    :func:`released_message`, fresh noise each round), and broadcasts ``(x^s, v^s)``::
+
+        v^s = beta v^{s-1} + g^s          (DPDL eq. 19)
+        x^s = x^{s-1} - lr v^s            (DPDL eq. 20)
+
+    The eavesdropper differences two consecutive momenta, ``v^{t+1} - v^t = g^{t+1} - (1 - beta) v^t``:
+    the last batch's gradient at the broadcast ``x^t`` plus a share of the earlier batches' gradients,
+    and inverts it at ``x^t``.  Mixing with neighbours' momenta (eqs. 21-22) is left out: it only adds
+    terms that an eavesdropper on one agent does not know.  (An attacker who knew ``beta`` and ``v^t``
+    exactly could take ``v^{t+1} - beta v^t = g^{t+1}``, the "gradient" release; the paper's attack is
+    the difference.)
+    """
+    if len(batches) < 2:
+        raise ValueError(f"the momentum difference needs a batch for each of rounds 1..t+1, t >= 1; got "
+                         f"{len(batches)} batch(es)")
+    params, velocity = theta.detach(), torch.zeros_like(theta)
+    for step, (x, y) in enumerate(batches, start=1):
+        previous = velocity
+        velocity = beta * velocity + released_message(model, params, x, y, mechanism, seed, round_index=step)
+        if step == len(batches):
+            break
+        params = params - lr * velocity
+    return params, velocity - previous
 
 
 def label_from_bias(message: torch.Tensor, classes: int) -> int:
@@ -230,13 +266,20 @@ def run_inversion(config: ExperimentConfig, audit: AuditSection, data_dir: str |
             for image in range(audit.images):
                 x = dataset.x_train[image * batch:(image + 1) * batch]
                 y = dataset.y_train[image * batch:(image + 1) * batch]
-                message = released_message(model, theta, x, y, mechanism, seed + image)
+                if audit.release == "momentum-difference":  # earlier rounds: other records, from the end
+                    earlier = [_records(dataset, len(dataset.y_train) - (image * audit.momentum_round + s + 1) * batch,
+                                        batch) for s in range(audit.momentum_round)]
+                    point, message = momentum_difference(model, theta, [*earlier, (x, y)], mechanism, seed + image,
+                                                         audit.momentum, config.algorithm.lr)
+                else:
+                    point, message = theta, released_message(model, theta, x, y, mechanism, seed + image)
                 known = None if batch == 1 else y
 
                 def attempt(restart: int, message: torch.Tensor = message, known: torch.Tensor | None = known,
-                            shape: tuple[int, ...] = tuple(x.shape), image: int = image) -> Reconstruction:
+                            shape: tuple[int, ...] = tuple(x.shape), image: int = image,
+                            point: torch.Tensor = point) -> Reconstruction:
                     generator = torch.Generator().manual_seed(seed * 100_003 + image * 101 + restart)
-                    return invert(model, theta, message, shape, dataset.num_classes, audit.attack, audit.iterations,
+                    return invert(model, point, message, shape, dataset.num_classes, audit.attack, audit.iterations,
                                   audit.attack_lr, audit.tv_weight, box, generator, known)
 
                 found = best_of(audit.restarts, attempt)
@@ -253,6 +296,14 @@ def run_inversion(config: ExperimentConfig, audit: AuditSection, data_dir: str |
                     figure.append(("original", np.concatenate(originals_shown)))
                 figure.append(("no DP" if math.isinf(epsilon) else f"eps = {epsilon:g}", np.concatenate(shown)))
     return InversionOutcome(rows, _summary(rows, audit), figure)
+
+
+def _records(dataset: Dataset, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training records ``start .. start + count - 1``; a clear error when the set is too small."""
+    if start < 0:
+        raise ConfigError("audit.momentum_round", f"the earlier rounds' batches need more than the "
+                                                  f"{len(dataset.y_train)} training records")
+    return dataset.x_train[start:start + count], dataset.y_train[start:start + count]
 
 
 def _summary(rows: list[dict[str, float]], audit: AuditSection) -> dict[str, float | str | None]:

@@ -44,9 +44,14 @@ class AuditSection(BaseModel):
     canary_index: int = Field(0, ge=0, description="coordinate of the canary within that parameter")
     # -- gradient inversion ---------------------------------------------------------------------------------
     attack: Literal["dlg", "idlg", "geiping"] = "geiping"
-    release: Literal["gradient", "cross-gradient"] = Field(
-        "gradient", description="what the agent sends: its gradient, or a cross-gradient (a neighbour's "
-                                "model on its data)")
+    release: Literal["gradient", "cross-gradient", "momentum-difference"] = Field(
+        "gradient", description="what is attacked: the agent's gradient, a cross-gradient (a neighbour's "
+                                "model on its data), or the difference of its momenta in rounds t and t + 1 "
+                                "(DPDL's ND-MM / DPDL-MM)")
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="momentum coefficient beta of the "
+                                                             "momentum-difference release (DPDL eq. 19)")
+    momentum_round: int = Field(1, ge=1, description="t of the momentum-difference release v^{t+1} - v^t "
+                                                     "(momentum steps of algorithm.lr before it)")
     batch_sizes: list[int] = Field(default_factory=lambda: [1], min_length=1)
     epsilons: list[float] = Field(default_factory=lambda: [1.0], min_length=1,
                                   description="private releases attacked besides the non-private one")
