@@ -34,7 +34,9 @@ from decentdp.runtime.sharded import (
     read_shard_checkpoints,
     shard_bounds,
     shard_state,
+    sharded_keys,
     split_ledger,
+    state_layout,
     write_shard_checkpoint,
 )
 from decentdp.topology import build_topology
@@ -44,10 +46,12 @@ DEMO = Path(__file__).resolve().parents[1] / "experiments" / "demo.toml"
 #: Algorithms whose rounds depend on how agents are split over processes, each with the reason found by this
 #: test (strict: an entry must go once its algorithm is fixed).
 NOT_SHARD_INDEPENDENT: dict[str, str] = {
-    "muffliato": "reads the whole mixing matrix as network.mix(eye(n_agents)) and every agent's sigma; a "
-                 "shard sees its own rows only",
-    "top-dp": "its cover planner indexes global ids as rows (IndexError on a shard)",
-    "top-dp-async": "its cover planner indexes global ids as rows (IndexError on a shard)",
+    "muffliato": "needs the whole public mixing matrix (spectral gap, T_mix, gossip polynomials) and reads it as "
+                 "network.mix(eye(n_agents)): a shard gets its own rows only, and the Network protocol has no "
+                 "accessor for the public graph",
+    "top-dp": "params, counters and ledgers match, but its state keeps the process's message buffers 'received' "
+              "(local rows + cover groups) and 'received_index' (one per in-edge held), whose sizes depend on the "
+              "split: neither merges nor re-splits on resume",
 }
 
 
@@ -98,8 +102,9 @@ def _run_shards(experiment, workers: int, rounds: int):
     first = [error for error in errors if error is not None and not isinstance(error, ConnectionAbortedError)]
     if first:
         raise first[0]
+    per_agent = sharded_keys([state_layout(result) for result in results], bounds)  # the setup may add entries
     merged = {key: torch.cat([result[key] for result in results]) if key in per_agent else results[0][key]
-              for key in initial}
+              for key in results[0]}
     return merged, shards
 
 

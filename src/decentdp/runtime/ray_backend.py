@@ -57,6 +57,8 @@ from decentdp.runtime.sharded import (
     shard_bounds,
     shard_manifest,
     shard_state,
+    sharded_keys,
+    state_layout,
     write_shard_checkpoint,
 )
 from decentdp.runtime.simulator import unwrapped
@@ -172,7 +174,6 @@ class ShardWorker:
         self.transport = GlooTransport(index)
         self.shard = make_shard(blueprint, bounds, index, self.transport, rng)
         self.state: State = {}
-        self.per_agent: set[str] = set()  # the state entries with one row per agent (the others replicated)
 
     def pid(self) -> int:
         return os.getpid()
@@ -196,21 +197,25 @@ class ShardWorker:
         dist.init_process_group("gloo", init_method=rendezvous, rank=self.transport.shard,
                                 world_size=len(self.shard.bounds) - 1, timeout=timedelta(seconds=PEER_TIMEOUT))
 
-    def load(self, state: State, per_agent: set[str], ledger: dict[str, Any], scheduler: dict[str, Any], rng: Any,
+    def load(self, state: State, ledger: dict[str, Any], scheduler: dict[str, Any], rng: Any,
              agents_per_pass: int | None) -> None:
-        self.state, self.per_agent = state, per_agent
+        self.state = state
         self.shard.load(ledger, scheduler, rng, agents_per_pass)
 
-    def write_checkpoint(self, directory: str) -> dict[str, Any]:
+    def layout(self) -> dict[str, int]:
+        """Rows of each state entry (the driver tells per-agent entries from replicated ones)."""
+        return state_layout(self.state)
+
+    def write_checkpoint(self, directory: str, per_agent: set[str]) -> dict[str, Any]:
         """Write this shard's part of a checkpoint into ``directory``; its manifest entry."""
-        return write_shard_checkpoint(Path(directory), self.shard, self.state, self.per_agent)
+        return write_shard_checkpoint(Path(directory), self.shard, self.state, per_agent)
 
     def read_checkpoint(self, directory: str, files: list[dict[str, Any]], rng: Any,
                         agents_per_pass: int | None) -> None:
         """Continue from this shard's rows of a checkpoint written in shards (of this split or another)."""
         rows = self.shard.rows
         saved = read_shard_checkpoints(Path(directory), files, rows.start, rows.stop)
-        self.load(saved["state"], set(saved["per_agent"]), saved["ledger"], saved["scheduler"], rng, agents_per_pass)
+        self.load(saved["state"], saved["ledger"], saved["scheduler"], rng, agents_per_pass)
 
     def setup(self) -> tuple[float, float]:
         self.state = self.shard.simulator.setup(self.state)
@@ -467,7 +472,7 @@ class RaySimulator:
         self._per_agent = per_agent_keys(state, experiment.data.n_agents)
         ledger, scheduler = experiment.ledger.state_dict(), self.scheduler.state_dict()
         rng, passes = experiment.oracle.rng, experiment.oracle.agents_per_pass
-        self._wait([worker.load.remote(shard_state(state, self._per_agent, part), self._per_agent, ledger, scheduler,
+        self._wait([worker.load.remote(shard_state(state, self._per_agent, part), ledger, scheduler,
                                        rng.for_agents(range(part.start, part.stop)), passes)
                     for worker, part in zip(self.workers, self._rows(), strict=True)])
         self.launched = True
@@ -529,6 +534,8 @@ class RaySimulator:
         """The algorithm's setup phase on every worker (a new run)."""
         self._launch(state)
         self._collect(self._wait([worker.setup.remote() for worker in self.workers]))
+        layouts = self._wait([worker.layout.remote() for worker in self.workers])  # entries the setup added
+        self._keys, self._per_agent = list(layouts[0]), sharded_keys(layouts, self.bounds)
         self._take_snapshot(0)
         return ShardedState(self, self._keys, self._per_agent)
 
@@ -536,7 +543,7 @@ class RaySimulator:
         """Every worker writes its shard of the state after ``round_index`` into the store; once all have,
         it is what a lost worker restarts from, and the store keeps it and the results folder's only."""
         directory = self._store / f"round-{round_index:06d}-{secrets.token_hex(4)}"
-        files = self._wait([worker.write_checkpoint.remote(str(directory)) for worker in self.workers])
+        files = self._wait([worker.write_checkpoint.remote(str(directory), self._per_agent) for worker in self.workers])
         self._snapshot = _Snapshot(round_index, directory, files)
         self._prune({directory, self._committed})
         return self._snapshot

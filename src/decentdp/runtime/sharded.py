@@ -357,6 +357,20 @@ def per_agent_keys(state: Mapping[str, torch.Tensor], n_total: int) -> set[str]:
     return {key for key, value in state.items() if value.dim() > 0 and value.shape[0] == n_total}
 
 
+def state_layout(state: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Each state entry's number of rows (-1 for a scalar): what :func:`sharded_keys` compares."""
+    return {key: value.shape[0] if value.dim() > 0 else -1 for key, value in state.items()}
+
+
+def sharded_keys(layouts: Sequence[Mapping[str, int]], bounds: Sequence[int]) -> set[str]:
+    """The per-agent entries of a state the shards hold (e.g. after a setup phase that added entries):
+    those with, in every shard, one row per agent it holds (:func:`state_layout` of each shard's state).
+    With a single shard this is :func:`per_agent_keys`' rule."""
+    sizes = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+    return {key for key in layouts[0]
+            if all(layout.get(key) == size for layout, size in zip(layouts, sizes, strict=True))}
+
+
 def shard_state(state: Mapping[str, torch.Tensor], per_agent: set[str], rows: slice) -> dict[str, torch.Tensor]:
     """A shard's part of a whole run's state: its rows of per-agent entries, a copy of the others."""
     return {key: (value[rows] if key in per_agent else value).clone() for key, value in state.items()}
