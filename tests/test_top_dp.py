@@ -21,6 +21,7 @@ from decentdp.privacy.mechanisms import NoiseDraw
 from decentdp.privacy.receiver_budget import rdp_epsilon_upper_bound
 from decentdp.rng import AgentRandom, Stream
 from decentdp.run.build import build_experiment
+from decentdp.run.loop import run_experiment
 from decentdp.runtime.network import SimulatedNetwork
 from decentdp.runtime.sharded import ShardNetwork, shard_bounds
 from decentdp.topology import topology_from_matrix
@@ -135,6 +136,23 @@ def test_messages_read_by_index_equal_messages_exchanged() -> None:
     torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=1e-7)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=1e-7)
     np.testing.assert_array_equal(results[1][2], results[0][2])
+
+
+@pytest.mark.xfail(strict=True, reason="run/loop.py's _restore rebuilds every checkpointed ledger as a PrivacyLedger, "
+                                      "so a resumed TOP-DP run enforces budgets on the colluding view (refusals) and "
+                                      "privacy.json loses views (b) and (c); "
+                                      "type(experiment.ledger).from_state_dict fixes it")
+@pytest.mark.parametrize("algorithm", ["top-dp", "top-dp-async"])
+def test_resume_ends_exactly_like_an_uninterrupted_run(tmp_path: Path, algorithm: str) -> None:
+    config = validate_config(tiny_config(experiment={"rounds": 6, "eval_every": 2, "checkpoint_every": 1},
+                                         algorithm={"name": algorithm, "alpha": 0.5},
+                                         topology={"graph": "erdos-renyi", "agents": 6, "p": 0.6}))
+    whole = run_experiment(config, tmp_path / "whole", progress=False)
+    run_experiment(config, tmp_path / "split", progress=False, stop_after=3)
+    resumed = run_experiment(config, tmp_path / "split", progress=False, resume=True)
+    for key, value in whole.state.items():
+        assert torch.equal(value, resumed.state[key]), key
+    assert (tmp_path / "whole" / "privacy.json").read_text() == (tmp_path / "split" / "privacy.json").read_text()
 
 
 def _simulate(algorithm: str, rounds: int, **sections: dict) -> tuple:
