@@ -148,11 +148,14 @@ def test_a_run_resumes_on_another_number_of_workers(local_ray, tmp_path: Path, b
     torch.testing.assert_close(resumed.state["params"], whole.state["params"], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize(("kill_after", "stop_after"), [(6, 8), (7, 7)])
 def test_the_workers_checkpoint_survives_a_kill_and_resumes_on_four(local_ray, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   kill_after: int, stop_after: int) -> None:
     """With a results folder the workers write the checkpoints and ``checkpoint.pt`` only names their files.
-    SIGKILL a worker after round 6: the fresh workers read round 4 back from the files and replay; stopped
-    after round 8 and resumed on 4 workers, the run ends as the uninterrupted simulator's, every release
+    SIGKILL a worker after round ``kill_after`` (6: before the next round; 7: before the checkpoint of the
+    round the run stops at): the fresh workers read round 4 back from the files and replay; stopped after
+    ``stop_after`` and resumed on 4 workers, the run ends as the uninterrupted simulator's, every release
     counted once (``privacy.json``'s ledger)."""
     from decentdp.runtime import ray_backend
 
@@ -164,21 +167,21 @@ def test_the_workers_checkpoint_survives_a_kill_and_resumes_on_four(local_ray, t
             engines.append(self)
 
     monkeypatch.setattr(ray_backend, "RaySimulator", Recorded)
-    common = ("experiment.rounds=12", "experiment.eval_every=2", "experiment.checkpoint_every=4",
+    common = ("experiment.rounds=12", "experiment.eval_every=1", "experiment.checkpoint_every=4",
               "privacy.accountant=rdp")
     whole = run_experiment(_demo(*common), tmp_path / "whole", **QUIET)
     killed: list[int] = []
 
-    def kill_after_round_6(line: str) -> None:
-        if line.startswith("round     6/") and not killed:
+    def kill(line: str) -> None:  # the runner logs each evaluation (every round here) before it checkpoints
+        if line.startswith(f"round {kill_after:>5}/") and not killed:
             killed.append(engines[0].worker_pids()[1])
             os.kill(killed[0], signal.SIGKILL)
 
     folder = tmp_path / "ray"
-    run_experiment(_demo(*common, *_placement(2)), folder, stop_after=8, progress=False, log=kill_after_round_6)
+    run_experiment(_demo(*common, *_placement(2)), folder, stop_after=stop_after, progress=False, log=kill)
     assert killed and engines[0].restarts == 1
     saved = torch.load(folder / CHECKPOINT_FILE, weights_only=True)
-    assert saved["round"] == 8 and "state" not in saved and "ledger" not in saved
+    assert saved["round"] == stop_after and "state" not in saved and "ledger" not in saved
     shards = saved["shards"]
     assert [entry["agents"] for entry in shards["files"]] == [[0, 5], [5, 10]]
     assert all((folder / shards["directory"] / entry["file"]).stat().st_size == entry["bytes"]

@@ -499,11 +499,17 @@ class RaySimulator:
         self.version += 1
 
     def _round(self, round_index: int) -> None:
-        """Run one round on every worker; on a lost worker, restart all from the snapshot and replay."""
+        """Run one round on every worker (after ``round_index`` rounds: see :meth:`_surviving`)."""
+        self._collect(self._surviving(round_index, lambda: [worker.round.remote(round_index)
+                                                            for worker in self.workers]))
+
+    def _surviving(self, round_index: int, calls: Callable[[], list[Any]]) -> list[Any]:
+        """The results of ``calls()`` (one call per worker, made when the workers hold the state after
+        ``round_index`` rounds); on a lost worker, every worker is restarted from the last checkpoint,
+        the rounds up to ``round_index`` are replayed, and the calls made again."""
         while True:
             try:
-                self._collect(self._wait([worker.round.remote(round_index) for worker in self.workers]))
-                return
+                return self._wait(calls())
             except Exception:
                 # a dead worker fails its own call, and may fail its peers' first (their messages stop)
                 if not self._worker_lost():
@@ -523,9 +529,12 @@ class RaySimulator:
         if self.restarts > MAX_RESTARTS:
             self.close()
             raise RuntimeError(f"Ray workers were lost {self.restarts} times; giving up")
+        snapshot = self._snapshot
+        if snapshot is None:
+            self.close()
+            raise RuntimeError("a Ray worker was lost before the run's first checkpoint; start it again")
         self._stop_workers()
         self._start_workers()
-        snapshot = self._snapshot
         self._load(snapshot)
         for replayed in range(snapshot.round_index, round_index):
             self._collect(self._wait([worker.round.remote(replayed) for worker in self.workers]))
@@ -543,7 +552,8 @@ class RaySimulator:
         """Every worker writes its shard of the state after ``round_index`` into the store; once all have,
         it is what a lost worker restarts from, and the store keeps it and the results folder's only."""
         directory = self._store / f"round-{round_index:06d}-{secrets.token_hex(4)}"
-        files = self._wait([worker.write_checkpoint.remote(str(directory), self._per_agent) for worker in self.workers])
+        files = self._surviving(round_index, lambda: [worker.write_checkpoint.remote(str(directory), self._per_agent)
+                                                      for worker in self.workers])
         self._snapshot = _Snapshot(round_index, directory, files)
         self._prune({directory, self._committed})
         return self._snapshot
