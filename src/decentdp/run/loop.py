@@ -22,7 +22,6 @@ from tqdm.auto import tqdm
 from decentdp.algorithms.base import State
 from decentdp.config import ExperimentConfig
 from decentdp.errors import ConfigError
-from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.results import epsilon_json
 from decentdp.rng import SIMULATION_NOTICE
 from decentdp.run.build import Experiment, build_experiment
@@ -44,7 +43,9 @@ class RunResult:
 
 def _restore(experiment: Experiment, checkpoint: dict[str, Any]) -> None:
     """Put the ledger, scheduler and pass sizes of a checkpoint back (bit-exact resumes)."""
-    experiment.ledger = PrivacyLedger.from_state_dict(checkpoint["ledger"])
+    # The run's own kind of ledger (TOP-DP's enforces budgets per receiver): a plain PrivacyLedger would
+    # enforce them on the colluding view after a resume, refusing releases the run was entitled to.
+    experiment.ledger = type(experiment.ledger).from_state_dict(checkpoint["ledger"])
     experiment.oracle.ledger = experiment.ledger
     if "scheduler" in checkpoint:  # checkpoints of earlier versions ran synchronous rounds only
         experiment.simulator.scheduler.load_state_dict(checkpoint["scheduler"])
