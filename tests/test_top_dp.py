@@ -138,12 +138,10 @@ def test_messages_read_by_index_equal_messages_exchanged() -> None:
     np.testing.assert_array_equal(results[1][2], results[0][2])
 
 
-@pytest.mark.xfail(strict=True, reason="run/loop.py's _restore rebuilds every checkpointed ledger as a PrivacyLedger, "
-                                      "so a resumed TOP-DP run enforces budgets on the colluding view (refusals) and "
-                                      "privacy.json loses views (b) and (c); "
-                                      "type(experiment.ledger).from_state_dict fixes it")
 @pytest.mark.parametrize("algorithm", ["top-dp", "top-dp-async"])
 def test_resume_ends_exactly_like_an_uninterrupted_run(tmp_path: Path, algorithm: str) -> None:
+    """The checkpoint holds the estimates, the received rows and their index, per-agent counters and the
+    receiver ledger (its own kind: a plain ledger would enforce the colluding view and refuse releases)."""
     config = validate_config(tiny_config(experiment={"rounds": 6, "eval_every": 2, "checkpoint_every": 1},
                                          algorithm={"name": algorithm, "alpha": 0.5},
                                          topology={"graph": "erdos-renyi", "agents": 6, "p": 0.6}))

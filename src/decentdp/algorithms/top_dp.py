@@ -195,6 +195,8 @@ class TopDP(TopDPBase):
         net, oracle = ctx.network, ctx.oracle
         x, received, index = state["params"], state["received"], state["received_index"]   # x = received[:n]
         n, alpha, device = net.n_agents, self.alpha, x.device
+        if received.data_ptr() != x.data_ptr():  # the estimates were stored apart (a re-split state): rejoin them
+            received = torch.cat([x, received[n:]])
         ids = net.agent_ids.cpu().numpy()
         sigma = self.sigma(ctx)                                                   # line 8
         generator = ctx.public_generator()
