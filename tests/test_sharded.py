@@ -17,6 +17,7 @@ import torch
 
 from decentdp.algorithms import algorithm_names
 from decentdp.algorithms.dp_cga import graph_max_in_degree
+from decentdp.algorithms.muffliato import dense_mixing
 from decentdp.config import load_config
 from decentdp.errors import ConfigError, DecentDPError
 from decentdp.rng import AgentRandom
@@ -46,9 +47,6 @@ DEMO = Path(__file__).resolve().parents[1] / "experiments" / "demo.toml"
 #: Algorithms whose rounds depend on how agents are split over processes, each with the reason found by this
 #: test (strict: an entry must go once its algorithm is fixed).
 NOT_SHARD_INDEPENDENT: dict[str, str] = {
-    "muffliato": "needs the whole public mixing matrix (spectral gap, T_mix, gossip polynomials) and reads it as "
-                 "network.mix(eye(n_agents)): a shard gets its own rows only, and the Network protocol has no "
-                 "accessor for the public graph",
     "top-dp": "params, counters and ledgers match, but its state keeps the process's message buffers 'received' "
               "(local rows + cover groups) and 'received_index' (one per in-edge held), whose sizes depend on the "
               "split: neither merges nor re-splits on resume",
@@ -198,14 +196,20 @@ def test_every_network_method_matches_the_simulated_network(graph: str, params: 
     assert torch.equal(torch.cat([s.degrees for s in shards]), whole.degrees)
 
 
-def test_every_shard_learns_the_graphs_largest_in_degree() -> None:
-    """dp-cga pads its dual variables to the graph's largest in-degree, flooded over the shards' network."""
+def test_every_shard_learns_the_public_graph() -> None:
+    """Flooded over the shards' network: the graph's largest in-degree (dp-cga's padding) and its whole
+    mixing matrix (Muffliato's), exactly the simulated network's."""
     whole, shards = _networks("erdos-renyi", 13, 3, p=0.3)
     expected = int(whole.degrees.max())
     counts = [torch.bincount(s.rows(s.in_edges[:, 1]), minlength=s.n_agents) for s in shards]
     assert min(int(c.max()) for c in counts) < expected  # some shard does not hold the largest degree
     got = _collective(shards, lambda s: graph_max_in_degree(s, counts[s.shard]))
     assert got == [expected] * len(shards)
+    assert graph_max_in_degree(whole, torch.bincount(whole.in_edges[:, 1], minlength=13)) == expected
+    mixing = dense_mixing(whole)
+    np.testing.assert_array_equal(mixing, whole.topology.mixing)
+    for got in _collective(shards, dense_mixing):
+        np.testing.assert_array_equal(got, mixing)
 
 
 def test_swap_pairs_agents_across_shards_and_checks_pairs() -> None:

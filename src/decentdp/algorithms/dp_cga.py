@@ -34,6 +34,7 @@ from pydantic import Field
 
 from decentdp.algorithms.base import AlgorithmSettings, Network, RoundContext, SettingsAlgorithm, State
 from decentdp.algorithms.cross_gradients import cross_gradients, self_weights
+from decentdp.algorithms.graph_flood import flood_max
 from decentdp.algorithms.registry import register
 
 log = logging.getLogger(__name__)
@@ -56,16 +57,10 @@ def solve_projection(gram: np.ndarray, linear: np.ndarray, margin: float) -> np.
 
 
 def graph_max_in_degree(network: Network, counts: torch.Tensor) -> int:
-    """The largest in-degree in the whole graph, from each local agent's ``counts``: the maximum flooded
-    over ``n_total - 1`` neighbour exchanges (at least the diameter of the connected graph; the count
-    depends on public values only, so every process of a sharded run makes the same calls).  The
-    padding of the dual variables is then the same whichever agents a process holds."""
-    if network.n_total == network.n_agents:  # every agent is here: nothing to learn from neighbours
-        return int(counts.max()) if len(counts) else 0
-    best = counts.to(torch.float64)
-    receiver = network.rows(network.in_edges[:, 1])
-    for _ in range(network.n_total - 1):
-        best = best.scatter_reduce(0, receiver, network.broadcast(best), reduce="amax")
+    """The largest in-degree in the whole graph, from each local agent's ``counts`` (flooded over the
+    network: :func:`~decentdp.algorithms.graph_flood.flood_max`), so that the padding of the dual
+    variables is the same whichever agents a process holds."""
+    best = flood_max(network, counts.to(torch.float64))
     return int(best.max()) if len(best) else 0
 
 

@@ -29,6 +29,7 @@ import torch
 from pydantic import Field
 
 from decentdp.algorithms.base import AlgorithmSettings, Network, RoundContext, SettingsAlgorithm, State
+from decentdp.algorithms.graph_flood import flood_max
 from decentdp.algorithms.registry import register
 from decentdp.privacy import network_dp
 from decentdp.privacy.accounting import RDP_ORDERS
@@ -52,9 +53,21 @@ def accelerated_gossip(network: Network, x: torch.Tensor, steps: int, gamma: flo
 
 
 def dense_mixing(network: Network, dtype: torch.dtype = torch.float64) -> np.ndarray:
-    """The mixing matrix W, read through the network (W times the identity)."""
-    eye = torch.eye(network.n_agents, dtype=network.in_weights.dtype, device=network.agent_ids.device)
-    return network.mix(eye).to(dtype).cpu().numpy()
+    """The whole run's mixing matrix W (public), read through the network: ``W`` times the identity's
+    rows of the local agents gives their rows of W; when a process holds only some agents, the other
+    rows are flooded to every agent (:func:`~decentdp.algorithms.graph_flood.flood_max` over rows
+    unknown as ``-inf``: ``n_total - 1`` exchanges of ``(n_agents, N, N)``, once per graph)."""
+    n = network.n_total
+    ids = network.agent_ids
+    eye = torch.eye(n, dtype=network.in_weights.dtype, device=ids.device)
+    rows = network.mix(eye.index_select(0, ids)).to(torch.float64)  # W[ids, :]
+    if network.n_agents == n:  # every row is here (ids are 0 .. N-1 in one process)
+        whole = torch.empty_like(rows)
+        whole[ids] = rows
+        return whole.to(dtype).cpu().numpy()
+    known = torch.full((network.n_agents, n, n), -torch.inf, dtype=torch.float64, device=ids.device)
+    known[torch.arange(network.n_agents, device=ids.device), ids] = rows
+    return flood_max(network, known)[0].to(dtype).cpu().numpy()
 
 
 @register
@@ -78,7 +91,9 @@ class Muffliato(SettingsAlgorithm):
         return {"params": params, "pairwise_rdp": rdp}
 
     def _prepare(self, ctx: RoundContext, sigmas: np.ndarray) -> tuple[float, int, np.ndarray]:
-        """gamma, K and the pairwise coefficients of this round's network (computed once per graph)."""
+        """gamma, K and the pairwise coefficients of this round's network (computed once per graph) from
+        the whole graph's W and every agent's sigma (public), the coefficients' rows those of the local
+        senders (the rows of the state's ``pairwise_rdp`` held here)."""
         net = ctx.network
         if self._graph is None or self._graph[0] is not net:
             w = dense_mixing(net)
@@ -87,20 +102,22 @@ class Muffliato(SettingsAlgorithm):
             sigma = max(0.5, float(np.median(sigmas)))
             steps = self.settings.gossip_steps or network_dp.mixing_steps(gap, net.n_total, sigma)
             polys = network_dp.gossip_polynomials(w, steps, gamma)[:steps]  # messages y^0 .. y^{K-1}
-            self._graph = (net, gamma, steps, network_dp.pairwise_coefficients(polys, (w > 0).astype(float)))
+            coefficients = network_dp.pairwise_coefficients(polys, (w > 0).astype(float))
+            self._graph = (net, gamma, steps, coefficients[net.agent_ids.cpu().numpy()])
         return self._graph[1], self._graph[2], self._graph[3]
 
     def round(self, state: State, ctx: RoundContext) -> State:
         oracle = ctx.oracle
-        sigmas = np.zeros(oracle.n_agents) if oracle.mechanism is None else \
-            oracle.mechanism.noise_multipliers.double().cpu().numpy()
+        sigmas = np.zeros(ctx.network.n_total) if oracle.mechanism is None else \
+            oracle.mechanism.noise_multipliers.double().cpu().numpy()        # every agent's (public)
         gamma, steps, coefficients = self._prepare(ctx, sigmas)
         update = oracle.gradient(state["params"])                                    # step 1
         if self.settings.update_clip is not None:                                   # step 2
             update.mul_((self.settings.update_clip / update.norm(dim=1, keepdim=True).clamp(min=1e-12)).clamp(max=1))
         injected = update.mul_(-ctx.lr).add_(state["params"])                       # step 3
         params = accelerated_gossip(ctx.network, injected, steps, gamma)             # step 4
-        rdp = network_dp.round_pairwise_rdp(coefficients, sigmas, oracle.sample_rates.double().numpy())
+        rdp = network_dp.round_pairwise_rdp(coefficients, sigmas[ctx.network.agent_ids.cpu().numpy()],  # local senders
+                                            oracle.sample_rates.double().cpu().numpy())
         return {"params": params,
                 "pairwise_rdp": state["pairwise_rdp"] + torch.from_numpy(rdp).to(state["pairwise_rdp"].device)}
 
