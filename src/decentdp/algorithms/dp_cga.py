@@ -32,7 +32,7 @@ import quadprog
 import torch
 from pydantic import Field
 
-from decentdp.algorithms.base import AlgorithmSettings, Network, RoundContext, SettingsAlgorithm, State
+from decentdp.algorithms.base import AlgorithmSettings, Network, RoundContext, SettingsAlgorithm, State, once_per_graph
 from decentdp.algorithms.cross_gradients import cross_gradients, self_weights
 from decentdp.algorithms.graph_flood import flood_max
 from decentdp.algorithms.registry import register
@@ -85,7 +85,6 @@ class DPCGA(SettingsAlgorithm):
     def __init__(self, settings: CGASettings) -> None:
         super().__init__(settings)
         self.failures = 0  # QPs that failed and reused the previous solution (over the run)
-        self._width: tuple[Network, int] | None = None  # the round network and its graph's largest in-degree
 
     def sums_per_batch(self, degrees: np.ndarray) -> np.ndarray:
         return np.asarray(degrees, dtype=np.int64) + 1
@@ -103,9 +102,7 @@ class DPCGA(SettingsAlgorithm):
         params = state["params"]
         grads = cross_gradients(params, ctx)
         receiver, slot, counts = edge_slots(net)
-        if self._width is None or self._width[0] is not net:  # once per graph (a collective when sharded)
-            self._width = (net, graph_max_in_degree(net, counts))
-        width = self._width[1]
+        width = once_per_graph(net, "dp-cga.width", lambda: graph_max_in_degree(net, counts))  # a collective
         stacked = params.new_zeros(net.n_agents, max(width, 1), params.shape[1])   # G of every agent, padded
         stacked[receiver, slot] = grads.received * net.in_weights.to(params.dtype)[:, None]
         own = grads.own * self_weights(net).to(params.dtype)[:, None]              # g = pi_ii g^{i<-i}
