@@ -96,6 +96,7 @@ class TopDPBase(SelectMix):
         self.gamma = decay_gamma
         self.period = decay_period
         self._batches: tuple[int, np.ndarray] | None = None
+        self._graph: tuple[int, np.ndarray, np.ndarray] | None = None
 
     @classmethod
     def from_settings(cls, settings: TopDPSettings) -> TopDPBase:
@@ -138,14 +139,21 @@ class TopDPBase(SelectMix):
             self._batches = (id(net.in_edges), batch)
         return self._batches[1]
 
+    def host_graph(self, ctx: RoundContext) -> tuple[np.ndarray, np.ndarray]:
+        """The held agents' global ids and the out-edges as (sender's local row, receiver's global id), on the
+        host: read from the network once per graph, not in every round (no device read-back per round)."""
+        net = ctx.network
+        if self._graph is None or self._graph[0] != id(net.out_edges):
+            edges = torch.stack([net.rows(net.out_edges[:, 0]), net.out_edges[:, 1]], dim=1).cpu().numpy()
+            self._graph = (id(net.out_edges), net.agent_ids.cpu().numpy(), edges)
+        return self._graph[1], self._graph[2]
+
     def mechanism(self, ctx: RoundContext, multipliers: np.ndarray, owners: np.ndarray, full: np.ndarray,
                   ) -> RowGaussian | NoNoise:
         """The release's noise: ``multipliers`` per row of local owner ``owners[r]``, ``full`` sigma_t per local row."""
         if ctx.oracle.mechanism is None:
             return NoNoise()
-        net = ctx.network
-        edges = torch.stack([net.rows(net.out_edges[:, 0]), net.out_edges[:, 1]], dim=1).cpu().numpy()
-        return RowGaussian(multipliers, owners, full, ctx.oracle.clip_norm, edges)
+        return RowGaussian(multipliers, owners, full, ctx.oracle.clip_norm, self.host_graph(ctx)[1])
 
     def setup(self, state: State, ctx: RoundContext) -> State:
         """Lines 2-3 (Alg. 2) / 4-6 (Alg. 1): one noisy step from x_0 at full sigma_0, sent to all neighbours."""
@@ -197,11 +205,10 @@ class TopDP(TopDPBase):
         n, alpha, device = net.n_agents, self.alpha, x.device
         if received.data_ptr() != x.data_ptr():  # the estimates were stored apart (a re-split state): rejoin them
             received = torch.cat([x, received[n:]])
-        ids = net.agent_ids.cpu().numpy()
+        ids, edges = self.host_graph(ctx)
+        senders = edges[:, 0]
         sigma = self.sigma(ctx)                                                   # line 8
         generator = ctx.public_generator()
-        edges = net.out_edges
-        senders = net.rows(edges[:, 0]).cpu().numpy()
         if self.topology_aware and oracle.mechanism is not None:
             planner = self.planner(ctx)
             cover = planner.plan(alpha, sigma, self.expected_batches(ctx), generator)  # lines 10-17
@@ -211,7 +218,7 @@ class TopDP(TopDPBase):
         jstar = self.in_edges(net).choose(generator)                              # line 18
         rows = np.concatenate([np.arange(n), senders[groups.first]])              # local row, then one per group
         multipliers = np.concatenate([sigma[ids], cover.multiplier[groups.first] if coverable is not None else []])
-        slots = torch.cat([net.agent_ids.cpu(), edges[torch.from_numpy(groups.first).to(edges.device), 1].cpu()])
+        slots = torch.from_numpy(np.concatenate([ids, edges[groups.first, 1]]))  # receivers: noise keys
         key = oracle.batch()                                                      # line 9: one batch, one sum
         sums = oracle.repeat(oracle.clip(key, x), torch.from_numpy(rows))
         (noisy,) = oracle.release(sums, mechanism=self.mechanism(ctx, multipliers, rows, sigma[ids]), receivers=slots)

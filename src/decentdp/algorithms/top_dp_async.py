@@ -37,10 +37,10 @@ class TopDPAsync(TopDPBase):
     schedules: ClassVar[tuple[str, ...]] = ("pairing",)
 
     def noisy_step(self, x: torch.Tensor, ctx: RoundContext, paired: torch.Tensor) -> torch.Tensor:
-        oracle, net = ctx.oracle, ctx.network
+        oracle = ctx.oracle
         sigma = self.sigma(ctx)                                                          # lines 6, 19
         batch = self.expected_batches(ctx)  # (a collective on a graph's first round: every shard calls it)
-        ids = net.agent_ids.cpu().numpy()
+        ids = self.host_graph(ctx)[0]
         active = ctx.plan.active if ctx.plan is not None else torch.ones_like(paired)
         rows = torch.nonzero(active.cpu()).squeeze(1)
         owners = rows.numpy()
@@ -56,7 +56,7 @@ class TopDPAsync(TopDPBase):
         self._flags = owners, {"reduced": reduced, "full": ~reduced, "fallback": fallback}
         key = oracle.batch()
         (noisy,) = oracle.release(oracle.clip(key, x), mechanism=self.mechanism(ctx, multipliers, owners, sigma[ids]),
-                                  receivers=net.agent_ids.cpu()[rows])
+                                  receivers=torch.from_numpy(ids[owners]))
         step = torch.zeros_like(x).index_copy_(0, rows.to(x.device), noisy)
         return step.div_(oracle.expected_batch.to(x.device)[:, None])
 
