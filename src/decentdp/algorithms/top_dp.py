@@ -17,11 +17,13 @@ The receivers ``j`` that one neighbour ``k`` covers (lines 14-16) all get the sa
 get one message (one noise draw), not one per receiver: each receiver alone sees the same
 distribution either way (view a), and colluding receivers learn less from one copy than from several
 independent ones (view b).  The mixes of eq. 5c and line 19 are applied to those ``N + G`` released
-rows (``G`` groups) in place, as two sparse products that read each row's own and received estimate
+rows (``G`` groups) in place, as one sparse product that reads each row's own and received estimate
 where it lies (:func:`add_selected`); out-edge ``e`` then carries row ``pick[e]`` (its group's, or the
-local estimate for an uncovered receiver, lines 20-22), delivered by :func:`deliver`.  The receivers'
-state is what arrived, as rows and one row index per in-edge.  The accounting views (a)-(c) are
-described in :mod:`decentdp.algorithms.topology_noise`; budgets hold per receiver (view a).
+local estimate for an uncovered receiver, lines 20-22), delivered by :func:`deliver`.  The state
+keeps what arrived as ``received`` (the agents' own estimates first, ``params`` being those rows)
+and ``received_index`` (the row each in-edge received), so no ``(E, d)`` tensor is formed in one
+process.  The accounting views (a)-(c) are described in :mod:`decentdp.algorithms.topology_noise`;
+budgets hold per receiver (view a).
 """
 
 from __future__ import annotations
