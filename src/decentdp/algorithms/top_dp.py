@@ -187,7 +187,9 @@ class TopDP(TopDPBase):
 
     @property
     def round_temporaries(self) -> int:
-        return 4  # the released rows (N + G, G < E) and the received ones of the last round
+        # the sums (N rows), the released rows (N + G) and the last round's group rows (G) held in ``received``:
+        # 2 + 2 G / N, with G / N = 2.1 cover groups per agent at the paper's setting (at most the mean degree)
+        return 6
 
     def planner(self, ctx: RoundContext) -> CoverPlanner:
         net = ctx.network
