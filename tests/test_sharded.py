@@ -286,6 +286,12 @@ def test_a_torn_shard_checkpoint_is_refused(tmp_path: Path) -> None:
              for shard in shards]
     with pytest.raises(ValueError, match="do not cover agents 0..9"):
         read_shard_checkpoints(tmp_path, files[1:], 0, 10)
+    mixed = [write_shard_checkpoint(tmp_path / "mixed", shard, {**shard_state(state, per_agent, shard.rows),
+                                                                "buffer": torch.full((3,), float(shard.index))},
+                                    per_agent) for shard in shards]  # "buffer": each process's own entry
+    read_shard_checkpoints(tmp_path / "mixed", mixed, 5, 10)  # its own rows: the shard's own entry is fine
+    with pytest.raises(ValueError, match="state entry 'buffer' differs between the shards"):
+        read_shard_checkpoints(tmp_path / "mixed", mixed, 0, 10)
     (tmp_path / files[0]["file"]).write_bytes(b"partial")
     with pytest.raises(ValueError, match="missing or differs"):
         read_shard_checkpoints(tmp_path, files, 0, 10)

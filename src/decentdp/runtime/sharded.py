@@ -537,6 +537,10 @@ def read_shard_checkpoints(directory: Path, files: Sequence[dict[str, Any]], lo:
         parts.append(torch.load(path, weights_only=True, map_location="cpu"))
     first = span[0]["agents"][0]
     per_agent = set(parts[0]["per_agent"])
+    for key, value in parts[0]["state"].items():  # replicated entries are the same in every shard, or unusable
+        if key not in per_agent and not all(torch.equal(part["state"][key], value) for part in parts[1:]):
+            raise ValueError(f"state entry {key!r} differs between the shards {covered}: it is a process's own "
+                             "(not one row per agent, nor the same everywhere), so it cannot be merged or re-split")
     state = {key: torch.cat([part["state"][key] for part in parts])[lo - first:hi - first] if key in per_agent
              else value for key, value in parts[0]["state"].items()}
     ledger = merge_ledgers(PrivacyLedger, [part["ledger"] for part in parts]).state_dict()
