@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -267,3 +268,17 @@ def test_agent_without_neighbour_is_refused_before_anything_is_written(tmp_path:
     assert main(["run", str(config), "--out", str(out)]) != 0
     assert "topology.graph" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_run_reports_its_messages_and_fallbacks_in_privacy_json(tmp_path: Path) -> None:
+    """Heterogeneous budgets (agent 0 at a far larger epsilon, hence a far smaller sigma than
+    (1 - alpha) sigma_k): its coverable edges fall back to full noise, and the run's ``privacy.json``
+    counts them beside the messages that reused a neighbour's noise."""
+    config = validate_config(tiny_config(experiment={"rounds": 3, "eval_every": 3},
+                                         algorithm={"name": "top-dp", "alpha": 0.25},
+                                         topology={"graph": "ring", "agents": 6},
+                                         privacy={"epsilon": None, "agent_epsilons": [50.0] + [0.5] * 5}))
+    run_experiment(config, tmp_path / "run", progress=False)
+    counts = json.loads((tmp_path / "run" / "privacy.json").read_text())["top_dp_messages"]
+    assert counts["fallback"] > 0 and counts["reduced"] > 0
+    assert counts["reduced"] + counts["full"] == 3 * 6 * 2  # every message of the 3 rounds, once

@@ -117,7 +117,9 @@ class TopDPBase(SelectMix):
                     for name in COUNTERS}
         return {"params": params, **counters}
 
-    def run_report(self, state: State) -> dict[str, Any]:
+    def privacy_extras(self, state: State, delta: float, local: np.ndarray) -> dict[str, Any]:
+        """The run's message counts (``privacy.json``): residual-noise and full-noise messages, coverable
+        edges that fell back to full noise (heterogeneous budgets) and uncoverable ones."""
         return {"top_dp_messages": report({name: int(state[f"count.{name}"].sum()) for name in COUNTERS})}
 
     def sigma(self, ctx: RoundContext) -> np.ndarray:
