@@ -514,11 +514,14 @@ def plot_report(report: Report, out: Path) -> list[Path]:
     ylabel = report.metric + (" (%)" if scale == 100 else "")
     written = []
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for row, group in zip(report.rows, report.groups, strict=True):
+    # Past the colour cycle's ten colours, a line style tells the series apart (colours repeat).
+    styles = ("-", "--", ":", "-.")
+    for index, (row, group) in enumerate(zip(report.rows, report.groups, strict=True)):
         rounds, means, stds = _curve(group.runs, report.metric)
         if not rounds:
             continue
-        line, = ax.plot(rounds, [scale * m for m in means], label=_label(row, report.labels))
+        line, = ax.plot(rounds, [scale * m for m in means], label=_label(row, report.labels),
+                        linestyle=styles[index // 10 % len(styles)])
         if len(group.runs) > 1:
             ax.fill_between(rounds, [scale * (m - s) for m, s in zip(means, stds, strict=True)],
                             [scale * (m + s) for m, s in zip(means, stds, strict=True)], alpha=0.2,
