@@ -72,7 +72,8 @@ def _copy(experiment):
 
 
 def _run_shards(experiment, workers: int, rounds: int):
-    """Every shard's final state and shard object, the shards running as threads."""
+    """The run's final state (the shards' rows merged), the shard objects and each shard's own final state,
+    the shards running as threads."""
     n = experiment.data.n_agents
     bounds = shard_bounds(n, workers)
     boxes = [Mailbox(timeout=60) for _ in range(workers)]
@@ -103,7 +104,7 @@ def _run_shards(experiment, workers: int, rounds: int):
     per_agent = sharded_keys([state_layout(result) for result in results], bounds)  # the setup may add entries
     merged = {key: torch.cat([result[key] for result in results]) if key in per_agent else results[0][key]
               for key in results[0]}
-    return merged, shards
+    return merged, shards, results
 
 
 def _histories(ledger) -> list:
@@ -113,19 +114,27 @@ def _histories(ledger) -> list:
 @pytest.mark.parametrize("algorithm", [
     pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=NOT_SHARD_INDEPENDENT[name]))
     if name in NOT_SHARD_INDEPENDENT else name for name in algorithm_names()])
-def test_every_algorithm_sharded_matches_the_simulator(algorithm: str) -> None:
-    """2 shards (1 for pooled data) against the simulator: same ledgers exactly, models up to summation order."""
+def test_every_algorithm_sharded_matches_the_simulator(algorithm: str, tmp_path: Path) -> None:
+    """2 shards (1 for pooled data) against the simulator: same ledgers exactly, models up to summation order,
+    through the checkpoint files the shards write (as Ray workers do), merged."""
     rounds = 6
     _, experiment = _config(algorithm, rounds)
     reference = _copy(experiment)
     expected = reference.simulator.run(reference.simulator.setup(reference.initial_state()), 0, rounds,
                                        lambda done, current: True)
     workers = min(2, experiment.data.n_agents)
-    state, shards = _run_shards(experiment, workers, rounds)
+    _, shards, finals = _run_shards(experiment, workers, rounds)
+    # each shard writes its checkpoint file; read back whole they are the run's state and ledger
+    per_agent = sharded_keys([state_layout(final) for final in finals], shards[0].bounds)
+    files = [write_shard_checkpoint(tmp_path, shard, final, per_agent)
+             for shard, final in zip(shards, finals, strict=True)]
+    saved = read_shard_checkpoints(tmp_path, files, 0, experiment.data.n_agents)
+    state = saved["state"]
+    assert set(state) == set(expected)
     for key, value in expected.items():
         assert state[key].shape == value.shape, key
         assert state[key].numel() == 0 or float((state[key].double() - value.double()).abs().max()) <= 1e-5, key
-    ledger = merge_ledgers(type(reference.ledger), [shard.ledger.state_dict() for shard in shards])
+    ledger = type(reference.ledger).from_state_dict(saved["ledger"])
     assert _histories(ledger) == _histories(reference.ledger)
     assert ledger.refused.tolist() == reference.ledger.refused.tolist()
     assert ledger.has_receiver_releases == reference.ledger.has_receiver_releases
@@ -258,7 +267,7 @@ def test_shards_write_checkpoints_that_any_split_reads(tmp_path: Path, written: 
     reference = _copy(experiment)
     expected = reference.simulator.run(reference.simulator.setup(reference.initial_state()), 0, 4,
                                        lambda done, current: True)
-    state, shards = _run_shards(experiment, written, 4)
+    state, shards, _ = _run_shards(experiment, written, 4)
     per_agent = per_agent_keys(state, experiment.data.n_agents)
     files = [write_shard_checkpoint(tmp_path, shard, shard_state(state, per_agent, shard.rows), per_agent)
              for shard in shards]
@@ -280,7 +289,7 @@ def test_shards_write_checkpoints_that_any_split_reads(tmp_path: Path, written: 
 
 def test_a_torn_shard_checkpoint_is_refused(tmp_path: Path) -> None:
     _, experiment = _config("dp-dsgd", 2)
-    state, shards = _run_shards(experiment, 2, 2)
+    state, shards, _ = _run_shards(experiment, 2, 2)
     per_agent = per_agent_keys(state, experiment.data.n_agents)
     files = [write_shard_checkpoint(tmp_path, shard, shard_state(state, per_agent, shard.rows), per_agent)
              for shard in shards]
@@ -326,7 +335,7 @@ def test_secure_noise_is_sharded_too() -> None:
     _, experiment = _config("dp-dsgd", 4, "privacy.noise=secure")
     reference = _copy(experiment)
     expected = reference.simulator.run(reference.initial_state(), 0, 4, lambda done, current: True)
-    state, shards = _run_shards(experiment, 2, 4)
+    state, shards, _ = _run_shards(experiment, 2, 4)
     held = [shard.oracle.rng.keys.agent_ids for shard in shards]
     assert held == [list(range(shard.rows.start, shard.rows.stop)) for shard in shards]
     assert float((state["params"] - expected["params"]).abs().max()) <= 1e-5
