@@ -20,7 +20,7 @@ from typing import Any
 import tomli_w
 
 HERE = Path(__file__).resolve().parent
-DATASETS = ("mnist", "fashion-mnist")
+DATASETS = ("mnist", "fashion-mnist", "cifar10")  # CIFAR-10: the loader reads the official files; not here
 GRAPHS = {"ring": "ring", "fc": "complete", "bipartite": "complete-bipartite"}
 ALPHAS = (0.1, 1.0)
 EPSILON = 4.0

@@ -1,0 +1,34 @@
+"""Every config shipped under ``experiments/`` is valid: a generator edited without regenerating its
+configs, or a setting renamed in the library, fails here rather than in a user's run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from decentdp.audit.settings import load_audit_config
+from decentdp.config import load_config
+from decentdp.sweep import load_sweep
+
+EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
+
+
+def _kind(path: Path) -> str:
+    """How a shipped TOML is read: a run, an audit, a sweep, or a table of paper values (``paper*.toml``)."""
+    if path.name.startswith("paper"):
+        return "paper values"
+    return {"audits": "audit", "sweeps": "sweep"}.get(path.relative_to(EXPERIMENTS).parts[0], "run")
+
+
+CONFIGS = sorted(path for path in EXPERIMENTS.rglob("*.toml") if _kind(path) != "paper values")
+
+
+def test_every_kind_of_shipped_config_is_covered() -> None:
+    kinds = {_kind(path) for path in CONFIGS}
+    assert kinds == {"run", "audit", "sweep"} and len(CONFIGS) > 300
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda path: str(path.relative_to(EXPERIMENTS)))
+def test_a_shipped_config_loads(path: Path) -> None:
+    {"run": load_config, "audit": load_audit_config, "sweep": load_sweep}[_kind(path)](path)
