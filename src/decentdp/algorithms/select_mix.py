@@ -52,10 +52,12 @@ class InEdges:
         counts = torch.bincount(rows, minlength=network.n_agents)
         self.start = torch.cumsum(counts, 0) - counts
         self.count = counts
+        # Checked once per graph here, not in every round's choice (a read-back on an accelerator).
+        self.isolated = bool((counts == 0).any())
 
     def choose(self, generator: torch.Generator) -> torch.Tensor:
         """For each agent, the index (into ``in_edges``) of one incoming edge, uniformly at random (public)."""
-        if bool((self.count == 0).any()):
+        if self.isolated:
             raise ValueError("an agent has no neighbour to select")
         draws = torch.rand(self.n_total, generator=generator, device=generator.device)[
             self.agent_ids.to(generator.device)].to(self.count.device)
