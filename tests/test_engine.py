@@ -24,6 +24,7 @@ from decentdp.run.loop import run_experiment
 from decentdp.runtime.network import SimulatedNetwork
 from decentdp.runtime.schedules import Schedule
 from decentdp.topology import build_topology
+from decentdp.util.profiling import PhaseTimer, TimedNetwork
 
 from conftest import tiny_config
 
@@ -41,6 +42,18 @@ def test_message_passing_primitives_agree_with_mixing() -> None:
     torch.testing.assert_close(via_messages, net.mix(x))
     torch.testing.assert_close(net.neighbor_sum(x), net.aggregate(net.broadcast(x)))
     torch.testing.assert_close(net.degrees, torch.tensor(net.topology.adjacency().sum(1)))
+
+
+def test_the_profiler_passes_the_public_graph_through_untimed() -> None:
+    """``TimedNetwork`` (``--profile``) hands algorithms the wrapped network's own cached public graph, not
+    counted as communication (no message is sent), and times ``exchange_rows`` as every network call."""
+    net = _network("erdos-renyi", 8, p=0.5)
+    timer = PhaseTimer()
+    timed = TimedNetwork(net, timer)
+    assert timed.public_graph() is net.public_graph() and "communication" not in timer.seconds
+    rows, pick = torch.randn(8, 3, dtype=torch.float64), net.out_edges[:, 0]
+    received, index = timed.exchange_rows(rows, pick)
+    assert received is rows and torch.equal(received[index], net.broadcast(rows)) and "communication" in timer.seconds
 
 
 def test_per_edge_messages_reach_their_receiver() -> None:

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from decentdp.algorithms import algorithm_names
-from decentdp.algorithms.dp_cga import graph_max_in_degree
+from decentdp.algorithms.base import ragged_rows_key
 from decentdp.algorithms.muffliato import dense_mixing
+from decentdp.audit.blocks import BlockNetwork
 from decentdp.config import load_config
 from decentdp.errors import ConfigError, DecentDPError
 from decentdp.rng import AgentRandom
@@ -29,6 +30,7 @@ from decentdp.runtime.sharded import (
     LocalTransport,
     Mailbox,
     ShardNetwork,
+    agent_rows,
     make_shard,
     merge_ledgers,
     per_agent_keys,
@@ -46,11 +48,7 @@ DEMO = Path(__file__).resolve().parents[1] / "experiments" / "demo.toml"
 
 #: Algorithms whose rounds depend on how agents are split over processes, each with the reason found by this
 #: test (strict: an entry must go once its algorithm is fixed).
-NOT_SHARD_INDEPENDENT: dict[str, str] = {
-    "top-dp": "params, counters and ledgers match, but its state keeps the process's message buffers 'received' "
-              "(local rows + cover groups) and 'received_index' (one per in-edge held), whose sizes depend on the "
-              "split: neither merges nor re-splits on resume",
-}
+NOT_SHARD_INDEPENDENT: dict[str, str] = {}
 
 
 def _config(algorithm: str = "dp-dsgt", rounds: int = 10, *extra: str):
@@ -203,22 +201,47 @@ def test_every_network_method_matches_the_simulated_network(graph: str, params: 
     for s, received in zip(shards, _collective(shards, lambda s: s.exchange(code(s.out_edges))), strict=True):
         assert torch.equal(received, code(s.in_edges))
     assert torch.equal(torch.cat([s.degrees for s in shards]), whole.degrees)
+    # exchange_rows: a sender's rows (its agents' own, then extra ones), each out-edge one of them, often the same
+    generator = torch.Generator().manual_seed(1)
+    extra = {s.shard: torch.randn(2 * s.n_agents, d, dtype=torch.float64, generator=generator) for s in shards}
+    outbox = {s.shard: torch.cat([x[rows[s.shard]], extra[s.shard]]) for s in shards}
+    pick = {s.shard: torch.randint(0, 3 * s.n_agents, (len(s.out_edges),), generator=generator) for s in shards}
+    exchanged = _collective(shards, lambda s: s.exchange(outbox[s.shard][pick[s.shard]]))
+    before = [s.transport.bytes_sent for s in shards]
+    delivered = _collective(shards, lambda s: s.exchange_rows(outbox[s.shard], pick[s.shard]))
+    for s, (received, index), expected in zip(shards, delivered, exchanged, strict=True):
+        assert torch.equal(received[:len(outbox[s.shard])], outbox[s.shard]) and torch.equal(received[index], expected)
+        crossed = sum(len(torch.unique(pick[s.shard][s._edges_out[peer]])) for peer in s.peers) * d * 8
+        assert s.transport.bytes_sent - before[s.shard] == crossed + 8 * sum(len(e) for e in s._edges_out.values())
+    everyone, picks = torch.cat([x, *extra.values()]), torch.randint(0, 3 * n, (len(whole.out_edges),))
+    assert whole.exchange_rows(everyone, picks) == (everyone, picks)   # in one process: read in place
 
 
-def test_every_shard_learns_the_public_graph() -> None:
-    """Flooded over the shards' network: the graph's largest in-degree (dp-cga's padding) and its whole
-    mixing matrix (Muffliato's), exactly the simulated network's."""
+def test_every_network_gives_the_whole_public_graph() -> None:
+    """The simulator, every shard and an audit's blocks give the whole run's graph (the blocks: every block's,
+    with offsets, not block 0's alone), and Muffliato's and dp-cga's facts about it come from there."""
     whole, shards = _networks("erdos-renyi", 13, 3, p=0.3)
-    expected = int(whole.degrees.max())
-    counts = [torch.bincount(s.rows(s.in_edges[:, 1]), minlength=s.n_agents) for s in shards]
-    assert min(int(c.max()) for c in counts) < expected  # some shard does not hold the largest degree
-    got = _collective(shards, lambda s: graph_max_in_degree(s, counts[s.shard]))
-    assert got == [expected] * len(shards)
-    assert graph_max_in_degree(whole, torch.bincount(whole.in_edges[:, 1], minlength=13)) == expected
-    mixing = dense_mixing(whole)
-    np.testing.assert_array_equal(mixing, whole.topology.mixing)
-    for got in _collective(shards, dense_mixing):
-        np.testing.assert_array_equal(got, mixing)
+    graph = whole.public_graph()
+    assert whole.public_graph() is graph   # computed once
+    np.testing.assert_array_equal(graph.edges, whole.out_edges.numpy())
+    np.testing.assert_array_equal(graph.weights, whole.in_weights.numpy())
+    np.testing.assert_array_equal(graph.in_degrees, whole.degrees.numpy())
+    np.testing.assert_array_equal(graph.dense_mixing(), whole.topology.mixing)
+    np.testing.assert_array_equal(dense_mixing(whole), whole.topology.mixing)   # float64 network: W exactly
+    for shard in shards:
+        other = shard.public_graph()
+        for field in ("edges", "weights", "self_weights"):
+            np.testing.assert_array_equal(getattr(other, field), getattr(graph, field))
+        assert other.neighbours == graph.neighbours
+    blocks = BlockNetwork(whole.topology, 3, dtype=torch.float64)
+    tiled = blocks.public_graph()
+    np.testing.assert_array_equal(tiled.edges, blocks.out_edges.numpy())
+    np.testing.assert_array_equal(tiled.weights, blocks.in_weights.numpy())
+    expected = np.zeros((39, 39))
+    for b in range(3):
+        expected[13 * b:13 * (b + 1), 13 * b:13 * (b + 1)] = whole.topology.mixing
+    np.testing.assert_array_equal(tiled.dense_mixing(), expected)
+    assert tiled.neighbours[13 + 2] == [13 + j for j in graph.neighbours[2]]
 
 
 def test_swap_pairs_agents_across_shards_and_checks_pairs() -> None:
@@ -259,11 +282,14 @@ def test_ledgers_split_and_merge_back() -> None:
     np.testing.assert_array_equal(merged.epsilon("rdp"), reference.ledger.epsilon("rdp"))
 
 
-@pytest.mark.parametrize(("written", "read"), [(3, 1), (3, 2), (2, 4), (1, 3)])
-def test_shards_write_checkpoints_that_any_split_reads(tmp_path: Path, written: int, read: int) -> None:
+@pytest.mark.parametrize(("algorithm", "written", "read"), [
+    ("dp-dsgt", 3, 1), ("dp-dsgt", 3, 2), ("dp-dsgt", 2, 4), ("dp-dsgt", 1, 3), ("top-dp", 3, 2), ("top-dp", 1, 3)])
+def test_shards_write_checkpoints_that_any_split_reads(tmp_path: Path, algorithm: str, written: int,
+                                                       read: int) -> None:
     """Each shard writes its own rows; read back whole they are the simulator's state and ledger, and a
-    shard of another split reads exactly its rows (a resume on another number of workers)."""
-    _, experiment = _config("dp-dsgt", 4)
+    shard of another split reads exactly its rows (a resume on another number of workers), ragged
+    per-agent entries (top-dp's messages) included."""
+    _, experiment = _config(algorithm, 4)
     reference = _copy(experiment)
     expected = reference.simulator.run(reference.simulator.setup(reference.initial_state()), 0, 4,
                                        lambda done, current: True)
@@ -282,9 +308,48 @@ def test_shards_write_checkpoints_that_any_split_reads(tmp_path: Path, written: 
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         part = read_shard_checkpoints(tmp_path, files, lo, hi)
         for key in per_agent:
-            assert torch.equal(part["state"][key], whole["state"][key][lo:hi]), key
+            assert torch.equal(part["state"][key], agent_rows(whole["state"], key, slice(lo, hi))), key
         own = split_ledger(type(reference.ledger), part["ledger"], lo, hi)
         assert _histories(own) == _histories(reference.ledger)[lo:hi]
+
+
+def test_top_dp_resumes_from_shard_files_on_another_number_of_workers(tmp_path: Path) -> None:
+    """TOP-DP's state is per agent (estimates, ragged messages, picks): 3 shards write their files after 3
+    rounds, 2 shards of another split read them and finish, and the run ends as the simulator's."""
+    rounds, stop = 6, 3
+    _, experiment = _config("top-dp", rounds)
+    reference = _copy(experiment)
+    expected = reference.simulator.run(reference.simulator.setup(reference.initial_state()), 0, rounds,
+                                       lambda done, current: True)
+    _, shards, finals = _run_shards(_copy(experiment), 3, stop)
+    assert sum(len(final["messages"]) for final in finals) > 0   # cover groups are in flight at the checkpoint
+    per_agent = sharded_keys([state_layout(final) for final in finals], shards[0].bounds)
+    assert {"messages", ragged_rows_key("messages"), "pick", "params"} <= per_agent
+    files = [write_shard_checkpoint(tmp_path, shard, final, per_agent)
+             for shard, final in zip(shards, finals, strict=True)]
+    n, workers = experiment.data.n_agents, 2
+    bounds = shard_bounds(n, workers)
+    boxes = [Mailbox(timeout=60) for _ in range(workers)]
+    resumed = [make_shard(_copy(experiment), bounds, s, LocalTransport(s, boxes)) for s in range(workers)]
+    parts = [read_shard_checkpoints(tmp_path, files, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+    for shard, part in zip(resumed, parts, strict=True):
+        shard.load(part["ledger"], part["scheduler"], experiment.oracle.rng, experiment.oracle.agents_per_pass)
+    out: list = [None] * workers
+
+    def work(index: int) -> None:
+        out[index] = resumed[index].simulator.run(parts[index]["state"], stop, rounds, lambda done, current: True)
+
+    threads = [threading.Thread(target=work, args=(index,)) for index in range(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(result is not None for result in out)
+    for key, value in expected.items():
+        got = torch.cat([result[key] for result in out]) if key in per_agent else out[0][key]
+        assert got.shape == value.shape and float((got.double() - value.double()).abs().max()) <= 1e-5, key
+    merged = merge_ledgers(type(reference.ledger), [shard.ledger.state_dict() for shard in resumed])
+    assert _histories(merged) == _histories(reference.ledger)
 
 
 def test_a_torn_shard_checkpoint_is_refused(tmp_path: Path) -> None:

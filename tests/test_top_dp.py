@@ -12,7 +12,9 @@ import pytest
 import torch
 from tests.conftest import tiny_config
 
+from decentdp.algorithms.base import ragged_rows_key
 from decentdp.algorithms.topology_noise import CoverPlanner, RowGaussian, cover_groups, residual_multipliers
+from decentdp.audit.blocks import BlockNetwork
 from decentdp.cli import main
 from decentdp.config import validate_config
 from decentdp.errors import ConfigError
@@ -23,7 +25,7 @@ from decentdp.privacy.receiver_budget import rdp_epsilon_upper_bound
 from decentdp.rng import AgentRandom, Stream
 from decentdp.run.build import build_experiment
 from decentdp.run.loop import run_experiment
-from decentdp.runtime.network import SimulatedNetwork
+from decentdp.runtime.network import GraphSequence, SimulatedNetwork
 from decentdp.runtime.sharded import ShardNetwork, shard_bounds
 from decentdp.topology import topology_from_matrix
 
@@ -114,34 +116,57 @@ def test_a_shard_plans_its_out_edges_as_the_simulator_does() -> None:
     assert covered == int((expected.via >= 0).sum()) > 0
 
 
-def test_messages_read_by_index_equal_messages_exchanged() -> None:
-    """In one process the receivers read the senders' released rows by index (no (E, d) messages); through
-    ``Network.exchange`` (as on a shard) the same rounds come out."""
+def test_cover_of_a_block_network_covers_every_block_and_bounds_the_groups() -> None:
+    """An audit's blocks: the public graph spans every block, so every block's agents are covered as block 0's
+    (the cover once read one block's graph only and left the others at full noise); and no sender forms
+    more messages than ``max_groups``."""
+    block = _network(_fig2()).topology
+    network = BlockNetwork(block, 3)
+    planner = CoverPlanner(network)
+    cover = planner.plan(0.5, np.ones(18), np.ones(18), torch.Generator().manual_seed(0))
+    per_block = (cover.via >= 0).reshape(3, -1).sum(1)
+    assert (per_block == planner.coverable.reshape(3, -1).sum(1)).all() and per_block[0] > 0
+    senders = planner.edges[cover.via >= 0, 0]
+    groups = {(int(s), int(v)) for s, v in zip(senders, cover.via[cover.via >= 0], strict=True)}
+    assert max(np.bincount([s for s, _ in groups])) <= planner.max_groups <= max(planner.degrees)
+
+
+class _ExchangedNetwork(SimulatedNetwork):
+    """A one-process network that delivers rows as any network may: the ``(E, d)`` gathered messages through
+    :meth:`exchange`, appended after the senders' rows."""
+
+    def exchange_rows(self, rows: torch.Tensor, pick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        arrived = self.exchange(rows.index_select(0, pick))
+        return torch.cat([rows, arrived]), len(rows) + torch.arange(len(arrived))
+
+
+def test_messages_read_in_place_equal_messages_exchanged() -> None:
+    """In one process the receivers read the senders' released rows in place (no (E, d) messages); a network
+    that delivers the gathered rows through ``exchange`` gives the same rounds, and the state is per agent."""
     results = []
     for exchanged in (False, True):
         raw = tiny_config(algorithm={"name": "top-dp", "lr": 0.1, "batch_size": 16, "alpha": 0.5},
                           topology={"graph": "erdos-renyi", "agents": 6, "p": 0.6})
         experiment = build_experiment(validate_config(raw))
-        network = experiment.simulator.graphs.at(0)
-        if exchanged:  # an in-edge list that is not the out-edge list: messages go through exchange
-            network.in_edges = network.in_edges.clone()
+        if exchanged:
+            experiment.simulator.graphs = GraphSequence(_ExchangedNetwork(experiment.simulator.graphs.at(0).topology))
         with torch.no_grad():
             state = experiment.simulator.setup(experiment.initial_state())
             for k in range(3):
                 state = experiment.algorithm.round(state, experiment.simulator.context(k))
-        assert torch.equal(state["params"], state["received"][:6])   # the own estimates, then what arrived
-        edges = len(network.in_edges)
-        assert len(state["received"]) == 6 + edges if exchanged else len(state["received"]) < 6 + edges
-        results.append((state["params"], state["received"][state["received_index"]], experiment.ledger.releases()))
-    assert results[1][0].shape == results[0][0].shape and len(results[1][1]) == len(results[0][1])
-    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=1e-7)
-    torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=1e-7)
+            received, index = experiment.algorithm.deliver(state, experiment.simulator.context(3))
+        counts = state[ragged_rows_key("messages")]
+        assert len(state["pick"]) == len(counts) == 6 and int(counts.sum()) == len(state["messages"]) > 0
+        assert int(state["pick"].max()) <= int(counts.max())   # every pick names the estimate or a message
+        results.append((state["params"], received[index], experiment.ledger.releases()))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=0)
     np.testing.assert_array_equal(results[1][2], results[0][2])
 
 
 @pytest.mark.parametrize("algorithm", ["top-dp", "top-dp-async"])
 def test_resume_ends_exactly_like_an_uninterrupted_run(tmp_path: Path, algorithm: str) -> None:
-    """The checkpoint holds the estimates, the received rows and their index, per-agent counters and the
+    """The checkpoint holds the estimates, each agent's messages and picks, per-agent counters and the
     receiver ledger (its own kind: a plain ledger would enforce the colluding view and refuse releases)."""
     config = validate_config(tiny_config(experiment={"rounds": 6, "eval_every": 2, "checkpoint_every": 1},
                                          algorithm={"name": algorithm, "alpha": 0.5},
@@ -216,7 +241,8 @@ def test_receivers_covered_by_one_neighbour_get_one_message() -> None:
     sigma = algorithm.sigma(ctx)
     cover = algorithm.planner(ctx).plan(algorithm.alpha, sigma, experiment.simulator.oracle.expected_batch.double()
                                         .numpy(), experiment.simulator.rng.round_generator(0, Stream.PUBLIC))
-    received = state["received"][state["received_index"]]   # what each in-edge received
+    received, index = algorithm.deliver(state, ctx)
+    received = received[index]   # what each in-edge received (in one process, in order of the out-edges)
     grouping = cover_groups(cover.via).edge_group
     src = net.out_edges[:, 0].numpy()
     seen = set()

@@ -25,6 +25,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
@@ -36,6 +37,53 @@ from decentdp.rng import AgentRandom, Stream
 
 State = dict[str, torch.Tensor]
 T = TypeVar("T")
+
+
+def ragged_rows_key(key: str) -> str:
+    """The companion of a *ragged* per-agent state entry: ``state[key]`` holds each agent's rows one after
+    the other, agents in order, and ``state[ragged_rows_key(key)]`` (one int64 per agent) how many are
+    each agent's.  Like an entry with one row per agent, the runtime splits and merges it by agent."""
+    return f"{key}.rows"
+
+
+@dataclass(frozen=True, eq=False)
+class PublicGraph:
+    """The whole run's communication graph and mixing weights, on the host: public, the same in every process.
+
+    Edges are directed ``(src, dst)`` global ids (each undirected link twice), in the run's edge order,
+    which fixes each agent's neighbour order (:meth:`neighbours`).  It is what every agent may know of
+    the graph (a neighbour's neighbours for TOP-DP's cover, W for Muffliato's accounting, the largest
+    in-degree for dp-cga's padding), without a single message."""
+
+    n_agents: int
+    edges: np.ndarray         # (E, 2) int64 global (src, dst)
+    weights: np.ndarray       # (E,) float64 w_dst,src of each edge
+    self_weights: np.ndarray  # (n_agents,) float64 w_ii
+
+    @cached_property
+    def in_degrees(self) -> np.ndarray:
+        """Neighbours sending to each agent, ``(n_agents,)`` int64."""
+        return np.bincount(self.edges[:, 1], minlength=self.n_agents).astype(np.int64)
+
+    @cached_property
+    def out_degrees(self) -> np.ndarray:
+        """Neighbours each agent sends to, ``(n_agents,)`` int64."""
+        return np.bincount(self.edges[:, 0], minlength=self.n_agents).astype(np.int64)
+
+    @cached_property
+    def neighbours(self) -> list[list[int]]:
+        """Each agent's out-neighbours, in edge order."""
+        result: list[list[int]] = [[] for _ in range(self.n_agents)]
+        for src, dst in self.edges.tolist():
+            result[src].append(dst)
+        return result
+
+    def dense_mixing(self) -> np.ndarray:
+        """W as an ``(n_agents, n_agents)`` float64 matrix (for dense accounting over small runs only)."""
+        w = np.zeros((self.n_agents, self.n_agents))
+        w[self.edges[:, 1], self.edges[:, 0]] = self.weights
+        w[np.arange(self.n_agents), np.arange(self.n_agents)] = self.self_weights
+        return w
 
 
 class Network(Protocol):
@@ -85,6 +133,18 @@ class Network(Protocol):
 
     def swap(self, x: torch.Tensor, partner: torch.Tensor) -> torch.Tensor:
         """Pairwise exchange: row ``i`` gets the row of global agent ``partner[i]`` (``partner[i]`` = own id: idle)."""
+        ...
+
+    def exchange_rows(self, rows: torch.Tensor, pick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Out-edge ``e`` carries ``rows[pick[e]]``, where ``rows`` starts with the ``n_agents`` local rows
+        (several edges may carry one row).  Returns ``(received, index)``: the rows the receivers hold,
+        starting with ``rows`` itself, and per in-edge the index of the row it received.  What arrives is
+        :meth:`exchange` of ``rows[pick]``, but no ``(E, ...)`` message tensor need be formed."""
+        ...
+
+    def public_graph(self) -> PublicGraph:
+        """The whole run's public graph on the host (every agent's edges, not only the local ones), the
+        same object for as long as this network lives."""
         ...
 
 

@@ -32,9 +32,8 @@ import quadprog
 import torch
 from pydantic import Field
 
-from decentdp.algorithms.base import AlgorithmSettings, Network, RoundContext, SettingsAlgorithm, State, once_per_graph
+from decentdp.algorithms.base import AlgorithmSettings, Network, RoundContext, SettingsAlgorithm, State
 from decentdp.algorithms.cross_gradients import cross_gradients, self_weights
-from decentdp.algorithms.graph_flood import flood_max
 from decentdp.algorithms.registry import register
 
 log = logging.getLogger(__name__)
@@ -56,23 +55,15 @@ def solve_projection(gram: np.ndarray, linear: np.ndarray, margin: float) -> np.
     return quadprog.solve_qp(p, -linear, np.eye(size), np.full(size, margin))[0]
 
 
-def graph_max_in_degree(network: Network, counts: torch.Tensor) -> int:
-    """The largest in-degree in the whole graph, from each local agent's ``counts`` (flooded over the
-    network: :func:`~decentdp.algorithms.graph_flood.flood_max`), so that the padding of the dual
-    variables is the same whichever agents a process holds."""
-    best = flood_max(network, counts.to(torch.float64))
-    return int(best.max()) if len(best) else 0
-
-
-def edge_slots(network: Network) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Receiver row and position of each in-edge among its receiver's in-edges, and each agent's in-degree."""
+def edge_slots(network: Network) -> tuple[torch.Tensor, torch.Tensor]:
+    """Receiver row and position of each in-edge among its receiver's in-edges."""
     receiver = network.rows(network.in_edges[:, 1])
     order = torch.argsort(receiver, stable=True)
     counts = torch.bincount(receiver, minlength=network.n_agents)
     starts = torch.cumsum(counts, 0) - counts
     slot = torch.empty_like(receiver)
     slot[order] = torch.arange(len(receiver), device=receiver.device) - starts[receiver[order]]
-    return receiver, slot, counts
+    return receiver, slot
 
 
 @register
@@ -101,8 +92,8 @@ class DPCGA(SettingsAlgorithm):
         net = ctx.network
         params = state["params"]
         grads = cross_gradients(params, ctx)
-        receiver, slot, counts = edge_slots(net)
-        width = once_per_graph(net, "dp-cga.width", lambda: graph_max_in_degree(net, counts))  # a collective
+        receiver, slot = edge_slots(net)
+        width = int(net.public_graph().in_degrees.max(initial=0))  # the graph's: the same padding in every process
         stacked = params.new_zeros(net.n_agents, max(width, 1), params.shape[1])   # G of every agent, padded
         stacked[receiver, slot] = grads.received * net.in_weights.to(params.dtype)[:, None]
         own = grads.own * self_weights(net).to(params.dtype)[:, None]              # g = pi_ii g^{i<-i}

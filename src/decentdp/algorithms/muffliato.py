@@ -29,7 +29,6 @@ import torch
 from pydantic import Field
 
 from decentdp.algorithms.base import AlgorithmSettings, Network, RoundContext, SettingsAlgorithm, State
-from decentdp.algorithms.graph_flood import flood_max
 from decentdp.algorithms.registry import register
 from decentdp.privacy import network_dp
 from decentdp.privacy.accounting import RDP_ORDERS
@@ -52,22 +51,11 @@ def accelerated_gossip(network: Network, x: torch.Tensor, steps: int, gamma: flo
     return current
 
 
-def dense_mixing(network: Network, dtype: torch.dtype = torch.float64) -> np.ndarray:
-    """The whole run's mixing matrix W (public), read through the network: ``W`` times the identity's
-    rows of the local agents gives their rows of W; when a process holds only some agents, the other
-    rows are flooded to every agent (:func:`~decentdp.algorithms.graph_flood.flood_max` over rows
-    unknown as ``-inf``: ``n_total - 1`` exchanges of ``(n_agents, N, N)``, once per graph)."""
-    n = network.n_total
-    ids = network.agent_ids
-    eye = torch.eye(n, dtype=network.in_weights.dtype, device=ids.device)
-    rows = network.mix(eye.index_select(0, ids)).to(torch.float64)  # W[ids, :]
-    if network.n_agents == n:  # every row is here (ids are 0 .. N-1 in one process)
-        whole = torch.empty_like(rows)
-        whole[ids] = rows
-        return whole.to(dtype).cpu().numpy()
-    known = torch.full((network.n_agents, n, n), -torch.inf, dtype=torch.float64, device=ids.device)
-    known[torch.arange(network.n_agents, device=ids.device), ids] = rows
-    return flood_max(network, known)[0].to(dtype).cpu().numpy()
+def dense_mixing(network: Network) -> np.ndarray:
+    """The whole run's mixing matrix W (public, :meth:`Network.public_graph`) as the network applies it: its
+    weights rounded to the network's dtype, in float64."""
+    w = network.public_graph().dense_mixing()
+    return torch.from_numpy(w).to(network.in_weights.dtype).double().numpy()
 
 
 @register

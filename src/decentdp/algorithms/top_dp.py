@@ -17,13 +17,17 @@ The receivers ``j`` that one neighbour ``k`` covers (lines 14-16) all get the sa
 get one message (one noise draw), not one per receiver: each receiver alone sees the same
 distribution either way (view a), and colluding receivers learn less from one copy than from several
 independent ones (view b).  The mixes of eq. 5c and line 19 are applied to those ``N + G`` released
-rows (``G`` groups) in place, as one sparse product that reads each row's own and received estimate
-where it lies (:func:`add_selected`); out-edge ``e`` then carries row ``pick[e]`` (its group's, or the
-local estimate for an uncovered receiver, lines 20-22), delivered by :func:`deliver`.  The state
-keeps what arrived as ``received`` (the agents' own estimates first, ``params`` being those rows)
-and ``received_index`` (the row each in-edge received), so no ``(E, d)`` tensor is formed in one
-process.  The accounting views (a)-(c) are described in :mod:`decentdp.algorithms.topology_noise`;
-budgets hold per receiver (view a).
+rows (``G`` groups, ordered by sender) in place, as one sparse product that reads each row's own and
+received estimate where it lies (:func:`add_selected`).
+
+The state is the senders' side, per agent: ``params`` (the local estimates), ``messages`` (each agent's
+group messages, agents in order; ``messages.rows`` counts each agent's, a ragged per-agent entry, see
+:func:`~decentdp.algorithms.base.ragged_rows_key`) and ``pick`` (per agent and position of an
+out-neighbour: 0 for the local estimate, ``1 + m`` for its message ``m``, lines 20-22).  A round first
+delivers the last round's messages with :meth:`~decentdp.algorithms.base.Network.exchange_rows`
+(in one process the receivers read the released rows in place: no ``(E, d)`` tensor is formed), so
+the state merges and re-splits over processes like any other.  The accounting views (a)-(c) are
+described in :mod:`decentdp.algorithms.topology_noise`; budgets hold per receiver (view a).
 """
 
 from __future__ import annotations
@@ -35,11 +39,12 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from decentdp.algorithms.base import Calibrated, Network, NoisePlan, RoundContext, State
+from decentdp.algorithms.base import Calibrated, NoisePlan, RoundContext, State, ragged_rows_key
 from decentdp.algorithms.registry import register
 from decentdp.algorithms.select_mix import SelectMix
 from decentdp.algorithms.topology_noise import (
     COUNTERS,
+    CoverGroups,
     CoverPlanner,
     RowGaussian,
     TopDPSettings,
@@ -48,22 +53,6 @@ from decentdp.algorithms.topology_noise import (
     report,
 )
 from decentdp.privacy.mechanisms import NoNoise
-
-
-def deliver(network: Network, rows: torch.Tensor, pick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Send out-edge ``e`` the message ``rows[pick[e]]``, where ``rows`` starts with the ``n_agents`` local
-    estimates.  Returns ``(received, index)``: ``received`` starts with the same local estimates, and
-    in-edge ``e`` received ``received[index[e]]``.
-
-    In one process the out-edges *are* the in-edges (the same list, the :class:`Network` contract) and
-    every message arrives as it was built, so the receivers hold the senders' rows themselves and
-    nothing is copied: the ``(E, d)`` message tensor is never formed.  Any other network (a shard of
-    a sharded run) gets the ``(E_out, d)`` messages through :meth:`Network.exchange`."""
-    if network.out_edges is network.in_edges:
-        return rows, pick
-    n = network.n_agents
-    arrived = network.exchange(rows.index_select(0, pick))
-    return torch.cat([rows[:n], arrived]), n + torch.arange(len(arrived), device=arrived.device)
 
 
 def add_selected(out: torch.Tensor, source: torch.Tensor, columns: torch.Tensor, weights: Sequence[float],
@@ -186,11 +175,12 @@ class TopDP(TopDPBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._planner: tuple[int, CoverPlanner] | None = None
+        self._positions: tuple[int, torch.Tensor, torch.Tensor, np.ndarray, int] | None = None
 
     @property
     def round_temporaries(self) -> int:
-        # the sums (N rows), the released rows (N + G) and the last round's group rows (G) held in ``received``:
-        # 2 + 2 G / N, with G / N = 2.1 cover groups per agent at the paper's setting (at most the mean degree)
+        # the sums (N rows), the released rows (N + G, the next state) and the last round's (N + G), with
+        # G / N = 2.1 cover groups per agent at the paper's setting (at most the mean degree)
         return 6
 
     def planner(self, ctx: RoundContext) -> CoverPlanner:
@@ -199,18 +189,51 @@ class TopDP(TopDPBase):
             self._planner = (id(net.out_edges), CoverPlanner(net))
         return self._planner[1]
 
-    def setup(self, state: State, ctx: RoundContext) -> State:
-        state = super().setup(state, ctx)
+    def out_positions(self, ctx: RoundContext) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, int]:
+        """Per out-edge: its sender's local row and its position among the sender's out-edges (on the device and,
+        the positions, on the host), and the width of ``pick``: the whole graph's largest out-degree, so
+        that every process's rows of ``pick`` have the same width.  Computed once per graph."""
         net = ctx.network
-        received, index = deliver(net, state["params"], net.rows(net.out_edges[:, 0]))   # line 6
-        return {**state, "params": received[:net.n_agents], "received": received, "received_index": index}
+        if self._positions is None or self._positions[0] != id(net.out_edges):
+            senders = self.host_graph(ctx)[1][:, 0]
+            order = np.argsort(senders, kind="stable")
+            counts = np.bincount(senders, minlength=net.n_agents)
+            starts = np.cumsum(counts) - counts
+            position = np.empty(len(senders), dtype=np.int64)
+            position[order] = np.arange(len(senders)) - starts[senders[order]]
+            device = net.agent_ids.device
+            width = int(net.public_graph().out_degrees.max(initial=0))
+            self._positions = (id(net.out_edges), torch.from_numpy(senders).to(device),
+                               torch.from_numpy(position).to(device), position, width)
+        return self._positions[1:]
+
+    def setup(self, state: State, ctx: RoundContext) -> State:
+        """Line 6: every neighbour gets the agent's estimate (no messages yet; delivered by round 0)."""
+        state = super().setup(state, ctx)
+        params, n = state["params"], ctx.network.n_agents
+        width = self.out_positions(ctx)[3]
+        return {**state, "messages": params.new_empty(0, params.shape[1]),
+                ragged_rows_key("messages"): torch.zeros(n, dtype=torch.int64, device=params.device),
+                "pick": torch.zeros(n, width, dtype=torch.int64, device=params.device)}
+
+    def deliver(self, state: State, ctx: RoundContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Lines 20-22 of the last round (line 6 after the setup): out-edge ``(i, j)`` carries ``i``'s estimate
+        or its message ``pick - 1``.  Returns the rows the held agents received (their own estimates first)
+        and, per in-edge, the index of the row it received."""
+        net = ctx.network
+        params, messages, counts = state["params"], state["messages"], state[ragged_rows_key("messages")]
+        sender, position, _, _ = self.out_positions(ctx)
+        picked = state["pick"][sender, position]
+        first = torch.cumsum(counts, 0) - counts                               # each agent's first message
+        pick = torch.where(picked == 0, sender, net.n_agents + first[sender] + picked - 1)
+        return net.exchange_rows(outbox(params, messages), pick)
 
     def round(self, state: State, ctx: RoundContext) -> State:
         net, oracle = ctx.network, ctx.oracle
-        x, received, index = state["params"], state["received"], state["received_index"]   # x = received[:n]
-        n, alpha, device = net.n_agents, self.alpha, x.device
-        if received.data_ptr() != x.data_ptr():  # the estimates were stored apart (a re-split state): rejoin them
-            received = torch.cat([x, received[n:]])
+        received, index = self.deliver(state, ctx)                                # last round's lines 20-22
+        n, alpha = net.n_agents, self.alpha
+        x = received[:n]                                                          # the local estimates
+        device = x.device
         ids, edges = self.host_graph(ctx)
         senders = edges[:, 0]
         sigma = self.sigma(ctx)                                                   # line 8
@@ -218,7 +241,7 @@ class TopDP(TopDPBase):
         if self.topology_aware and oracle.mechanism is not None:
             planner = self.planner(ctx)
             cover = planner.plan(alpha, sigma, self.expected_batches(ctx), generator)  # lines 10-17
-            groups, coverable = cover_groups(cover.via), planner.coverable
+            groups, coverable = by_sender(cover_groups(cover.via), senders), planner.coverable
         else:
             groups, coverable = cover_groups(np.full(len(edges), -1, dtype=np.int64)), None
         jstar = self.in_edges(net).choose(generator)                              # line 18
@@ -237,12 +260,40 @@ class TopDP(TopDPBase):
         reads = torch.cat([jstar, torch.from_numpy(groups.via).to(device)])      # in-edges (k, i) of every row
         columns = torch.stack([torch.from_numpy(rows).to(device), index.index_select(0, reads)])
         add_selected(noisy, received, columns, (alpha, 1 - alpha), beta=float(scale[0]) if uniform else 1.0)
-        # lines 20-22: an uncovered j receives x~_i as it is; a covered one its group's message
+        # lines 20-22, delivered by the next round: an uncovered j receives x~_i as it is, a covered one its
+        # group's message (the sender's message number: groups are ordered by sender)
+        counts = np.bincount(senders[groups.first], minlength=n)
+        number = np.arange(len(groups.first)) - (np.cumsum(counts) - counts)[senders[groups.first]]
         covered = groups.edge_group >= 0
-        pick = torch.from_numpy(np.where(covered, n + groups.edge_group, senders)).to(device)
-        received, index = deliver(net, noisy, pick)
+        pick = np.zeros((n, self.out_positions(ctx)[3]), dtype=np.int64)
+        pick[senders, self.out_positions(ctx)[2]] = np.where(covered, 1 + number[groups.edge_group], 0)
         flags = {"reduced": covered, "full": ~covered}
         if coverable is not None:
             flags.update(fallback=~covered & coverable, uncoverable=~covered & ~coverable)
-        return {"params": received[:n], "received": received, "received_index": index,
-                **self.count(state, senders, **flags)}
+        return {"params": noisy[:n], "messages": noisy[n:],
+                ragged_rows_key("messages"): torch.from_numpy(counts).to(device),
+                "pick": torch.from_numpy(pick).to(device), **self.count(state, senders, **flags)}
+
+
+def by_sender(groups: CoverGroups, senders: np.ndarray) -> CoverGroups:
+    """The same groups ordered by their sender (``senders``: the local sender row of each out-edge), each
+    sender's in their order: its messages lie together, a ragged per-agent list."""
+    order = np.argsort(senders[groups.first], kind="stable")
+    renumber = np.empty_like(order)
+    renumber[order] = np.arange(len(order))
+    edge_group = np.where(groups.edge_group >= 0, renumber[np.maximum(groups.edge_group, 0)], -1)
+    return CoverGroups(groups.via[order], groups.first[order], edge_group)
+
+
+def outbox(params: torch.Tensor, messages: torch.Tensor) -> torch.Tensor:
+    """The estimates followed by the messages, as one tensor: the storage they share when a round left them
+    adjacent (no copy), else (a state read from a checkpoint, or re-split) a concatenation."""
+    if len(messages) == 0:
+        return params
+    storage = params.untyped_storage()
+    if params.is_contiguous() and messages.is_contiguous() and messages.dtype == params.dtype \
+            and messages.untyped_storage().data_ptr() == storage.data_ptr() \
+            and messages.storage_offset() == params.storage_offset() + params.numel():
+        size = (len(params) + len(messages), params.shape[1])
+        return params.new_empty(0).set_(storage, params.storage_offset(), size)
+    return torch.cat([params, messages])

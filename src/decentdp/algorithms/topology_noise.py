@@ -132,23 +132,24 @@ class Cover:
 class CoverPlanner:
     """The greedy cover of eq. 4 for the agents one engine holds, over their neighbours in a random (public) order.
 
-    The public graph (``network.topology``, known to every agent) gives each neighbour ``k``'s own
+    The public graph (:meth:`Network.public_graph`, known to every agent) gives each neighbour ``k``'s own
     neighbours, so a shard of a sharded run covers its agents' out-edges exactly as the simulator
     does: ids are global, out- and in-edges are the shard's (rows of ``network.out_edges`` and
     ``network.in_edges``), and the random orders are drawn for every agent of the run in id order,
     so that the public generator ends in the same state on every shard.  Per sender, the receivers
     that each neighbour ``k`` can cover (``N_i \\ ({k} u N_k)``) are precomputed as bit masks over the
     sender's neighbours, so a round's greedy pass is a few integer operations per neighbour.
+
+    ``max_groups`` bounds, over every agent of the run, the messages one sender's cover can form: a
+    neighbour ``k`` forms one only if it can cover some receiver, ``N_i \\ ({k} u N_k)`` non-empty.
     """
 
     def __init__(self, network: Network) -> None:
-        graph = np.asarray(network.topology.edges(), dtype=np.int64).reshape(-1, 2)   # the public graph
-        n_total = int(network.n_total)
-        neighbours: list[list[int]] = [[] for _ in range(n_total)]
-        for src, dst in graph.tolist():
-            neighbours[src].append(dst)
+        neighbours = network.public_graph().neighbours
         sets = [set(nb) for nb in neighbours]
         self.degrees = [len(nb) for nb in neighbours]
+        self.max_groups = max((sum(len(sets[i]) - 1 > len(sets[i] & sets[k]) for k in mine)
+                               for i, mine in enumerate(neighbours)), default=0)
         self.edges = network.out_edges.cpu().numpy()
         self.in_edges = network.in_edges.cpu().numpy()
         in_index = {(int(s), int(d)): e for e, (s, d) in enumerate(self.in_edges.tolist())}

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from decentdp.algorithms.base import NoisePlan, State
+from decentdp.algorithms.base import NoisePlan, PublicGraph, State
 from decentdp.audit.bounds import audit_bound, split_sizes
 from decentdp.config import ExperimentConfig
 from decentdp.errors import ConfigError
@@ -44,7 +44,7 @@ from decentdp.privacy.oracle import DataOracle
 from decentdp.privacy.sampling import AgentData, PoissonSampler
 from decentdp.rng import AgentRandom, Stream, round_stream_seed
 from decentdp.run.build import Experiment, _calibrate, build_experiment, planned_releases
-from decentdp.runtime.network import GraphSequence, SimulatedNetwork
+from decentdp.runtime.network import GraphSequence, SimulatedNetwork, topology_graph
 from decentdp.runtime.scheduler import Scheduler
 from decentdp.runtime.schedules import Schedule
 from decentdp.runtime.simulator import Simulator
@@ -87,6 +87,13 @@ class BlockNetwork(SimulatedNetwork):
 
     def mix_add(self, x: torch.Tensor, into: torch.Tensor, alpha: float) -> torch.Tensor:
         return into.mul_(alpha).add_(self.mix(x))
+
+    def _build_public_graph(self) -> PublicGraph:
+        """Every block's graph: the block's edges and weights tiled with offsets ``b * n`` (no ``Mn x Mn`` matrix)."""
+        block = topology_graph(self.topology)
+        offsets = np.repeat(np.arange(self.blocks, dtype=np.int64) * self.block_size, len(block.edges))
+        return PublicGraph(self.n_total, np.tile(block.edges, (self.blocks, 1)) + offsets[:, None],
+                           np.tile(block.weights, self.blocks), np.tile(block.self_weights, self.blocks))
 
 
 @dataclass

@@ -3,7 +3,8 @@
 :class:`~decentdp.algorithms.base.Network` (declared beside the algorithms that use it) is the one
 interface through which agents exchange messages.  :class:`SimulatedNetwork` implements it with
 matrix products over all ``N`` agents of one process: agent ids equal rows, out-edges equal
-in-edges, and ``exchange`` delivers every message unchanged.  A multi-machine engine implements the
+in-edges, and ``exchange`` and ``exchange_rows`` deliver every message unchanged (the latter without
+copying: the receivers read the senders' rows where they lie).  A multi-machine engine implements the
 same methods over the shard of agents a process holds.  :class:`GraphSequence` gives each round its
 network: the same one throughout, or a graph redrawn every few rounds (Muffliato).
 """
@@ -16,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from decentdp.algorithms.base import PublicGraph
 from decentdp.topology import Topology
 
 #: Mixing uses a sparse (CSR) matrix when at most this fraction of its entries is non-zero.  Measured
@@ -47,6 +49,15 @@ class SimulatedNetwork:
 
     def rows(self, agent_ids: torch.Tensor) -> torch.Tensor:
         return agent_ids
+
+    def public_graph(self) -> PublicGraph:
+        if getattr(self, "_public", None) is None:
+            self._public = self._build_public_graph()
+        return self._public
+
+    def _build_public_graph(self) -> PublicGraph:
+        """The run's graph: here, the network's own topology."""
+        return topology_graph(self.topology)
 
     def _operator(self, matrix: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         """The matrix as a dense tensor, or, when sparse enough, as one CSR tensor."""
@@ -84,6 +95,10 @@ class SimulatedNetwork:
     def exchange(self, messages: torch.Tensor) -> torch.Tensor:
         return messages
 
+    def exchange_rows(self, rows: torch.Tensor, pick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The in-edges are the out-edges and messages arrive unchanged: the receivers read the rows in place."""
+        return rows, pick
+
     def aggregate(self, received: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         if weights is not None:
             received = received * weights.reshape(-1, *([1] * (received.dim() - 1)))
@@ -98,6 +113,14 @@ class SimulatedNetwork:
         if partner.device.type == "cpu":
             check_pairs(partner.tolist(), self._neighbours)
         return x[partner]
+
+
+def topology_graph(topology: Topology) -> PublicGraph:
+    """A topology's :class:`~decentdp.algorithms.base.PublicGraph`: its edges in order, W's entries on them
+    and its diagonal."""
+    edges = np.asarray(topology.edges(), dtype=np.int64).reshape(-1, 2)
+    mixing = np.asarray(topology.mixing, dtype=np.float64)
+    return PublicGraph(topology.n_agents, edges, mixing[edges[:, 1], edges[:, 0]], np.diagonal(mixing).copy())
 
 
 def check_pairs(partner: list[int], neighbours: set[tuple[int, int]]) -> None:

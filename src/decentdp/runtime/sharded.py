@@ -10,7 +10,11 @@ which implements every method of :class:`~decentdp.algorithms.base.Network` over
   graph cut), never the whole ``(N, d)`` matrix;
 * ``exchange`` delivers per-edge messages: an edge's message crosses to the shard holding its
   receiver only when that shard differs from the sender's;
+* ``exchange_rows`` sends each peer shard, once, every distinct row its in-edges from here carry,
+  with the index of the row each of those edges received;
 * ``swap`` sends each paired agent's row to the shard of its partner.
+
+``public_graph`` is the whole run's graph (every shard holds the whole public topology).
 
 Every network call is a *collective*: all shards make the same calls in the same order (the
 algorithms do, since their control flow depends on public values only), and each call is one
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -37,7 +41,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from decentdp.algorithms.base import RoundPlan, State
+from decentdp.algorithms.base import RoundPlan, State, ragged_rows_key
 from decentdp.privacy.events import EventTable
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.privacy.mechanisms import Mechanism, NoiseDraw
@@ -217,6 +221,25 @@ class ShardNetwork(SimulatedNetwork):
             out[rows] = received[peer]
         return out
 
+    def exchange_rows(self, rows: torch.Tensor, pick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Edges within the shard read ``rows`` in place; each peer gets the distinct rows its edges from here
+        carry (a row sent to several of its agents crosses once) and, per edge, which of them."""
+        index = torch.empty(len(self.in_edges), dtype=torch.long, device=pick.device)
+        local_out, local_in = self._edges_local
+        index[local_in] = pick[local_out]
+        outgoing = {}
+        for peer, edges in self._edges_out.items():
+            distinct, which = torch.unique(pick[edges], return_inverse=True)
+            outgoing[peer] = (rows.index_select(0, distinct), which)
+        received = self.transport.exchange(outgoing)
+        parts, offset = [rows], len(rows)
+        for peer in self.peers:
+            values, which = received[peer]
+            index[self._edges_in[peer]] = offset + which
+            parts.append(values)
+            offset += len(values)
+        return torch.cat(parts) if len(parts) > 1 else rows, index
+
     def aggregate(self, received: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         if weights is not None:
             received = received * weights.reshape(-1, *([1] * (received.dim() - 1)))
@@ -351,10 +374,18 @@ class _ShiftedNoise:
         return getattr(self.noise, name)
 
 
+def ragged_keys(keys: Iterable[str]) -> set[str]:
+    """The ragged per-agent entries among a state's keys: those with a companion
+    :func:`~decentdp.algorithms.base.ragged_rows_key` (each agent's number of rows)."""
+    names = set(keys)
+    return {key for key in names if ragged_rows_key(key) in names}
+
+
 def per_agent_keys(state: Mapping[str, torch.Tensor], n_total: int) -> set[str]:
-    """The state entries with one row per agent (sharded); the others (counters, shared schedules) are
-    the same in every shard and replicated."""
-    return {key for key, value in state.items() if value.dim() > 0 and value.shape[0] == n_total}
+    """The state entries held by agent (sharded): one row per agent, or ragged (:func:`ragged_keys`); the others
+    (counters, shared schedules) are the same in every shard and replicated."""
+    ragged = ragged_keys(state)
+    return ragged | {key for key, value in state.items() if value.dim() > 0 and value.shape[0] == n_total}
 
 
 def state_layout(state: Mapping[str, torch.Tensor]) -> dict[str, int]:
@@ -364,16 +395,26 @@ def state_layout(state: Mapping[str, torch.Tensor]) -> dict[str, int]:
 
 def sharded_keys(layouts: Sequence[Mapping[str, int]], bounds: Sequence[int]) -> set[str]:
     """The per-agent entries of a state the shards hold (e.g. after a setup phase that added entries):
-    those with, in every shard, one row per agent it holds (:func:`state_layout` of each shard's state).
-    With a single shard this is :func:`per_agent_keys`' rule."""
+    those with, in every shard, one row per agent it holds (:func:`state_layout` of each shard's state),
+    and the ragged ones whose row counts are such.  With a single shard this is :func:`per_agent_keys`' rule."""
     sizes = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-    return {key for key in layouts[0]
+    rows = {key for key in layouts[0]
             if all(layout.get(key) == size for layout, size in zip(layouts, sizes, strict=True))}
+    return rows | {key for key in ragged_keys(layouts[0]) if ragged_rows_key(key) in rows}
+
+
+def agent_rows(state: Mapping[str, torch.Tensor], key: str, rows: slice) -> torch.Tensor:
+    """Agents ``rows`` (counted from the state's first agent) of a per-agent entry, ragged or not."""
+    value = state[key]
+    if ragged_rows_key(key) not in state:
+        return value[rows]
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(state[ragged_rows_key(key)].cpu(), 0)])
+    return value[int(starts[rows.start]):int(starts[rows.stop])]
 
 
 def shard_state(state: Mapping[str, torch.Tensor], per_agent: set[str], rows: slice) -> dict[str, torch.Tensor]:
     """A shard's part of a whole run's state: its rows of per-agent entries, a copy of the others."""
-    return {key: (value[rows] if key in per_agent else value).clone() for key, value in state.items()}
+    return {key: (agent_rows(state, key, rows) if key in per_agent else value).clone() for key, value in state.items()}
 
 
 @dataclass
@@ -541,7 +582,9 @@ def read_shard_checkpoints(directory: Path, files: Sequence[dict[str, Any]], lo:
         if key not in per_agent and not all(torch.equal(part["state"][key], value) for part in parts[1:]):
             raise ValueError(f"state entry {key!r} differs between the shards {covered}: it is a process's own "
                              "(not one row per agent, nor the same everywhere), so it cannot be merged or re-split")
-    state = {key: torch.cat([part["state"][key] for part in parts])[lo - first:hi - first] if key in per_agent
-             else value for key, value in parts[0]["state"].items()}
+    merged = {key: torch.cat([part["state"][key] for part in parts]) if key in per_agent else value
+              for key, value in parts[0]["state"].items()}
+    state = {key: agent_rows(merged, key, slice(lo - first, hi - first)) if key in per_agent else value
+             for key, value in merged.items()}
     ledger = merge_ledgers(PrivacyLedger, [part["ledger"] for part in parts]).state_dict()
     return {"state": state, "per_agent": sorted(per_agent), "ledger": ledger, "scheduler": parts[0]["scheduler"]}
