@@ -166,6 +166,11 @@ class EngineSection(_Section):
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
                         description="where the run computes: 'auto' (CUDA when present, else the CPU), 'cpu', "
                                     "'cuda' or 'cuda:K'")
+    noise_streams: Literal["auto", "per-row", "batched"] = Field(
+        "auto", description="how per-agent noise rows are drawn, with the same keys: 'per-row' (one re-seeded "
+                            "generator per row, fastest on a CPU), 'batched' (all rows in one Philox4x32-10 "
+                            "computation, fastest on a GPU, and the same numbers on a CPU), or 'auto' (batched "
+                            "on CUDA, per-row otherwise); changes the noise drawn, not its distribution")
     backend: Literal["simulator", "ray"] = Field(
         "simulator", description="'simulator': every agent in this process; 'ray': agents sharded over Ray worker "
                                  "processes (pip install 'decentdp[ray]'), with the same results")

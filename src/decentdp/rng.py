@@ -29,6 +29,14 @@ much cheaper than one generator per agent (Poisson sampling).  A round-wide stre
 independent of sharding as long as every shard draws the *whole* vector and keeps its agents'
 slices (see :class:`~decentdp.privacy.sampling.PoissonSampler`); its key uses the agent placeholder
 ``*``, which no per-agent key (an integer agent id) can equal, so the two kinds never collide.
+
+Per-agent streams are drawn one of two ways (``engine.noise_streams``), with the same keys:
+``per-row`` re-seeds one generator per row (the CPU default: fastest there), ``batched`` draws every
+row in one vectorised computation of the counter-based Philox4x32-10 generator (Salmon et al.
+2011), keyed by each row's seed and counting along the row (the CUDA default: one set of kernels
+instead of one launch per agent).  Batched draws are a pure function of (key, position), so the
+CPU and a GPU compute the same integers; the Gaussians agree up to the last-bit rounding of
+``log``/``cos``/``sin`` on each device.
 """
 
 from __future__ import annotations
@@ -81,6 +89,69 @@ def round_stream_seed(seed: int, round_index: int, stream: Stream, step: int = 0
     return _key_seed(seed, ROUND_WIDE, round_index, stream, step)
 
 
+#: Philox4x32's round multipliers and Weyl key increments (Salmon et al. 2011; Random123).
+PHILOX_MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
+PHILOX_WEYL = (0x9E3779B9, 0xBB67AE85)
+_MASK32 = 0xFFFFFFFF
+#: Elements of one batched draw computed at once (its int64 temporaries stay near 100 MB).
+_PHILOX_CHUNK = 1 << 21
+NOISE_STREAMS: tuple[str, ...] = ("per-row", "batched")
+
+
+def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The high and low 32 bits of ``a * m`` for 32-bit ``a`` (held in int64) and ``m``, exactly: the
+    product is formed from 16-bit halves, so that no int64 intermediate overflows."""
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    m_hi, m_lo = m >> 16, m & 0xFFFF
+    middle = a_hi * m_lo + a_lo * m_hi
+    low = a_lo * m_lo + ((middle & 0xFFFF) << 16)
+    high = (a_hi * m_hi + (middle >> 16) + (low >> 32)) & _MASK32
+    return high, low & _MASK32
+
+
+def philox4x32(counter: Sequence[torch.Tensor], key: Sequence[torch.Tensor], rounds: int = 10) -> list[torch.Tensor]:
+    """Philox4x32-``rounds`` of the 4-word ``counter`` under the 2-word ``key``, elementwise over
+    broadcastable int64 tensors holding 32-bit words (Random123's known answers are tested)."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(rounds):
+        hi0, lo0 = _mulhilo(c0, PHILOX_MULTIPLIERS[0])
+        hi1, lo1 = _mulhilo(c2, PHILOX_MULTIPLIERS[1])
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + PHILOX_WEYL[0]) & _MASK32, (k1 + PHILOX_WEYL[1]) & _MASK32
+    return [c0, c1, c2, c3]
+
+
+def _unit53(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """A float64 uniform in [0, 1) from 53 bits of two 32-bit words."""
+    return ((high >> 5) * 67108864 + (low >> 6)).double() * 2.0 ** -53
+
+
+def philox_rows(seeds: Sequence[int], dim: int, out: torch.Tensor, uniform: bool = False) -> torch.Tensor:
+    """Fill ``out`` (``(len(seeds), dim)``) in one vectorised computation: row ``r`` is keyed by the 64-bit
+    ``seeds[r]`` and column ``c`` uses counter block ``c // 2``, so a row does not depend on which rows
+    are drawn with it.  Each block's four words give two 53-bit uniforms; ``uniform`` keeps them (in
+    ``[0, 1)``), else Box-Muller turns them into two standard normals, computed in float64."""
+    device, blocks = out.device, (dim + 1) // 2
+    keys = torch.tensor([int(seed) for seed in seeds], dtype=torch.int64, device=device)
+    key = (keys & _MASK32, (keys >> 32) & _MASK32)
+    rows_per_chunk = max(1, _PHILOX_CHUNK // max(1, blocks))
+    for start in range(0, len(seeds), rows_per_chunk):
+        rows = slice(start, min(len(seeds), start + rows_per_chunk))
+        count = rows.stop - rows.start
+        counter = torch.arange(blocks, dtype=torch.int64, device=device).expand(count, blocks)
+        zero = torch.zeros((), dtype=torch.int64, device=device)
+        a, b, c, d = philox4x32((counter, zero, zero, zero), (key[0][rows, None], key[1][rows, None]))
+        first, second = _unit53(a, b), _unit53(c, d)
+        if not uniform:
+            radius = torch.sqrt(-2.0 * torch.log1p(-first))  # first < 1: log1p(-first) is finite
+            angle = 2.0 * torch.pi * second
+            first, second = radius * torch.cos(angle), radius * torch.sin(angle)
+        pairs = torch.stack([first, second], dim=2).reshape(count, 2 * blocks)
+        out[rows].copy_(pairs[:, :dim])
+    return out
+
+
 class AgentRandom:
     """Simulation mode: keyed generators for one run, holding only the public seed (no state).
 
@@ -94,9 +165,13 @@ class AgentRandom:
     #: Precision the noise is drawn and added in (float32 here: fast and bit-reproducible).
     noise_dtype = torch.float32
 
-    def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, seed: int, device: torch.device | str = "cpu", streams: str = "per-row") -> None:
+        if streams not in NOISE_STREAMS:
+            raise ValueError(f"unknown noise streams {streams!r}; allowed: {', '.join(NOISE_STREAMS)}")
         self.seed = int(seed)
         self.device = torch.device(device)
+        #: How per-agent rows are drawn (same keys either way): see the module docstring.
+        self.streams = streams
 
     def for_agents(self, agent_ids: Sequence[int]) -> AgentRandom:
         """The source a process holding only ``agent_ids`` gets: the same (it holds no secret) here."""
@@ -129,8 +204,9 @@ class AgentRandom:
                workers: int = 1, slots: Sequence[int] | None = None, uniform: bool = False) -> torch.Tensor:
         """Standard normal draws of shape ``(len(agents), dim)``, row ``r`` from agent ``agents[r]``'s stream.
 
-        Row ``r`` equals ``torch.empty(dim).normal_(generator=self.generator(agents[r], ...))``,
-        so a shard holding any subset of agents draws the same rows.  One generator object is
+        With ``per-row`` streams, row ``r`` equals ``torch.empty(dim).normal_(generator=self.generator(agents[r],
+        ...))``; with ``batched`` streams, :func:`philox_rows` under the same seeds.  Either way a shard
+        holding any subset of agents draws the same rows.  One generator object is
         re-seeded for every row instead of creating one per agent (re-seeding resets all of its
         state, cached normal samples included), which removes most of the per-agent overhead.
         ``out``, if given, is a ``(len(agents), dim)`` tensor that receives the draws (and is
@@ -149,6 +225,8 @@ class AgentRandom:
         keys = [None] * len(agents) if slots is None else list(slots)
         seeds = [stream_seed(self.seed, agent, round_index, stream, step, slot)
                  for agent, slot in zip(agents, keys, strict=True)]
+        if self.streams == "batched":
+            return philox_rows(seeds, dim, out, uniform) if seeds else out
 
         def fill(rows: range) -> None:
             generator = torch.Generator(out.device)

@@ -105,7 +105,10 @@ def random_source(config: ExperimentConfig, n_agents: int, device: torch.device)
     seed = config.experiment.seed
     if config.privacy.noise == "secure":
         return SecureRandom(seed, AgentKeys.generate(range(n_agents)), device=device)
-    return AgentRandom(seed, device=device)
+    streams = config.engine.noise_streams
+    if streams == "auto":  # one vectorised draw on an accelerator; one re-seeded generator per row on a CPU
+        streams = "batched" if device.type == "cuda" else "per-row"
+    return AgentRandom(seed, device=device, streams=streams)
 
 
 def _calibrate(budgets: list[float], rates: list[float], config: ExperimentConfig, releases: int,
