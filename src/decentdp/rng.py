@@ -164,13 +164,14 @@ class AgentRandom:
     secure = False
     #: Precision the noise is drawn and added in (float32 here: fast and bit-reproducible).
     noise_dtype = torch.float32
+    #: How per-agent rows are drawn (same keys either way; see the module docstring).
+    streams = "per-row"
 
     def __init__(self, seed: int, device: torch.device | str = "cpu", streams: str = "per-row") -> None:
         if streams not in NOISE_STREAMS:
             raise ValueError(f"unknown noise streams {streams!r}; allowed: {', '.join(NOISE_STREAMS)}")
         self.seed = int(seed)
         self.device = torch.device(device)
-        #: How per-agent rows are drawn (same keys either way): see the module docstring.
         self.streams = streams
 
     def for_agents(self, agent_ids: Sequence[int]) -> AgentRandom:
