@@ -157,11 +157,35 @@ def test_messages_read_in_place_equal_messages_exchanged() -> None:
             received, index = experiment.algorithm.deliver(state, experiment.simulator.context(3))
         counts = state[ragged_rows_key("messages")]
         assert len(state["pick"]) == len(counts) == 6 and int(counts.sum()) == len(state["messages"]) > 0
-        assert int(state["pick"].max()) <= int(counts.max())   # every pick names the estimate or a message
+        assert int(state["pick"][..., 1].max()) <= int(counts.max())   # the estimate or one of the sender's messages
         results.append((state["params"], received[index], experiment.ledger.releases()))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=0)
     np.testing.assert_array_equal(results[1][2], results[0][2])
+
+
+def test_a_redrawn_graph_delivers_messages_to_kept_neighbours_and_the_estimate_to_new_ones() -> None:
+    """The last round's messages are addressed by receiver id: on a redrawn graph a neighbour that stayed gets
+    its message, a new neighbour the sender's estimate (as line 6 gives every neighbour at the start)."""
+    raw = tiny_config(algorithm={"name": "top-dp", "lr": 0.1, "batch_size": 16, "alpha": 0.5},
+                      topology={"graph": "erdos-renyi", "agents": 8, "p": 0.5, "redraw_every": 2})
+    experiment = build_experiment(validate_config(raw))
+    simulator = experiment.simulator
+    with torch.no_grad():
+        state = simulator.run(simulator.setup(experiment.initial_state()), 0, 2, lambda done, current: True)
+        ctx = simulator.context(2)                                                   # the next epoch's graph
+        received, index = experiment.algorithm.deliver(state, ctx)
+    counts = state[ragged_rows_key("messages")]
+    first = torch.cumsum(counts, 0) - counts
+    seen = set()
+    for e, (k, i) in enumerate(ctx.network.in_edges.tolist()):
+        table = state["pick"][k]
+        kept = bool((table[:, 0] == i).any())
+        m = int(table[table[:, 0] == i, 1].sum())
+        expected = state["params"][k] if m == 0 else state["messages"][int(first[k]) + m - 1]
+        assert torch.equal(received[index[e]], expected), (k, i)
+        seen.add((kept, m > 0))
+    assert (False, False) in seen and (True, True) in seen   # new neighbours, and kept ones
 
 
 @pytest.mark.parametrize("algorithm", ["top-dp", "top-dp-async"])

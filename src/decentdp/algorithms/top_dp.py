@@ -22,8 +22,9 @@ received estimate where it lies (:func:`add_selected`).
 
 The state is the senders' side, per agent: ``params`` (the local estimates), ``messages`` (each agent's
 group messages, agents in order; ``messages.rows`` counts each agent's, a ragged per-agent entry, see
-:func:`~decentdp.algorithms.base.ragged_rows_key`) and ``pick`` (per agent and position of an
-out-neighbour: 0 for the local estimate, ``1 + m`` for its message ``m``, lines 20-22).  A round first
+:func:`~decentdp.algorithms.base.ragged_rows_key`) and ``pick`` (per agent, for each out-neighbour
+its global id and what it gets: 0 for the local estimate, ``1 + m`` for message ``m``, lines 20-22;
+a neighbour of a redrawn graph that is not in it gets the estimate, as in line 6).  A round first
 delivers the last round's messages with :meth:`~decentdp.algorithms.base.Network.exchange_rows`
 (in one process the receivers read the released rows in place: no ``(E, d)`` tensor is formed), so
 the state merges and re-splits over processes like any other.  The accounting views (a)-(c) are
@@ -190,40 +191,41 @@ class TopDP(TopDPBase):
         return self._planner[1]
 
     def out_positions(self, ctx: RoundContext) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, int]:
-        """Per out-edge: its sender's local row and its position among the sender's out-edges (on the device and,
-        the positions, on the host), and the width of ``pick``: the whole graph's largest out-degree, so
-        that every process's rows of ``pick`` have the same width.  Computed once per graph."""
+        """Per out-edge: its sender's local row and its receiver's global id (on the device), its position among
+        the sender's out-edges (on the host), and the width of ``pick``: the whole graph's largest
+        out-degree, so that every process's rows of ``pick`` have the same width.  Once per graph."""
         net = ctx.network
         if self._positions is None or self._positions[0] != id(net.out_edges):
-            senders = self.host_graph(ctx)[1][:, 0]
+            edges = self.host_graph(ctx)[1]
+            senders = edges[:, 0]
             order = np.argsort(senders, kind="stable")
             counts = np.bincount(senders, minlength=net.n_agents)
-            starts = np.cumsum(counts) - counts
             position = np.empty(len(senders), dtype=np.int64)
-            position[order] = np.arange(len(senders)) - starts[senders[order]]
+            position[order] = np.arange(len(senders)) - (np.cumsum(counts) - counts)[senders[order]]
             device = net.agent_ids.device
             width = int(net.public_graph().out_degrees.max(initial=0))
             self._positions = (id(net.out_edges), torch.from_numpy(senders).to(device),
-                               torch.from_numpy(position).to(device), position, width)
+                               torch.from_numpy(edges[:, 1]).to(device), position, width)
         return self._positions[1:]
 
     def setup(self, state: State, ctx: RoundContext) -> State:
         """Line 6: every neighbour gets the agent's estimate (no messages yet; delivered by round 0)."""
         state = super().setup(state, ctx)
         params, n = state["params"], ctx.network.n_agents
-        width = self.out_positions(ctx)[3]
         return {**state, "messages": params.new_empty(0, params.shape[1]),
                 ragged_rows_key("messages"): torch.zeros(n, dtype=torch.int64, device=params.device),
-                "pick": torch.zeros(n, width, dtype=torch.int64, device=params.device)}
+                "pick": torch.zeros(n, 0, 2, dtype=torch.int64, device=params.device)}
 
     def deliver(self, state: State, ctx: RoundContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """Lines 20-22 of the last round (line 6 after the setup): out-edge ``(i, j)`` carries ``i``'s estimate
-        or its message ``pick - 1``.  Returns the rows the held agents received (their own estimates first)
-        and, per in-edge, the index of the row it received."""
+        """Lines 20-22 of the last round (line 6 after the setup): out-edge ``(i, j)`` carries ``i``'s estimate,
+        or its message ``m`` where ``pick`` pairs ``j`` with ``1 + m``; a neighbour the last round's graph
+        did not have (a redrawn graph) gets the estimate, as in line 6.  Returns the rows the held agents
+        received (their own estimates first) and, per in-edge, the index of the row it received."""
         net = ctx.network
         params, messages, counts = state["params"], state["messages"], state[ragged_rows_key("messages")]
-        sender, position, _, _ = self.out_positions(ctx)
-        picked = state["pick"][sender, position]
+        sender, receiver = self.out_positions(ctx)[:2]
+        table = state["pick"].index_select(0, sender)                          # (E, width, 2) of each sender
+        picked = (table[..., 1] * (table[..., 0] == receiver[:, None])).sum(1)
         first = torch.cumsum(counts, 0) - counts                               # each agent's first message
         pick = torch.where(picked == 0, sender, net.n_agents + first[sender] + picked - 1)
         return net.exchange_rows(outbox(params, messages), pick)
@@ -265,8 +267,10 @@ class TopDP(TopDPBase):
         counts = np.bincount(senders[groups.first], minlength=n)
         number = np.arange(len(groups.first)) - (np.cumsum(counts) - counts)[senders[groups.first]]
         covered = groups.edge_group >= 0
-        pick = np.zeros((n, self.out_positions(ctx)[3]), dtype=np.int64)
-        pick[senders, self.out_positions(ctx)[2]] = np.where(covered, 1 + number[groups.edge_group], 0)
+        position, width = self.out_positions(ctx)[2:]
+        pick = np.zeros((n, width, 2), dtype=np.int64)
+        pick[..., 0] = -1
+        pick[senders, position] = np.stack([edges[:, 1], np.where(covered, 1 + number[groups.edge_group], 0)], 1)
         flags = {"reduced": covered, "full": ~covered}
         if coverable is not None:
             flags.update(fallback=~covered & coverable, uncoverable=~covered & ~coverable)
