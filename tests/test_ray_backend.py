@@ -132,11 +132,14 @@ def _placement(workers: int) -> tuple[str, ...]:
     return ("engine.backend=ray", f"engine.workers={workers}") if workers else ()
 
 
-@pytest.mark.parametrize(("before", "after"), [(2, 1), (2, 0), (0, 2)])
-def test_a_run_resumes_on_another_number_of_workers(local_ray, tmp_path: Path, before: int, after: int) -> None:
+@pytest.mark.parametrize(("before", "after", "algorithm"), [(2, 1, "dp-dsgt"), (2, 0, "dp-dsgt"), (0, 2, "dp-dsgt"),
+                                                        (2, 3, "top-dp")])
+def test_a_run_resumes_on_another_number_of_workers(local_ray, tmp_path: Path, before: int, after: int,
+                                                    algorithm: str) -> None:
     """Stopped after round 6 on ``before`` workers (0: the simulator), resumed on ``after``: the uninterrupted
-    simulator's result, every release counted once."""
-    common = ("experiment.rounds=12", "experiment.eval_every=3", "privacy.accountant=rdp")
+    simulator's result, every release counted once (TOP-DP: its per-agent message state re-split too)."""
+    common = ("experiment.rounds=12", "experiment.eval_every=3", "privacy.accountant=rdp",
+              f"algorithm.name={algorithm}")
     whole = run_experiment(_demo(*common), tmp_path / "whole", **QUIET)
     run_experiment(_demo(*common, *_placement(before)), tmp_path / "split", stop_after=6, **QUIET)
     saved = torch.load(tmp_path / "split" / CHECKPOINT_FILE, weights_only=True)
