@@ -188,12 +188,14 @@ class RoundPlan:
     """Who takes part in a round: ``active`` agents (a boolean mask over local rows) and, for pairwise
     protocols, ``partner`` (global ids; an agent's own id when it is unpaired), on the engine's device.
 
-    ``active_on_host`` is the same mask as the scheduler drew it, on the host: the oracle's
-    bookkeeping reads it, so that planning a round never reads a value back from the device."""
+    ``active_on_host`` and ``partner_on_host`` are the same values as the scheduler drew them, on the
+    host: bookkeeping (the oracle's, an algorithm's noise plan) reads them, so that planning a round
+    never reads a value back from the device."""
 
     active: torch.Tensor
     partner: torch.Tensor | None = None
     active_on_host: np.ndarray | None = None
+    partner_on_host: np.ndarray | None = None
 
     @property
     def everyone_active(self) -> bool:

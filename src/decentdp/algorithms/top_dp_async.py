@@ -41,14 +41,14 @@ class TopDPAsync(TopDPBase):
         sigma = self.sigma(ctx)                                                          # lines 6, 19
         batch = self.expected_batches(ctx)  # (a collective on a graph's first round: every shard calls it)
         ids = self.host_graph(ctx)[0]
-        active = ctx.plan.active if ctx.plan is not None else torch.ones_like(paired)
-        rows = torch.nonzero(active.cpu()).squeeze(1)
+        active, partner = self.plan_on_host(ctx, paired)
+        rows = torch.from_numpy(np.flatnonzero(active))
         owners = rows.numpy()
         multipliers = sigma[ids[owners]].copy()
-        reduced = paired.cpu().numpy()[owners] & self.topology_aware & (oracle.mechanism is not None)
+        reduced = (partner != ids)[owners] & self.topology_aware & (oracle.mechanism is not None)
         fallback = np.zeros(len(owners), dtype=bool)
         if reduced.any():
-            partner = ctx.plan.partner.cpu().numpy()[owners[reduced]]                    # global ids
+            partner = partner[owners[reduced]]                                           # global ids
             reused = reuse_coefficients(self.alpha, sigma, batch, ids[owners[reduced]], partner)
             multipliers[reduced], usable = residual_multipliers(sigma[ids[owners[reduced]]], reused)  # line 20
             fallback[np.flatnonzero(reduced)[~usable]] = True
@@ -59,6 +59,17 @@ class TopDPAsync(TopDPBase):
                                   receivers=torch.from_numpy(ids[owners]))
         step = torch.zeros_like(x).index_copy_(0, rows.to(x.device), noisy)
         return step.div_(oracle.expected_batch.to(x.device)[:, None])
+
+    @staticmethod
+    def plan_on_host(ctx: RoundContext, paired: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """Who is active and each local agent's partner (its own id: unpaired), from the plan's host copies
+        (read back from ``paired`` only when a plan has none, as in unit tests)."""
+        plan = ctx.plan
+        if plan is not None and plan.active_on_host is not None and plan.partner_on_host is not None:
+            return plan.active_on_host, plan.partner_on_host
+        active = np.ones(len(paired), dtype=bool) if plan is None else plan.active.cpu().numpy()
+        ids = ctx.network.agent_ids.cpu().numpy()
+        return active, ids if plan is None or plan.partner is None else plan.partner.cpu().numpy()
 
     def round(self, state: State, ctx: RoundContext) -> State:
         params = super().round(state, ctx)["params"]                                      # lines 18-26
