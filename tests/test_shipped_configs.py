@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from decentdp.audit.settings import load_audit_config
-from decentdp.config import load_config
-from decentdp.sweep import load_sweep
+from decentdp.audit.settings import AuditSection, load_audit_config
+from decentdp.config import ExperimentConfig, load_config
+from decentdp.sweep import Sweep, load_sweep
 
 EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
 
@@ -31,4 +31,14 @@ def test_every_kind_of_shipped_config_is_covered() -> None:
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda path: str(path.relative_to(EXPERIMENTS)))
 def test_a_shipped_config_loads(path: Path) -> None:
-    {"run": load_config, "audit": load_audit_config, "sweep": load_sweep}[_kind(path)](path)
+    """Loading validates (a bad config raises); what comes back is the kind of object its command runs."""
+    kind = _kind(path)
+    if kind == "run":
+        config = load_config(path)
+        assert isinstance(config, ExperimentConfig) and config.experiment.rounds >= 1
+    elif kind == "audit":
+        config, audit = load_audit_config(path)
+        assert isinstance(config, ExperimentConfig) and isinstance(audit, AuditSection)
+    else:
+        sweep = load_sweep(path)
+        assert isinstance(sweep, Sweep) and sweep.space and sweep.trials >= 1
