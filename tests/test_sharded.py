@@ -406,3 +406,14 @@ def test_secure_noise_is_sharded_too() -> None:
     assert float((state["params"] - expected["params"]).abs().max()) <= 1e-5
     merged = merge_ledgers(type(reference.ledger), [shard.ledger.state_dict() for shard in shards])
     assert _histories(merged) == _histories(reference.ledger)
+
+
+def test_the_iterate_average_is_sharded_with_the_agents() -> None:
+    """Each shard keeps its agents' averages (``[averaging]``): merged, they are the simulator's."""
+    rounds = 5
+    _, experiment = _config("dp-dsgt", rounds, "averaging.kind=ema", "averaging.decay=0.8")
+    reference = _copy(experiment)
+    expected = reference.simulator.run(reference.simulator.setup(reference.initial_state()), 0, rounds,
+                                       lambda done, current: True)
+    merged, _, _ = _run_shards(experiment, 2, rounds)
+    torch.testing.assert_close(merged["params_average"], expected["params_average"], rtol=0, atol=1e-5)

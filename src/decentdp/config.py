@@ -151,6 +151,19 @@ class ScheduleSection(_Section):
                                                                   "takes part")
 
 
+class AveragingSection(_Section):
+    """Each agent's average of its own iterates, evaluated and reported in place of its last iterate
+    (post-processing: no release, no privacy cost; see :mod:`decentdp.runtime.averaging`)."""
+
+    kind: Literal["none", "ema", "uniform"] = Field(
+        "none", description="none: evaluate the last iterate; ema: exponential moving average; uniform: the "
+                            "mean of every iterate from round `start` on (Polyak-Ruppert)")
+    decay: float = Field(0.999, gt=0.0, lt=1.0, description="ema: the weight kept per round (a window of about "
+                                                            "1/(1-decay) rounds)")
+    start: int = Field(0, ge=0, description="the first round whose iterate is averaged; before it the average is "
+                                            "the last iterate")
+
+
 class EngineSection(_Section):
     """How the simulator computes, not what: these settings change results only by floating-point rounding."""
 
@@ -277,6 +290,7 @@ class ExperimentConfig(_Section):
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
     privacy: PrivacySection  # required: a run without a stated budget must not train silently without privacy
     schedule: ScheduleSection = Field(default_factory=ScheduleSection)
+    averaging: AveragingSection = Field(default_factory=AveragingSection)
     engine: EngineSection = Field(default_factory=EngineSection)
     personalized: PersonalizedSection | None = Field(
         None, description="Bellet et al.'s personalized models (decentdp.personalized): when present, the run uses "
@@ -300,6 +314,8 @@ class ExperimentConfig(_Section):
             if self.schedule.kind not in ("auto", "poisson-clocks"):
                 raise _FieldError("schedule.kind", "personalized runs wake agents by Poisson clocks: use 'auto' or "
                                                    "'poisson-clocks'")
+            if self.averaging.kind != "none":
+                raise _FieldError("averaging.kind", "personalized runs do not average iterates; remove [averaging]")
             return self
         if algo.lr_schedule != "constant" and algo.lr_final is None:
             raise _FieldError("algorithm.lr_final", f"is required by lr_schedule = '{algo.lr_schedule}'")
@@ -324,6 +340,9 @@ class ExperimentConfig(_Section):
             if getattr(topo, key) is not None and topo.graph not in users and not self.pools_data:
                 raise _FieldError(f"topology.{key}", f"is not used by graph = '{topo.graph}' (only by "
                                                      f"{', '.join(users)}); remove it, e.g. --set ~topology.{key}")
+        if self.averaging.kind != "none" and self.averaging.start >= self.experiment.rounds:
+            raise _FieldError("averaging.start", f"is {self.averaging.start}, but the run has only "
+                                                 f"{self.experiment.rounds} rounds: nothing would be averaged")
         needed = GRAPH_REQUIRES.get(topo.graph)
         if needed is not None and getattr(topo, needed) is None and not self.pools_data:
             raise _FieldError(f"topology.{needed}", f"is required by graph = '{topo.graph}'")

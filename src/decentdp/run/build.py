@@ -40,6 +40,7 @@ from decentdp.privacy.oracle import DataOracle
 from decentdp.privacy.receiver_budget import ReceiverLedger
 from decentdp.privacy.sampling import AgentData, PoissonSampler
 from decentdp.rng import AgentKeys, AgentRandom, SecureRandom, Stream, round_stream_seed
+from decentdp.runtime.averaging import IterateAverage
 from decentdp.runtime.evaluation import Evaluator, evaluation_chunk
 from decentdp.runtime.network import GraphSequence, SimulatedNetwork
 from decentdp.runtime.scheduler import Scheduler
@@ -248,7 +249,10 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     scheduler = Scheduler(config.schedule_kind, rng, len(parts), config.schedule.offline_probability,
                           config.schedule.participation, device=device)
     schedule = Schedule(algo_cfg.lr_schedule, algo_cfg.lr, algo_cfg.lr_final or algo_cfg.lr, config.experiment.rounds)
-    simulator = Simulator(algorithm, graphs, oracle, scheduler, schedule, rng)
+    averaging = config.averaging
+    simulator = Simulator(algorithm, graphs, oracle, scheduler, schedule, rng,
+                          averaging=None if averaging.kind == "none" else
+                          IterateAverage(averaging.kind, averaging.decay, averaging.start))
     held = None if validation is None else torch.from_numpy(validation).to(device)
     eval_x, eval_y = (dataset.x_test, dataset.y_test) if held is None else (dataset.x_train[held],
                                                                             dataset.y_train[held])

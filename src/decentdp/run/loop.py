@@ -26,6 +26,7 @@ from decentdp.results import epsilon_json
 from decentdp.rng import SIMULATION_NOTICE
 from decentdp.run.build import Experiment, build_experiment
 from decentdp.run.record import ResultsFolder, summary
+from decentdp.runtime.averaging import AVERAGE, evaluated_parameters
 from decentdp.util.allocator import retain_freed_memory
 from decentdp.util.profiling import NO_TIMER, PhaseTimer, TimedNetwork, format_report, operator_table
 from decentdp.util.threads import apply_threads
@@ -131,7 +132,10 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
 
     def evaluate(done: int, current: State) -> None:
         with timer.phase("evaluation"):
-            evaluation = experiment.evaluator(current["params"]).summary()
+            evaluation = experiment.evaluator(evaluated_parameters(current)).summary()
+            if AVERAGE in current:  # the last iterates too, so that the average's gain is measured in every run
+                evaluation["last_iterate_accuracy_mean"] = \
+                    experiment.evaluator(current["params"]).summary()["accuracy_mean"]
         row = {"round": done, "lr": experiment.simulator.schedule(max(done - 1, 0)), **evaluation,
                "epsilon_max": epsilon_json(float(experiment.ledger.epsilon(config.privacy.accountant).max())),
                "epsilon_accountant": config.privacy.accountant,

@@ -279,6 +279,8 @@ def summary(experiment: Experiment, metrics: list[dict[str, Any]], wall: float, 
         "accuracy_min": last.get("accuracy_min"),
         "accuracy_max": last.get("accuracy_max"),
         "consensus_distance": last.get("consensus_distance"),
+        **({"averaging": config.averaging.kind, "last_iterate_accuracy_mean": last.get("last_iterate_accuracy_mean")}
+           if config.averaging.kind != "none" else {}),
         "private": config.privacy.private,
         "epsilon_max": epsilon_json(float(epsilons.max())),
         "epsilon_max_colluding": epsilon_json(float(colluding_epsilon(experiment.ledger).max())),

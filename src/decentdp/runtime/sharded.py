@@ -466,7 +466,8 @@ def make_shard(experiment: Any, bounds: list[int], index: int, transport: Transp
     scheduler = ShardScheduler(whole.scheduler.kind, rng, whole.scheduler.n_total,
                                whole.scheduler.offline_probability, whole.scheduler.participation, device=device)
     graphs = ShardGraphs(whole.graphs, bounds, index, transport, device)
-    simulator = Simulator(experiment.algorithm, graphs, oracle, scheduler, whole.schedule, rng)
+    simulator = Simulator(experiment.algorithm, graphs, oracle, scheduler, whole.schedule, rng,
+                          averaging=whole.averaging)
     return Shard(bounds, index, oracle, simulator)
 
 

@@ -18,6 +18,7 @@ import torch
 from decentdp.algorithms.base import Algorithm, RoundContext, RoundPlan, State
 from decentdp.privacy.oracle import SETUP_ROUND, DataOracle
 from decentdp.rng import AgentRandom
+from decentdp.runtime.averaging import AVERAGE, IterateAverage
 from decentdp.runtime.network import GraphSequence
 from decentdp.runtime.scheduler import Scheduler
 from decentdp.runtime.schedules import Schedule
@@ -45,6 +46,8 @@ class Simulator:
     timer: PhaseTimer = field(default=NO_TIMER)
     #: Wraps each round's network (the profiler times its calls as communication).
     wrap_network: Callable[[object], object] = field(default=unwrapped)
+    #: Each agent's average of its own iterates (``[averaging]``), kept in the state beside ``params``.
+    averaging: IterateAverage | None = None
 
     def context(self, round_index: int) -> RoundContext:
         """Open ``round_index`` (or the setup phase) and build the algorithm's view of it."""
@@ -60,7 +63,8 @@ class Simulator:
     def setup(self, state: State) -> State:
         """The algorithm's setup phase (before round 0)."""
         with torch.no_grad():
-            return self.algorithm.setup(state, self.context(SETUP_ROUND))
+            state = self.algorithm.setup(state, self.context(SETUP_ROUND))
+        return state if self.averaging is None else self.averaging.begin(state)  # a warm start is its first iterate
 
     def run(self, state: State, start_round: int, rounds: int, after_round: RoundHook) -> State:
         """Run rounds ``start_round .. rounds-1``; stops early when ``after_round`` returns False."""
@@ -68,8 +72,16 @@ class Simulator:
             for k in range(start_round, rounds):
                 ctx = self.context(k)
                 with self.timer.phase("round"):
-                    state = self.algorithm.round(state, ctx)
+                    state = self._round(state, ctx, k)
                 self.timer.count_round()
                 if not after_round(k + 1, state):
                     break
         return state
+
+    def _round(self, state: State, ctx: RoundContext, k: int) -> State:
+        """Round ``k`` of the algorithm, then each agent's iterate average (which the algorithm never sees)."""
+        if self.averaging is None:
+            return self.algorithm.round(state, ctx)
+        average = state[AVERAGE] if AVERAGE in state else state["params"].clone()  # a caller that skipped setup
+        state = self.algorithm.round({key: value for key, value in state.items() if key != AVERAGE}, ctx)
+        return {**state, AVERAGE: self.averaging.update(average, state["params"], k + 1)}
