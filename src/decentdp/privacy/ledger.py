@@ -374,6 +374,12 @@ class PrivacyLedger:
         return np.array([epsilon_of_history(self.history(agent), at, accountant, self.relation)
                          for agent in range(self.n_agents)])
 
+    def rdp_curves(self) -> np.ndarray:
+        """``(n_agents, len(RDP_ORDERS))``: each agent's composed RDP at :data:`RDP_ORDERS` (agent view, against
+        all observers together), e.g. for the private selection of ``decentdp sweep``.  A copy: read-only."""
+        return np.array([self._agents.rdp(agent, self.events) for agent in range(self.n_agents)]).reshape(
+            self.n_agents, len(RDP_ORDERS))
+
     def reported_epsilon(self) -> tuple[np.ndarray, str]:
         """Epsilon per agent by the tightest sound accountant (the smaller of PLD and RDP), with its name.
 
