@@ -67,6 +67,39 @@ def test_bad_sweep_files_name_the_field(tmp_path: Path, capsys, space: str, extr
     assert not out.exists()
 
 
+PRIVATE = {"distribution": "negative-binomial", "mean_trials": 3.0, "eta": 1.0, "score_noise": 1.0}
+LR = '"algorithm.lr" = { low = 0.05, high = 0.5, log = true }\n'
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"method": "tpe"}, "sweep.method: must be 'random' for selection = 'private'"),
+    ({"method": "grid"}, "sweep.method: must be 'random'"),
+    ({"trials": 4}, "sweep.trials: private selection draws the number of trials"),
+    ({"private": None}, "sweep.private: is required by selection = 'private'"),
+    ({"private": {**PRIVATE, "mean_trials": 0.5}}, "sweep.private.mean_trials"),
+    ({"private": {**PRIVATE, "mean_trials": 1.0}}, "sweep.private.mean_trials: must be above 1"),
+    ({"private": {**PRIVATE, "eta": -1.0}}, "sweep.private.eta"),
+    ({"private": {**PRIVATE, "score_noise": 0.0}}, "sweep.private.score_noise"),
+    ({"private": {**PRIVATE, "distribution": "uniform"}}, "sweep.private.distribution"),
+    ({"private": {**PRIVATE, "distribution": "poisson"}}, "sweep.private.eta: is a parameter of the negative-binomial"),
+    ({"private": {**PRIVATE, "trials": 3}}, "sweep.private.trials"),
+    ({"objective": "consensus_distance"}, "sweep.objective: private selection scores trials"),
+    ({"selection": "best"}, "sweep.private: is used only with selection = 'private'"),
+])
+def test_bad_private_selections_name_the_field(tmp_path: Path, capsys, extra: dict, message: str) -> None:
+    path = write_sweep(tmp_path, LR, **{"trials": None, "selection": "private", "private": PRIVATE, **extra})
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_sweep(path)
+    assert main(["sweep", str(path), "--out", str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_private_selection_with_a_poisson_count_and_its_spec() -> None:
+    sweep = load_sweep(REPO / "experiments" / "sweeps" / "demo-private.toml")
+    assert sweep.private is not None and sweep.spec()["private"]["mean_trials"] == 4.0
+    assert "private" not in load_sweep(REPO / "experiments" / "sweeps" / "demo-lr.toml").spec()  # old studies resume
+
+
 def test_grid_ranges_and_integer_fields(tmp_path: Path) -> None:
     path = write_sweep(tmp_path, '"algorithm.batch_size" = { low = 8, high = 24, step = 8 }\n'
                                  '"algorithm.lr" = { values = [0.1, 0.2] }\n', method="grid", trials=None)
@@ -120,3 +153,42 @@ def test_sweep_runs_resumes_without_rerunning_and_refuses_a_changed_space(tmp_pa
     assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 2
     assert "search space changed in algorithm.lr" in capsys.readouterr().err
     assert (out / "study.db").read_bytes() == before
+
+
+@pytest.mark.slow
+def test_private_selection_releases_a_noisy_best_and_its_epsilon_and_resumes_with_the_same_k(
+        tmp_path: Path, capsys) -> None:
+    optuna = pytest.importorskip("optuna")
+    path = write_sweep(tmp_path, LR, trials=None, selection="private", private=PRIVATE)
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress", "--json"]) == 0
+    printed = capsys.readouterr().out
+    selection = json.loads((out / "selection.json").read_text())
+    study = optuna.load_study(study_name="decentdp", storage=f"sqlite:///{out / 'study.db'}")
+    k = study.user_attrs["decentdp_private_trials"]
+    assert selection["trials_drawn"] == k >= 1 and selection["trials_completed"] == k
+    assert len(study.trials) == k and selection["gamma"] == pytest.approx(1 / 3)
+    released = selection["released"]
+    exact = {t.number: json.loads((Path(t.user_attrs["folder"]) / "summary.json").read_text())["accuracy_mean"]
+             for t in study.trials}
+    best = max(study.trials, key=lambda t: t.value)
+    assert released["trial"] == best.number  # chosen by the noisy score, which is what the study holds
+    assert all(t.value != exact[t.number] for t in study.trials)  # the exact score is never the study's value
+    assert released["noisy_accuracy"] == best.value and str(exact[best.number]) not in printed
+    # the epsilon: at least one trial's (with its score), the theorem's bound, below K-fold composition for K > 2
+    assert selection["epsilon_max"] > selection["epsilon_one_trial_max"] > max(t["epsilon_max"]
+                                                                                for t in selection["trials"])
+    assert len(selection["epsilon_per_agent"]) == 4
+    assert "composes with the selection's" in printed and "composes" in selection["next"]
+    assert json.loads(printed.strip().splitlines()[-1])["best"][0]["trial"] == released["trial"]
+
+    # Resumed: the same K, nothing rerun, the same release.
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert json.loads((out / "selection.json").read_text()) == selection
+
+    # Changed private parameters: refused, naming them.
+    path.write_text(path.read_text().replace("score_noise = 1.0", "score_noise = 2.0"))
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 2
+    error = capsys.readouterr().err
+    assert "different definition (private:" in error and "'score_noise': 2.0" in error

@@ -37,6 +37,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import threading
@@ -47,16 +48,22 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from decentdp.errors import ConfigError, DecentDPError
 from decentdp.results import CHECKPOINT_FILE, write_atomic
 
+if TYPE_CHECKING:
+    from decentdp.privacy.selection import TrialCount
+
 STUDY_FILE = "study.db"
+SELECTION_FILE = "selection.json"
 TRIALS_DIR = "trials"
 SPEC_ATTR = "decentdp_sweep"
+TRIALS_ATTR = "decentdp_private_trials"  # K of a private selection, drawn once when the study is created
 _WATCHER = "decentdp-sweep-parent"
 _RESERVED = {"experiment.seed": "[sweep] seeds", "data.validation_fraction": "[sweep] validation_fraction",
              "engine.threads": "one thread per worker", "data.data_dir": "--data-dir"}
@@ -112,6 +119,27 @@ class Dimension(BaseModel):
         return [int(v) for v in ends] if self.integer else ends  # type: ignore[arg-type]
 
 
+class PrivateSelection(BaseModel):
+    """``[sweep] private = {...}``: the number of trials and the score's noise of a private selection."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    distribution: Literal["negative-binomial", "poisson"] = "negative-binomial"
+    mean_trials: float = Field(ge=1, description="E[K], the mean number of trials")
+    eta: float | None = Field(None, gt=-1, description="shape of the truncated negative binomial (default 1: "
+                                                       "geometric; 0: logarithmic); not for poisson")
+    score_noise: float = Field(gt=0, description="standard deviation of the Gaussian noise on each trial's count "
+                                                 "of correct validation predictions")
+
+    def count(self) -> TrialCount:
+        """The distribution of the number of trials."""
+        from decentdp.privacy.selection import TrialCount
+
+        if self.distribution == "poisson":
+            return TrialCount("poisson", self.mean_trials)
+        return TrialCount("negative-binomial", self.mean_trials, 1.0 if self.eta is None else self.eta)
+
+
 class SweepSection(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -126,6 +154,8 @@ class SweepSection(BaseModel):
     sampler_seed: int = Field(0, ge=0)
     set: dict[str, Any] = Field(default_factory=dict)
     top: int = Field(5, ge=1, description="trials listed in the final table")
+    selection: Literal["best", "private"] = "best"
+    private: PrivateSelection | None = None
 
 
 @dataclass
@@ -139,7 +169,13 @@ class Sweep:
     data_dir: str | None = None  # where the trials read data (--data-dir); not part of the sweep's definition
 
     @property
+    def private(self) -> PrivateSelection | None:
+        """The private selection's parameters, or None for ``selection = "best"``."""
+        return self.section.private if self.section.selection == "private" else None
+
+    @property
     def trials(self) -> int:
+        """The number of trials of a non-private sweep (a private one draws it: :attr:`SweepRunner.total`)."""
         if self.section.method == "grid":
             size = math.prod(len(dim.grid()) for dim in self.space.values())
             return min(size, self.section.trials or size)
@@ -153,7 +189,8 @@ class Sweep:
                 "direction": self.section.direction, "seeds": self.section.seeds,
                 "validation_fraction": self.section.validation_fraction, "sampler_seed": self.section.sampler_seed,
                 "space": {name: dim.model_dump(exclude_defaults=True) for name, dim in sorted(self.space.items())},
-                "base_config": hashlib.sha256(json.dumps(self.base, sort_keys=True, default=str).encode()).hexdigest()}
+                "base_config": hashlib.sha256(json.dumps(self.base, sort_keys=True, default=str).encode()).hexdigest(),
+                **({"private": self.private.model_dump()} if self.private is not None else {})}
 
     def trial_config(self, params: dict[str, Any], seed: int) -> dict[str, Any]:
         """The raw config of one trial at one seed: the base, the trial's values, the validation split."""
@@ -236,14 +273,49 @@ def load_sweep(path: str | Path) -> Sweep:
                 raise ConfigError(f"space.{name}", f"the value {value!r} makes an invalid config: "
                                                    f"{str(exc).removeprefix('invalid configuration:').strip()}") \
                     from None
+    if section.selection == "private":  # before the grid's own checks: a private grid is refused as such
+        _check_private(sweep, base_config)
     if section.method == "grid":
         for name, dim in space.items():
             try:
                 dim.grid()
             except ValueError as exc:
                 raise ConfigError(f"space.{name}", f"{exc} (method = 'grid')") from None
-    _ = sweep.trials  # trials is required unless the grid bounds it
+    if section.selection == "best":
+        if section.private is not None:
+            raise ConfigError("sweep.private", "is used only with selection = 'private'")
+        _ = sweep.trials  # trials is required unless the grid bounds it
     return sweep
+
+
+def _check_private(sweep: Sweep, base_config: Any) -> None:
+    """What private selection needs of the sweep file and of its base config, one error naming the field."""
+    section, private = sweep.section, sweep.private
+    if private is None:
+        raise ConfigError("sweep.private", "is required by selection = 'private', e.g. private = { distribution = "
+                                           "\"negative-binomial\", mean_trials = 10, eta = 1, score_noise = 1.0 }")
+    if section.method != "random":
+        raise ConfigError("sweep.method", f"must be 'random' for selection = 'private' (got '{section.method}'): "
+                                          "the theorem needs independent, identically drawn trials; TPE adapts to "
+                                          "earlier scores and a grid is not random")
+    if section.trials is not None:
+        raise ConfigError("sweep.trials", "private selection draws the number of trials at random (mean "
+                                          "sweep.private.mean_trials); remove trials")
+    if section.objective != "accuracy_mean" or section.direction != "maximize":
+        field = "sweep.objective" if section.objective != "accuracy_mean" else "sweep.direction"
+        raise ConfigError(field, "private selection scores trials by their noisy count of correct validation "
+                                 "predictions: objective = 'accuracy_mean', direction = 'maximize'")
+    if private.distribution == "poisson" and private.eta is not None:
+        raise ConfigError("sweep.private.eta", "is a parameter of the negative-binomial distribution, not poisson")
+    if private.distribution == "negative-binomial" and not private.mean_trials > 1:
+        raise ConfigError("sweep.private.mean_trials", "must be above 1 for the truncated negative binomial "
+                                                       f"(got {private.mean_trials})")
+    if not base_config.privacy.private:
+        raise ConfigError("sweep.config", "private selection needs private trials: the base config has no "
+                                          "privacy budget")
+    if base_config.privacy.neighbouring != "add-remove":
+        raise ConfigError("privacy.neighbouring", "private selection adds RDP curves, which decentdp computes for "
+                                                  "add-remove neighbours only")
 
 
 def _lookup(name: str, config: Any) -> tuple[bool, Any]:
@@ -337,6 +409,8 @@ class SweepRunner:
     def __init__(self, sweep: Sweep, out: Path) -> None:
         import optuna
 
+        from decentdp.privacy.selection import os_generator
+
         self.optuna = optuna
         self.sweep = sweep
         self.out = out
@@ -351,6 +425,8 @@ class SweepRunner:
             self.study = optuna.create_study(study_name="decentdp", storage=storage,
                                              direction=sweep.section.direction)
             self.study.set_user_attr(SPEC_ATTR, sweep.spec())
+        self.total = sweep.trials if sweep.private is None else self._private_trials()
+        self.rng = os_generator() if sweep.private is not None else None  # the scores' noise
         # A resumed sweep seeds its sampler afresh (the seed and the trials so far), so that it does not
         # propose the values of its first trials again; a grid skips the points already visited.
         seed = sweep.section.sampler_seed + len(self.study.get_trials(deepcopy=False))
@@ -359,6 +435,23 @@ class SweepRunner:
             "random": lambda: optuna.samplers.RandomSampler(seed=seed),
             "tpe": lambda: optuna.samplers.TPESampler(seed=seed)}[sweep.section.method]()
         write_atomic(out / "sweep.toml", sweep.path.read_text(encoding="utf-8"))
+
+    def _private_trials(self) -> int:
+        """K of a private selection: drawn with OS randomness when the study is created, kept in the study so
+        that a resumed sweep runs the same number of trials (drawing again would bias K towards larger draws)."""
+        from decentdp.privacy.selection import os_generator
+
+        drawn = self.study.user_attrs.get(TRIALS_ATTR)
+        if drawn is None:
+            assert self.sweep.private is not None
+            drawn = self.sweep.private.count().sample(os_generator())
+            self.study.set_user_attr(TRIALS_ATTR, drawn)
+        return int(drawn)
+
+    def seed_folders(self, folder: Path) -> list[Path]:
+        """A trial's results folder per seed."""
+        seeds = self.sweep.section.seeds
+        return [folder if len(seeds) == 1 else folder / f"seed-{s}" for s in seeds]
 
     def distributions(self) -> dict[str, Any]:
         dists = self.optuna.distributions
@@ -395,7 +488,7 @@ class SweepRunner:
         from tqdm.auto import tqdm
 
         recovered = self.recover()
-        done, total = self.finished(), self.sweep.trials
+        done, total = self.finished(), self.total
         if done or recovered:
             log(f"resuming {self.out}: {done} of {total} trials finished, {recovered} interrupted trial(s) "
                 "continue from their checkpoints")
@@ -411,9 +504,8 @@ class SweepRunner:
                         trial = self.study.ask(self.distributions())
                         folder = Path(trial.user_attrs.get("folder") or _trial_folder(self.out, trial.number))
                         trial.set_user_attr("folder", str(folder))
-                        seeds = section.seeds
-                        folders = [str(folder if len(seeds) == 1 else folder / f"seed-{s}") for s in seeds]
-                        configs = [self.sweep.trial_config(trial.params, s) for s in seeds]
+                        folders = [str(path) for path in self.seed_folders(folder)]
+                        configs = [self.sweep.trial_config(trial.params, s) for s in section.seeds]
                         running[pool.submit(run_trial, configs, folders, section.objective, os.getpid())] = trial
                     finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
                     for future in finished:
@@ -423,8 +515,10 @@ class SweepRunner:
                             trial.set_user_attr("error", result["error"])
                             self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
                             log(f"trial {trial.number} failed: {result['error']}")
-                        else:
+                        elif self.sweep.private is None:
                             self.study.tell(trial, result["value"])
+                        else:
+                            self.study.tell(trial, self._noisy_score(trial))
                         done += 1
                         bar.update(1)
                         best = self._best(1)
@@ -435,10 +529,111 @@ class SweepRunner:
             bar.close()
         return self._best(section.top)
 
+    def _noisy_score(self, trial: Any) -> float:
+        """The score a private selection releases for a finished trial: its mean over agents (and seeds) of
+        correct validation predictions plus ``N(0, score_noise^2)`` drawn with OS randomness, stored in the
+        trial as ``noisy_correct``; returned as a noisy accuracy (divided by the public validation size).
+
+        Sensitivity 1: every agent's model is scored on the same pooled validation set
+        (``data.partition.hold_out``), and validation records are never trained on, so adding or removing
+        one validation record changes each agent's count, hence their mean, by at most 1 (and the mean over
+        seeds by at most 1).  A record in an agent's training data reaches the score only through the
+        trained models, which the trial's own ledger covers (see :meth:`selection`)."""
+        assert self.sweep.private is not None and self.rng is not None
+        correct, sizes = [], []
+        for folder in self.seed_folders(Path(trial.user_attrs["folder"])):
+            accuracy = json.loads((folder / "summary.json").read_text())["accuracy_mean"]
+            size = _validation_size(folder)
+            correct.append(accuracy * size)
+            sizes.append(size)
+        noisy = sum(correct) / len(correct) + float(self.rng.normal(0.0, self.sweep.private.score_noise))
+        trial.set_user_attr("noisy_correct", noisy)
+        return noisy / (sum(sizes) / len(sizes))
+
+    def _trial_rdp(self, trial: Any) -> tuple[np.ndarray, float]:
+        """A trial's RDP per agent ``(agents, orders)`` from its ledgers (``privacy.json``), and its delta.
+
+        Several seeds compose; since an agent's records differ from seed to seed, each seed contributes
+        its worst agent's curve and the result is one row (a record's worst case)."""
+        from decentdp.privacy.ledger import PrivacyLedger
+
+        curves, deltas = [], []
+        for folder in self.seed_folders(Path(trial.user_attrs["folder"])):
+            try:
+                ledger = PrivacyLedger.from_state_dict(json.loads((folder / "privacy.json").read_text())["ledger"])
+            except (OSError, KeyError, ValueError) as exc:
+                raise DecentDPError(f"cannot read the privacy ledger of {folder} ({exc}); private selection "
+                                    "needs every finished trial's privacy.json") from None
+            curves.append(ledger.rdp_curves())
+            deltas.append(ledger.delta)
+        if len(curves) == 1:
+            return curves[0], deltas[0]
+        return sum(c.max(axis=0, keepdims=True) for c in curves), min(deltas)
+
+    def selection(self) -> dict[str, Any]:
+        """The private selection (Papernot and Steinke, ICLR 2022): the trial with the best noisy score, and
+        each agent's epsilon of the whole selection, for ``selection.json``.
+
+        ``Q``, one trial, releases its hyper-parameters and noisy score; its RDP per agent is the trial's
+        ledger (everything the agent's training records reach, the models included) plus the score's
+        Gaussian ``lambda / (2 score_noise^2)`` (a record is in training or in validation; adding both
+        covers either, and several seeds).  ``Q``'s curve is the worst trial's, per order and agent, and the
+        theorem's bound (:func:`~decentdp.privacy.selection.selection_rdp`) turns it into the selection's."""
+        from decentdp.privacy.accounting import rdp_epsilon
+        from decentdp.privacy.selection import gaussian_score_rdp, selection_rdp
+
+        private = self.sweep.private
+        assert private is not None
+        count = private.count()
+        state = self.optuna.trial.TrialState
+        complete = self.study.get_trials(deepcopy=False, states=(state.COMPLETE,))
+        report: dict[str, Any] = {
+            "selection": "private (Papernot and Steinke, ICLR 2022: random search, K random trials, only the "
+                         "best released)",
+            "trials_drawn": self.total, "trials_completed": len(complete), **count.describe(),
+            "score_noise": private.score_noise,
+            "score": "mean over agents (and seeds) of correct predictions on the pooled validation set, plus "
+                     "N(0, score_noise^2); sensitivity 1",
+            "next": "running best.toml (on the test set) is a further run on the same records: its epsilon "
+                    "composes with the selection's",
+            "exact_scores": "the trial folders (summary.json, metrics) hold exact validation scores on this "
+                            "machine; they are not part of the release",
+        }
+        if not complete:
+            return {**report, "released": None, "reason": "no trial finished (K = 0 or every trial failed): "
+                                                          "nothing is released and there is no best.toml"}
+        rdp = [self._trial_rdp(trial) for trial in complete]
+        delta = min(d for _, d in rdp)
+        if len({curves.shape for curves, _ in rdp}) > 1:  # trials with different numbers of agents
+            rdp = [(curves.max(axis=0, keepdims=True), d) for curves, d in rdp]
+        worst = np.max(np.stack([curves for curves, _ in rdp]), axis=0) + gaussian_score_rdp(private.score_noise)
+        epsilons = [rdp_epsilon(selection_rdp(curve, count), delta) for curve in worst]
+        chosen = max(complete, key=lambda t: t.value)
+        return {**report, "delta": delta,
+                "epsilon_per_agent": epsilons, "epsilon_max": max(epsilons),
+                "epsilon_one_trial_max": max(rdp_epsilon(curve, delta) for curve in worst),
+                "epsilon_k_fold_composition_max": max(rdp_epsilon(self.total * curve, delta) for curve in worst),
+                "trials": [{"trial": t.number, "epsilon_max": max(rdp_epsilon(c, d) for c in curves)}
+                           for t, (curves, d) in zip(complete, rdp, strict=True)],
+                "released": {"trial": chosen.number, "params": chosen.params,
+                             "noisy_correct": chosen.user_attrs["noisy_correct"], "noisy_accuracy": chosen.value,
+                             "folder": chosen.user_attrs.get("folder")}}
+
     def _best(self, count: int) -> list[Any]:
         trials = self.study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.COMPLETE,))
         reverse = self.sweep.section.direction == "maximize"
         return sorted(trials, key=lambda t: t.value, reverse=reverse)[:count]
+
+
+def _validation_size(folder: Path) -> int:
+    """The number of validation records of a trial's run (public: decentdp assumes dataset sizes are not
+    secret), from its ``setup.json``."""
+    setup = json.loads((folder / "setup.json").read_text())
+    match = re.match(r"validation: (\d+) records", str(setup.get("evaluation_set", "")))
+    if match is None:
+        raise DecentDPError(f"{folder / 'setup.json'} names no validation set; a private selection scores trials "
+                            "on one")
+    return int(match.group(1))
 
 
 def _check_same(saved: dict[str, Any], current: dict[str, Any], out: Path) -> None:
@@ -466,7 +661,8 @@ def best_table(sweep: Sweep, best: list[Any]) -> str:
     """Markdown table of the best trials: value, the searched fields, the results folder."""
     names = list(sweep.space)
     section = sweep.section
-    lines = [f"| rank | trial | {section.objective} (validation, mean of {len(section.seeds)} seed(s)) | "
+    score = "noisy accuracy (private selection" if sweep.private is not None else f"{section.objective} (validation"
+    lines = [f"| rank | trial | {score}, mean of {len(section.seeds)} seed(s)) | "
              + " | ".join(names) + " | folder |",
              "|---:|---:|---:|" + "---:|" * len(names) + "---|"]
     for rank, trial in enumerate(best, 1):
@@ -486,6 +682,24 @@ def best_config(sweep: Sweep, trial: Any) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- command
+
+
+def selection_summary(selection: dict[str, Any], out: Path) -> str:
+    """A few lines on a private selection: K, the released trial and noisy score, each agent's epsilon."""
+    lines = [f"private selection: K = {selection['trials_drawn']} trial(s) drawn from {selection['distribution']} "
+             f"(mean {selection.get('mean_trials', selection.get('mu'))}), {selection['trials_completed']} finished"]
+    released = selection["released"]
+    if released is None:
+        lines.append(selection["reason"])
+    else:
+        lines += [f"released: trial {released['trial']}, noisy validation accuracy {released['noisy_accuracy']:.4f} "
+                  f"(score_noise {selection['score_noise']:g} on the count of correct predictions)",
+                  f"epsilon of the selection at delta {selection['delta']:g}: {selection['epsilon_max']:.3f} (worst "
+                  f"agent; one trial with its score: {selection['epsilon_one_trial_max']:.3f}; "
+                  f"{selection['trials_drawn']} trials composed: {selection['epsilon_k_fold_composition_max']:.3f})",
+                  "running best.toml on the test set is a further run: its epsilon composes with the selection's"]
+    lines.append(f"details: {out / SELECTION_FILE}")
+    return "\n".join(lines)
 
 
 def add_parser(commands: Any) -> None:
@@ -530,13 +744,21 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"decentdp: interrupted; resume with: decentdp sweep {args.sweep_file} --out {out}", file=sys.stderr)
         return 130
+    if sweep.private is not None:
+        selection = runner.selection()
+        write_atomic(out / SELECTION_FILE, json.dumps(selection, indent=2) + "\n")
+        print(selection_summary(selection, out))
+        if selection["released"] is None:
+            return 0
+        best = best[:1]  # only the selected trial is released
     if not best:
         raise DecentDPError(f"no trial of {out} finished; see the errors above")
     import tomli_w
 
-    write_atomic(out / "best.toml", "# The best trial of decentdp sweep " + str(args.sweep_file) + " (validation "
-                 f"{sweep.section.objective} = {best[0].value:.6g}); evaluate it on the test set with decentdp run\n"
-                 + tomli_w.dumps(best_config(sweep, best[0])))
+    score = f"noisy validation accuracy = {best[0].value:.6g}" if sweep.private is not None else \
+        f"validation {sweep.section.objective} = {best[0].value:.6g}"
+    write_atomic(out / "best.toml", "# The best trial of decentdp sweep " + str(args.sweep_file) + f" ({score}); "
+                 "evaluate it on the test set with decentdp run\n" + tomli_w.dumps(best_config(sweep, best[0])))
     table = best_table(sweep, best)
     write_atomic(out / "best.md", table)
     print(table, end="")
