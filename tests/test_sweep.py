@@ -100,6 +100,21 @@ def test_private_selection_with_a_poisson_count_and_its_spec() -> None:
     assert "private" not in load_sweep(REPO / "experiments" / "sweeps" / "demo-lr.toml").spec()  # old studies resume
 
 
+def test_a_private_selection_that_draws_no_trial_releases_nothing(tmp_path: Path, capsys, monkeypatch) -> None:
+    pytest.importorskip("optuna")
+    from decentdp.privacy.selection import TrialCount
+
+    monkeypatch.setattr(TrialCount, "sample", lambda self, rng: 0)  # Poisson's K = 0, probability exp(-mu)
+    path = write_sweep(tmp_path, LR, trials=None, selection="private",
+                       private={"distribution": "poisson", "mean_trials": 2.0, "score_noise": 1.0})
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 0
+    selection = json.loads((out / "selection.json").read_text())
+    assert selection["trials_drawn"] == 0 and selection["released"] is None and selection["mu"] == 2.0
+    assert "nothing is released" in capsys.readouterr().out
+    assert not (out / "best.toml").exists() and not (out / "trials").exists()
+
+
 def test_grid_ranges_and_integer_fields(tmp_path: Path) -> None:
     path = write_sweep(tmp_path, '"algorithm.batch_size" = { low = 8, high = 24, step = 8 }\n'
                                  '"algorithm.lr" = { values = [0.1, 0.2] }\n', method="grid", trials=None)
@@ -179,6 +194,7 @@ def test_private_selection_releases_a_noisy_best_and_its_epsilon_and_resumes_wit
     assert selection["epsilon_max"] > selection["epsilon_one_trial_max"] > max(t["epsilon_max"]
                                                                                 for t in selection["trials"])
     assert len(selection["epsilon_per_agent"]) == 4
+    assert selection["trials_rdp_equal"] and "warning" not in selection  # lr leaves the calibrated noise alone
     assert "composes with the selection's" in printed and "composes" in selection["next"]
     assert json.loads(printed.strip().splitlines()[-1])["best"][0]["trial"] == released["trial"]
 

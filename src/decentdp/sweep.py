@@ -19,6 +19,7 @@ A sweep file::
     direction = "maximize"
     validation_fraction = 0.1      # held out of each agent's training records; never the test set
     set = { "experiment.rounds" = 200 }   # fixed overrides of the base config
+    selection = "best"             # or "private": see below
 
     [space]
     "algorithm.lr" = { low = 0.01, high = 1.0, log = true }
@@ -28,6 +29,18 @@ A sweep file::
 Each trial is a results folder ``OUT/trials/trial-NNNN[/seed-S]`` that ``decentdp report`` reads. A
 killed sweep restarted with the same command continues: finished trials are kept, the trials that were
 running resume from their checkpoints, and a changed sweep file is refused (naming what changed).
+
+``selection = "private"`` (with ``method = "random"`` and no ``trials``) is Papernot and Steinke's private
+selection (:mod:`decentdp.privacy.selection`)::
+
+    private = { distribution = "negative-binomial", mean_trials = 10, eta = 1, score_noise = 1.0 }
+    private = { distribution = "poisson", mean_trials = 10, score_noise = 1.0 }
+
+The number of trials K is drawn once from the operating system's randomness and kept in the study; each
+trial's score is its mean over agents of correct validation predictions plus ``N(0, score_noise^2)``;
+only the best noisy score's trial is released, and ``selection.json`` holds each agent's epsilon of the
+whole selection.  The study and every table hold the noisy scores only; the trial folders on the
+operator's disk keep their exact ones.
 """
 
 from __future__ import annotations
@@ -175,7 +188,10 @@ class Sweep:
 
     @property
     def trials(self) -> int:
-        """The number of trials of a non-private sweep (a private one draws it: :attr:`SweepRunner.total`)."""
+        """The number of trials the sweep runs; for a private selection, which draws it at random when its study
+        is created (:attr:`SweepRunner.total`), the mean ``mean_trials`` rounded up: what to plan for."""
+        if self.private is not None:
+            return math.ceil(self.private.mean_trials)
         if self.section.method == "grid":
             size = math.prod(len(dim.grid()) for dim in self.space.values())
             return min(size, self.section.trials or size)
@@ -606,13 +622,19 @@ class SweepRunner:
         delta = min(d for _, d in rdp)
         if len({curves.shape for curves, _ in rdp}) > 1:  # trials with different numbers of agents
             rdp = [(curves.max(axis=0, keepdims=True), d) for curves, d in rdp]
-        worst = np.max(np.stack([curves for curves, _ in rdp]), axis=0) + gaussian_score_rdp(private.score_noise)
+        stacked = np.stack([curves for curves, _ in rdp])
+        worst = stacked.max(axis=0) + gaussian_score_rdp(private.score_noise)
+        # Q's curve must bound every trial the search could draw; the worst that ran does so when the searched
+        # fields leave the calibrated noise alone (all trials' curves equal), else it is an estimate.
+        same = bool(np.allclose(stacked, stacked[:1], rtol=1e-9, atol=0.0, equal_nan=True))
         epsilons = [rdp_epsilon(selection_rdp(curve, count), delta) for curve in worst]
         chosen = max(complete, key=lambda t: t.value)
         return {**report, "delta": delta,
                 "epsilon_per_agent": epsilons, "epsilon_max": max(epsilons),
                 "epsilon_one_trial_max": max(rdp_epsilon(curve, delta) for curve in worst),
                 "epsilon_k_fold_composition_max": max(rdp_epsilon(self.total * curve, delta) for curve in worst),
+                "trials_rdp_equal": same,
+                **({} if same else {"warning": _UNEQUAL_TRIALS}),
                 "trials": [{"trial": t.number, "epsilon_max": max(rdp_epsilon(c, d) for c in curves)}
                            for t, (curves, d) in zip(complete, rdp, strict=True)],
                 "released": {"trial": chosen.number, "params": chosen.params,
@@ -623,6 +645,10 @@ class SweepRunner:
         trials = self.study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.COMPLETE,))
         reverse = self.sweep.section.direction == "maximize"
         return sorted(trials, key=lambda t: t.value, reverse=reverse)[:count]
+
+
+_UNEQUAL_TRIALS = ("the trials' RDP curves differ (the searched fields change the calibrated noise): the bound "
+                   "uses the worst trial that ran, and a hyper-parameter the search did not draw may cost more")
 
 
 def _validation_size(folder: Path) -> int:
@@ -698,6 +724,8 @@ def selection_summary(selection: dict[str, Any], out: Path) -> str:
                   f"agent; one trial with its score: {selection['epsilon_one_trial_max']:.3f}; "
                   f"{selection['trials_drawn']} trials composed: {selection['epsilon_k_fold_composition_max']:.3f})",
                   "running best.toml on the test set is a further run: its epsilon composes with the selection's"]
+        if "warning" in selection:
+            lines.append(f"warning: {selection['warning']}")
     lines.append(f"details: {out / SELECTION_FILE}")
     return "\n".join(lines)
 
@@ -711,7 +739,7 @@ def add_parser(commands: Any) -> None:
                     "processes with one thread each, each trial evaluated on a validation split held out of the "
                     "agents' training data (never the test set). Run the same command again to resume a killed "
                     "sweep. Tuning on private data costs privacy that the trials' epsilon does not include: see "
-                    "the README.")
+                    "the README (selection = 'private' accounts for it).")
     sweep.add_argument("sweep_file", metavar="SWEEP.toml", help="the sweep file ([sweep] and [space])")
     sweep.add_argument("--out", type=Path, metavar="DIR",
                        help="sweep folder: study.db, trials/, best.toml (default: results/sweeps/<file name>)")
