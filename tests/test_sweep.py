@@ -126,6 +126,17 @@ def test_grid_ranges_and_integer_fields(tmp_path: Path) -> None:
     assert trial["data"]["validation_fraction"] == 0.2  # never the test set
 
 
+def test_fixed_overrides_may_be_tables_and_arrays(tmp_path: Path) -> None:
+    """``set`` values that are inline tables (model options) reach the trial's config as tables."""
+    base = tiny_config(model={"name": "mlp"}, privacy={"epsilon": 5.0, "accountant": "rdp"})
+    (tmp_path / "base.toml").write_text(tomli_w.dumps(base))
+    (tmp_path / "sweep.toml").write_text(tomli_w.dumps({"sweep": {
+        "config": "base.toml", "method": "random", "trials": 1, "validation_fraction": 0.2,
+        "set": {"model.options": {"hidden": [16, 8]}}}}) + '\n[space]\n"algorithm.lr" = { values = [0.1] }\n')
+    sweep = load_sweep(tmp_path / "sweep.toml")
+    assert sweep.trial_config({"algorithm.lr": 0.1}, seed=0)["model"]["options"] == {"hidden": [16, 8]}
+
+
 def test_example_sweep_file_is_valid() -> None:
     sweep = load_sweep(REPO / "experiments" / "sweeps" / "demo-lr.toml")
     assert sweep.section.method == "tpe" and set(sweep.space) == {"algorithm.lr", "algorithm.batch_size",

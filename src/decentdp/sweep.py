@@ -221,12 +221,18 @@ class Sweep:
 
 
 def _toml_value(value: Any) -> str:
+    """``value`` written as a TOML value (an override's right-hand side): inline tables and arrays too, so that
+    ``set = { "model.options" = { activation = "tanh" } }`` reaches the config as a table."""
     if isinstance(value, str):
         return json.dumps(value)
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float) and math.isinf(value):
-        return "inf"
+        return "inf" if value > 0 else "-inf"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{json.dumps(str(key))} = {_toml_value(item)}" for key, item in value.items()) + " }"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     return repr(value)
 
 
