@@ -112,6 +112,18 @@ def test_out_writes_table_csv_json_and_figures(tmp_path: Path, capsys) -> None:
     assert json.loads((out / "report.json").read_text())["rows"][1]["epsilon_spent"] is None
 
 
+def test_paper_rows_may_match_fields_these_runs_leave_unset(tmp_path: Path, capsys) -> None:
+    """The consensus paper file has rows for Fiedler graphs (``topology.fiedler``); a report of runs on other
+    graphs, which leave that field unset, still takes its values from the rows that match."""
+    fake_run(tmp_path / "runs" / "a", 0.90, epsilon=1.0)
+    paper = tmp_path / "paper.toml"
+    paper.write_text('row = [\n'
+                     '  { value = 70.0, match = { "topology.graph" = "fiedler", "topology.fiedler" = 0.06 } },\n'
+                     '  { value = 89.0, match = { "algorithm.name" = "dp-dsgt" } },\n]\n')
+    rows = report_json(capsys, str(tmp_path / "runs"), "--paper", str(paper))["rows"]
+    assert rows[0]["paper"] == pytest.approx(0.89)
+
+
 def test_consensus_paper_file_reads_and_names_config_fields() -> None:
     source, rows = read_paper(REPO / "experiments" / "consensus" / "paper.toml")
     assert "Bayrooti" in source and len(rows) > 100

@@ -25,6 +25,7 @@ import json
 import math
 import statistics
 import tomllib
+import typing
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -339,8 +340,24 @@ def paper_value(paper: Sequence[PaperRow], fields: dict[str, Any], file: Path) -
     return top[0]
 
 
+def schema_fields() -> set[str]:
+    """Every ``section.key`` the config schema defines, set or not (an optional field left unset, such as
+    ``topology.fiedler`` on a complete graph, is absent from a run's resolved config but is still a field)."""
+    from pydantic import BaseModel
+
+    from decentdp.config import ExperimentConfig
+
+    names = set()
+    for section, info in ExperimentConfig.model_fields.items():
+        for model in (info.annotation, *typing.get_args(info.annotation)):
+            if isinstance(model, type) and issubclass(model, BaseModel):
+                names |= {f"{section}.{key}" for key in model.model_fields}
+    return names
+
+
 def check_paper_fields(paper: Sequence[PaperRow], runs: Sequence[Run], file: Path) -> None:
-    known = {name for run in runs for name in run.fields}
+    """Refuse a ``match`` field that is no config field (a typo would silently match nothing)."""
+    known = {name for run in runs for name in run.fields} | schema_fields()
     for row in paper:
         unknown = sorted(set(row.match) - known)
         if unknown:
