@@ -188,3 +188,16 @@ def test_report_reads_a_real_run(tmp_path: Path, capsys) -> None:
     assert row["n"] == 1 and row["seeds"] == [0] and row["std"] is None
     assert row["mean"] == summary["accuracy_mean"] and row["epsilon_spent"] == summary["epsilon_max"]
     assert 0 < row["epsilon_spent"] <= 5.0
+
+
+def test_links_to_results_folders_are_followed_once_without_looping(tmp_path: Path) -> None:
+    first = fake_run(tmp_path / "runs" / "a", 0.7)
+    second = fake_run(tmp_path / "runs" / "b", 0.6, seed=1)
+    fake_run(tmp_path / "runs" / ".hidden" / "c", 0.5, seed=2)
+    chosen = tmp_path / "chosen"
+    chosen.mkdir()
+    (chosen / "a").symlink_to(first, target_is_directory=True)
+    (chosen / "again").symlink_to(first, target_is_directory=True)
+    (chosen / "b").symlink_to(second, target_is_directory=True)
+    (chosen / "up").symlink_to(tmp_path, target_is_directory=True)  # a link back up the tree
+    assert [run.path for run in find_runs([chosen])] == [first.resolve(), second.resolve()]

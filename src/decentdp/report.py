@@ -23,6 +23,7 @@ import csv
 import io
 import json
 import math
+import os
 import statistics
 import tomllib
 import typing
@@ -141,6 +142,25 @@ def read_run(folder: Path) -> Run:
     return Run(folder, flatten(config), summary, curve)
 
 
+def results_folders_under(root: Path) -> list[Path]:
+    """Every folder below ``root`` that holds a ``config.toml``, in path order, hidden folders skipped.
+
+    Symbolic links to folders are followed (a folder of links is a common way to gather chosen runs),
+    each real folder at most once, so a link back up the tree cannot loop."""
+    found: list[Path] = []
+    seen: set[str] = set()
+    for folder, subfolders, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            subfolders.clear()
+            continue
+        seen.add(real)
+        subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
+        if CONFIG_FILE in files:
+            found.append(Path(folder))
+    return sorted(found)
+
+
 def find_runs(paths: Sequence[str | Path]) -> list[Run]:
     """Every results folder at or below ``paths`` (a folder holding a ``config.toml`` is one run; any
     other folder is searched), each once, in path order."""
@@ -151,8 +171,7 @@ def find_runs(paths: Sequence[str | Path]) -> list[Run]:
             raise DecentDPError(f"no such results folder: {path}")
         if not path.is_dir():
             raise DecentDPError(f"{path} is a file; give results folders (or folders that hold them)")
-        found = [path] if (path / CONFIG_FILE).is_file() else \
-            sorted(config.parent for config in path.rglob(CONFIG_FILE) if not config.parent.name.startswith("."))
+        found = [path] if (path / CONFIG_FILE).is_file() else results_folders_under(path)
         if not found:
             raise DecentDPError(f"no results folder under {path} (a results folder holds {CONFIG_FILE} and "
                                 f"{SUMMARY_FILE})")
