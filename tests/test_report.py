@@ -138,6 +138,7 @@ def test_consensus_paper_file_reads_and_names_config_fields() -> None:
     ("validation-and-test", [], "digits, validation split 0.2: "),
     ("unfinished", [], "has not finished"),
     ("stopped", [], "stopped after round"),
+    ("stopped", ["--skip-unfinished"], "none of the 1 results folder(s) holds a finished run"),
     ("empty", [], "no results folder under"),
     ("missing", [], "no such results folder"),
     ("plain", ["--metric", "loss_max"], "no numeric 'loss_max'"),
@@ -201,3 +202,20 @@ def test_links_to_results_folders_are_followed_once_without_looping(tmp_path: Pa
     (chosen / "b").symlink_to(second, target_is_directory=True)
     (chosen / "up").symlink_to(tmp_path, target_is_directory=True)  # a link back up the tree
     assert [run.path for run in find_runs([chosen])] == [first.resolve(), second.resolve()]
+
+
+def test_skip_unfinished_leaves_out_running_and_stopped_runs_and_names_them(tmp_path: Path, capsys) -> None:
+    runs = tmp_path / "runs"
+    fake_run(runs / "done-s0", 0.70)
+    fake_run(runs / "done-s1", 0.74, seed=1)
+    fake_run(runs / "stopped", 0.10, seed=2, finished=False)
+    (runs / "running").mkdir()
+    (runs / "running" / "config.toml").write_text((runs / "done-s0" / "config.toml").read_text())
+    assert main(["report", str(runs), "--json"]) == 2
+    assert "--skip-unfinished" in capsys.readouterr().err
+    assert main(["report", str(runs), "--skip-unfinished", "--json"]) == 0
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)["rows"]
+    assert [(row["n"], row["mean"]) for row in rows] == [(2, pytest.approx(0.72))]
+    err = captured.err
+    assert "left out 2 unfinished run(s)" in err and "running" in err and "stopped" in err

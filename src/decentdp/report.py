@@ -25,6 +25,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import tomllib
 import typing
 from collections.abc import Iterable, Sequence
@@ -112,21 +113,26 @@ def _read_json(path: Path) -> Any:
         raise DecentDPError(f"cannot read {path}: {exc}") from None
 
 
+class UnfinishedRunError(DecentDPError):
+    """A results folder whose run has not finished (still running, killed, or stopped early)."""
+
+
 def read_run(folder: Path) -> Run:
     """The run in ``folder``; a clear error when it is not a finished results folder."""
     summary_file, config_file = folder / SUMMARY_FILE, folder / CONFIG_FILE
     if not config_file.is_file():
         raise DecentDPError(f"{folder} is not a results folder (no {CONFIG_FILE})")
     if not summary_file.is_file():
-        raise DecentDPError(f"{folder}: the run has not finished (no {SUMMARY_FILE}); finish it with "
-                            f"`decentdp run CONFIG --resume --out {folder}`, or leave it out of the report")
+        raise UnfinishedRunError(f"{folder}: the run has not finished (no {SUMMARY_FILE}); finish it with "
+                                 f"`decentdp run CONFIG --resume --out {folder}`, leave it out of the report, "
+                                 "or pass --skip-unfinished")
     summary = _read_json(summary_file)
     if not isinstance(summary, dict) or "finished" not in summary:
         raise DecentDPError(f"{summary_file} is not a decentdp run summary")
     if summary.get("finished") is False:
-        raise DecentDPError(f"{folder}: the run stopped after round {summary.get('rounds')} of "
-                            f"{summary.get('config', {}).get('experiment', {}).get('rounds', '?')}; resume it "
-                            "or leave it out of the report")
+        raise UnfinishedRunError(f"{folder}: the run stopped after round {summary.get('rounds')} of "
+                                 f"{summary.get('config', {}).get('experiment', {}).get('rounds', '?')}; "
+                                 "resume it, leave it out of the report, or pass --skip-unfinished")
     try:
         config = summary["config"] if isinstance(summary.get("config"), dict) else \
             tomllib.loads(config_file.read_text(encoding="utf-8"))
@@ -161,9 +167,13 @@ def results_folders_under(root: Path) -> list[Path]:
     return sorted(found)
 
 
-def find_runs(paths: Sequence[str | Path]) -> list[Run]:
+def find_runs(paths: Sequence[str | Path], *, skip_unfinished: bool = False,
+              skipped: list[Path] | None = None) -> list[Run]:
     """Every results folder at or below ``paths`` (a folder holding a ``config.toml`` is one run; any
-    other folder is searched), each once, in path order."""
+    other folder is searched), each once, in path order.
+
+    An unfinished run is an error unless ``skip_unfinished``; then it is left out and its folder
+    appended to ``skipped``, so that the caller can say what the table does not hold."""
     folders: dict[Path, None] = {}
     for given in paths:
         path = Path(given)
@@ -176,7 +186,18 @@ def find_runs(paths: Sequence[str | Path]) -> list[Run]:
             raise DecentDPError(f"no results folder under {path} (a results folder holds {CONFIG_FILE} and "
                                 f"{SUMMARY_FILE})")
         folders.update((folder.resolve(), None) for folder in found)
-    return [read_run(folder) for folder in folders]
+    runs: list[Run] = []
+    for folder in folders:
+        try:
+            runs.append(read_run(folder))
+        except UnfinishedRunError:
+            if not skip_unfinished:
+                raise
+            if skipped is not None:
+                skipped.append(folder)
+    if not runs:
+        raise DecentDPError(f"none of the {len(folders)} results folder(s) holds a finished run")
+    return runs
 
 
 def check_compatible(runs: Sequence[Run], metric: str) -> None:
@@ -645,11 +666,18 @@ def add_parser(commands: Any) -> None:
                         help="write report.md, report.csv, report.json and the figures here")
     report.add_argument("--json", action="store_true", help="print one JSON line with a 'rows' list instead of "
                                                             "the table")
+    report.add_argument("--skip-unfinished", action="store_true",
+                        help="leave out runs that have not finished (still running, killed) and name them on "
+                             "stderr, instead of refusing the report")
 
 
 def run(args: argparse.Namespace) -> int:
     """``decentdp report``: read, check, group; print the table or JSON; write files with ``--out``."""
-    report = build_report(find_runs(args.results), args.metric, args.ignore, args.paper)
+    skipped: list[Path] = []
+    report = build_report(find_runs(args.results, skip_unfinished=args.skip_unfinished, skipped=skipped),
+                          args.metric, args.ignore, args.paper)
+    if skipped:
+        print(f"left out {len(skipped)} unfinished run(s): {_paths(skipped)}", file=sys.stderr)
     table = markdown(report)
     if args.out is not None:
         try:
