@@ -70,7 +70,7 @@ def test_implied_fields_are_not_columns_but_stay_in_the_rows(tmp_path: Path) -> 
     # The learning rate is chosen per algorithm, so the algorithm column alone tells the groups apart.
     fake_run(tmp_path / "a", 0.7, algorithm={"name": "dp-dsgt", "lr": 0.1})
     fake_run(tmp_path / "b", 0.6, algorithm={"name": "dp-dsgd", "lr": 0.3})
-    report = build_report(find_runs([tmp_path]))
+    report = build_report(find_runs([tmp_path])[0])
     assert report.fields[:2] == ["algorithm.name", "algorithm.lr"]  # then DSGD's own settings
     assert report.labels == ["algorithm.name"]
     assert {row["algorithm.lr"] for row in report.rows} == {0.1, 0.3}
@@ -80,7 +80,7 @@ def test_implied_fields_are_not_columns_but_stay_in_the_rows(tmp_path: Path) -> 
 def test_seeds_names_and_engine_settings_do_not_split_groups(tmp_path: Path) -> None:
     fake_run(tmp_path / "a", 0.7, seed=0, experiment={"name": "first"}, engine={"threads": 1})
     fake_run(tmp_path / "b", 0.8, seed=1, experiment={"name": "second"}, engine={"threads": 2})
-    report = build_report(find_runs([tmp_path / "a", tmp_path / "b", tmp_path / "a"]))  # a folder given twice
+    report = build_report(find_runs([tmp_path / "a", tmp_path / "b", tmp_path / "a"])[0])  # a folder given twice
     assert len(report.rows) == 1 and report.rows[0]["n"] == 2
 
 
@@ -201,7 +201,7 @@ def test_links_to_results_folders_are_followed_once_without_looping(tmp_path: Pa
     (chosen / "again").symlink_to(first, target_is_directory=True)
     (chosen / "b").symlink_to(second, target_is_directory=True)
     (chosen / "up").symlink_to(tmp_path, target_is_directory=True)  # a link back up the tree
-    assert [run.path for run in find_runs([chosen])] == [first.resolve(), second.resolve()]
+    assert [run.path for run in find_runs([chosen])[0]] == [first.resolve(), second.resolve()]
 
 
 def test_skip_unfinished_leaves_out_running_and_stopped_runs_and_names_them(tmp_path: Path, capsys) -> None:

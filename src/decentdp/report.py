@@ -13,7 +13,8 @@ spent) and ``metrics.jsonl`` (one row per evaluation); see :mod:`decentdp.run.re
    spent) to ``--out``, or prints the table (``--json``: one JSON line with one object per group).
 
 Runs that cannot share a table are refused with a message naming the folders: runs on different
-datasets (their accuracies are on different test sets), unfinished runs, and runs without the metric.
+datasets (their accuracies are on different test sets), unfinished runs (unless ``--skip-unfinished``,
+which leaves them out and names them), and runs without the metric.
 """
 
 from __future__ import annotations
@@ -167,13 +168,12 @@ def results_folders_under(root: Path) -> list[Path]:
     return sorted(found)
 
 
-def find_runs(paths: Sequence[str | Path], *, skip_unfinished: bool = False,
-              skipped: list[Path] | None = None) -> list[Run]:
+def find_runs(paths: Sequence[str | Path], *, skip_unfinished: bool = False) -> tuple[list[Run], list[Path]]:
     """Every results folder at or below ``paths`` (a folder holding a ``config.toml`` is one run; any
-    other folder is searched), each once, in path order.
+    other folder is searched), each once, in path order, and the folders left out.
 
-    An unfinished run is an error unless ``skip_unfinished``; then it is left out and its folder
-    appended to ``skipped``, so that the caller can say what the table does not hold."""
+    An unfinished run is an error unless ``skip_unfinished``; then it is left out and returned among
+    the folders left out, so that the caller can say what the table does not hold."""
     folders: dict[Path, None] = {}
     for given in paths:
         path = Path(given)
@@ -187,17 +187,17 @@ def find_runs(paths: Sequence[str | Path], *, skip_unfinished: bool = False,
                                 f"{SUMMARY_FILE})")
         folders.update((folder.resolve(), None) for folder in found)
     runs: list[Run] = []
+    skipped: list[Path] = []
     for folder in folders:
         try:
             runs.append(read_run(folder))
         except UnfinishedRunError:
             if not skip_unfinished:
                 raise
-            if skipped is not None:
-                skipped.append(folder)
+            skipped.append(folder)
     if not runs:
         raise DecentDPError(f"none of the {len(folders)} results folder(s) holds a finished run")
-    return runs
+    return runs, skipped
 
 
 def check_compatible(runs: Sequence[Run], metric: str) -> None:
@@ -673,9 +673,8 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``decentdp report``: read, check, group; print the table or JSON; write files with ``--out``."""
-    skipped: list[Path] = []
-    report = build_report(find_runs(args.results, skip_unfinished=args.skip_unfinished, skipped=skipped),
-                          args.metric, args.ignore, args.paper)
+    runs, skipped = find_runs(args.results, skip_unfinished=args.skip_unfinished)
+    report = build_report(runs, args.metric, args.ignore, args.paper)
     if skipped:
         print(f"left out {len(skipped)} unfinished run(s): {_paths(skipped)}", file=sys.stderr)
     table = markdown(report)
