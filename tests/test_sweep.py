@@ -126,6 +126,20 @@ def test_grid_ranges_and_integer_fields(tmp_path: Path) -> None:
     assert trial["data"]["validation_fraction"] == 0.2  # never the test set
 
 
+@pytest.mark.slow
+def test_a_grid_sweep_runs_every_point_once_and_ends_with_its_best(tmp_path: Path, capsys) -> None:
+    """Optuna's GridSampler stops the study after the last point, which raises under ask-and-tell: the sweep
+    must still finish cleanly and write best.toml."""
+    pytest.importorskip("optuna")
+    path = write_sweep(tmp_path, '"algorithm.lr" = { values = [0.1, 0.2] }\n', method="grid", trials=None)
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert sorted(t["params"]["algorithm.lr"] for t in result["best"]) == [0.1, 0.2]
+    assert tomllib.loads((out / "best.toml").read_text())["algorithm"]["lr"] == result["best"][0]["params"][
+        "algorithm.lr"]
+
+
 def test_fixed_overrides_may_be_tables_and_arrays(tmp_path: Path) -> None:
     """``set`` values that are inline tables (model options) reach the trial's config as tables."""
     base = tiny_config(model={"name": "mlp"}, privacy={"epsilon": 5.0, "accountant": "rdp"})

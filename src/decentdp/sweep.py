@@ -425,6 +425,22 @@ def run_trial(raw_configs: list[dict[str, Any]], folders: list[str], objective: 
     return {"value": sum(values) / len(values)}
 
 
+def _grid_sampler(optuna: Any, grid: dict[str, list[Any]], seed: int) -> Any:
+    """Optuna's ``GridSampler`` over ``grid``, without its automatic stop.
+
+    Its ``after_trial`` calls ``study.stop()`` when the last grid point is told, and under ask-and-tell,
+    which this module uses, that raises ``RuntimeError`` (Optuna issues #4121 and #5141; the sampler's
+    documentation notes it).  The trial is stored before the error, but the sweep would end with a
+    traceback and no ``best.toml``.  The runner counts its trials itself, so the stop has nothing to do.
+    """
+
+    class AskAndTellGridSampler(optuna.samplers.GridSampler):  # type: ignore[misc, name-defined]
+        def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+            """Nothing: the runner, not the sampler, decides when the sweep is done."""
+
+    return AskAndTellGridSampler(grid, seed=seed)
+
+
 class SweepRunner:
     """The study in ``out/study.db`` and the trials' results folders under ``out/trials``."""
 
@@ -453,7 +469,7 @@ class SweepRunner:
         # propose the values of its first trials again; a grid skips the points already visited.
         seed = sweep.section.sampler_seed + len(self.study.get_trials(deepcopy=False))
         self.study.sampler = {
-            "grid": lambda: optuna.samplers.GridSampler({n: d.grid() for n, d in sweep.space.items()}, seed=seed),
+            "grid": lambda: _grid_sampler(optuna, {n: d.grid() for n, d in sweep.space.items()}, seed),
             "random": lambda: optuna.samplers.RandomSampler(seed=seed),
             "tpe": lambda: optuna.samplers.TPESampler(seed=seed)}[sweep.section.method]()
         write_atomic(out / "sweep.toml", sweep.path.read_text(encoding="utf-8"))
