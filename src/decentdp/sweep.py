@@ -434,7 +434,7 @@ def _grid_sampler(optuna: Any, grid: dict[str, list[Any]], seed: int) -> Any:
     traceback and no ``best.toml``.  The runner counts its trials itself, so the stop has nothing to do.
     """
 
-    class AskAndTellGridSampler(optuna.samplers.GridSampler):  # type: ignore[misc, name-defined]
+    class AskAndTellGridSampler(optuna.samplers.GridSampler):  # type: ignore[misc]  (optuna is typed Any here)
         def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
             """Nothing: the runner, not the sampler, decides when the sweep is done."""
 
