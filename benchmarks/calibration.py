@@ -4,7 +4,10 @@ For a few (epsilon, q, releases) settings, in one process, caches cleared before
 to calibrate sigma with RDP (what runs used before) and with the default ``tight`` accountant
 (bracketed by RDP, then regula falsi on PLD), how many accountant calls that took, a repeated call
 (the in-process cache), and sigma under each: how much less noise the tight accountant adds for the
-same epsilon.  Also the cost of a secure-mode noise draw against a simulation-mode one.
+same epsilon.  Also the cost of a secure-mode noise draw against a simulation-mode one, and of a long
+ledger: one agent charged 100,000 releases, each with its own noise scale (alternately Gaussian and
+Laplace), then its epsilon; the seconds per release over the first and the last tenth show whether a
+charge's cost grows with the history (it must not: the ledger keeps running RDP totals).
 
     python benchmarks/calibration.py [--json]
 """
@@ -17,9 +20,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from decentdp.privacy.accounting import calibrate_noise_multiplier, epsilon_of_history, epsilon_spent, rdp_curve
+from decentdp.privacy.events import gaussian_event, laplace_event
+from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.rng import AgentKeys, AgentRandom, SecureRandom, Stream
 
 SETTINGS = [(1.0, 0.0417, 2000), (0.5, 0.0256, 2000), (10.0, 0.0256, 2000), (0.16, 0.0025, 6400)]
@@ -61,12 +67,33 @@ def noise_rows(rows: int = 10, dim: int = 100_000) -> dict[str, float]:
     return {"values": rows * dim, "seconds_simulation": sim_s, "seconds_secure": sec_s}
 
 
+def long_ledger_row(releases: int = 100_000) -> dict[str, float]:
+    """One agent, ``releases`` distinct events charged one by one, then its RDP epsilon (delta 1e-5)."""
+    ledger = PrivacyLedger(1, 1000.0, 1e-5)
+    tenth = releases // 10
+    marks = []
+    start = time.perf_counter()
+    for k, scale in enumerate((50.0 + 1e-3 * np.arange(releases)).tolist()):
+        if k % tenth == 0:
+            marks.append(time.perf_counter())
+        event = gaussian_event(scale) if k % 2 == 0 else laplace_event(scale)
+        ledger.charge(k, np.array([ledger.intern(event)]))
+    marks.append(time.perf_counter())
+    charged = marks[-1] - start
+    epsilon, epsilon_s = _timed(ledger.epsilon, "rdp")
+    first, last = marks[1] - marks[0], marks[-1] - marks[-2]
+    return {"releases": releases, "seconds_charging": charged, "seconds_epsilon": epsilon_s,
+            "microseconds_per_release_first_tenth": 1e6 * first / tenth,
+            "microseconds_per_release_last_tenth": 1e6 * last / tenth,
+            "last_over_first": last / first, "epsilon": float(epsilon[0])}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows, noise = calibration_rows(), noise_rows()
+    rows, noise, ledger = calibration_rows(), noise_rows(), long_ledger_row()
     print("| epsilon | q | releases | sigma RDP | sigma tight | s RDP | s tight (accountant calls) | s cached |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
@@ -75,8 +102,12 @@ def main() -> None:
               f"({row['accountant_calls_tight']}) | {row['seconds_cached']:.6f} |")
     print(f"noise: {noise['values']} values, simulation {noise['seconds_simulation']:.3f} s, "
           f"secure {noise['seconds_secure']:.3f} s")
+    print(f"long ledger: {ledger['releases']} distinct releases charged in {ledger['seconds_charging']:.1f} s "
+          f"({ledger['microseconds_per_release_first_tenth']:.0f} us each over the first tenth, "
+          f"{ledger['microseconds_per_release_last_tenth']:.0f} over the last: x{ledger['last_over_first']:.2f}), "
+          f"epsilon in {ledger['seconds_epsilon']:.2f} s")
     if args.json:
-        print(json.dumps({"calibration": rows, "noise": noise}))
+        print(json.dumps({"calibration": rows, "noise": noise, "long_ledger": ledger}))
 
 
 if __name__ == "__main__":

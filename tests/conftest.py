@@ -7,7 +7,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+
+# Under pytest-xdist (`make test` runs one worker per core) each worker process gets one thread: the
+# workers already fill the cores, and a run's thread choice (decentdp.util.threads) follows this
+# variable. Set before torch is imported, so torch's own pool starts at one thread too.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402
 
 #: Real datasets for the tests that need them: ``$DECENTDP_DATA_DIR`` if set (a user's own copy of
 #: MNIST and the rest), else ``../shared/data`` beside the repository (the project's workplace).
@@ -50,3 +57,11 @@ def tiny_config(**sections: dict[str, Any]) -> dict[str, Any]:
     for name, values in sections.items():
         raw[name] = {**raw.get(name, {}), **values}
     return raw
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``--dist loadgroup``), run the Ray tests in one worker, one after another:
+    each starts a local Ray cluster, and two at once would compete for the same cores and ports."""
+    for item in items:
+        if item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.xdist_group("ray"))

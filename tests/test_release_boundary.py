@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -436,7 +435,7 @@ def test_ledger_epsilon_equals_dp_accounting_on_the_composed_events(case: int) -
     assert ledger.releases().tolist() == [len(events)] * n
 
 
-# -- 7. a long ledger of distinct events stays fast ----------------------------------------------------------
+# -- 7. a long ledger of distinct events composes exactly ---------------------------------------------------
 def _laplace_rdp_curves(scales: np.ndarray, orders: np.ndarray) -> np.ndarray:
     """RDP of Laplace(b) at each order (Mironov 2017, Prop. 6), ``(len(scales), len(orders))``:
     ``log(a/(2a-1) e^{(a-1)/b} + (a-1)/(2a-1) e^{-a/b}) / (a-1)``."""
@@ -445,25 +444,18 @@ def _laplace_rdp_curves(scales: np.ndarray, orders: np.ndarray) -> np.ndarray:
     return np.logaddexp(np.log(a / (2 * a - 1)) + (a - 1) / b, np.log((a - 1) / (2 * a - 1)) - a / b) / (a - 1)
 
 
+#: Enough distinct releases that a ledger quadratic in its history would run past pytest's timeout
+#: (600 s); how long it takes is measured in benchmarks/calibration.py ("a long ledger"), not here.
 LONG_RUN_RELEASES = 100_000
-LONG_RUN_SECONDS = 60.0
 
 
-def test_a_ledger_of_a_hundred_thousand_distinct_releases_stays_fast() -> None:
+def test_a_ledger_of_a_hundred_thousand_distinct_releases_composes_exactly() -> None:
     ledger = PrivacyLedger(1, 1000.0, DELTA)
     scales = 50.0 + 1e-3 * np.arange(LONG_RUN_RELEASES)
-    start = time.perf_counter()
     for k, scale in enumerate(scales.tolist()):
         event = gaussian_event(scale) if k % 2 == 0 else laplace_event(scale)
         assert ledger.charge(k, np.array([ledger.intern(event)]))[0]
-        if k % 500 == 499:
-            # Fail as soon as the deadline is out of reach: per-release cost never falls as the history
-            # grows, so running behind a linear pace now means missing the deadline (1 s of slack).
-            elapsed = time.perf_counter() - start
-            assert elapsed < LONG_RUN_SECONDS * (k + 1) / LONG_RUN_RELEASES + 1.0, \
-                f"{k + 1} releases took {elapsed:.1f} s: {LONG_RUN_RELEASES} cannot finish in {LONG_RUN_SECONDS} s"
     epsilon = ledger.epsilon("rdp")
-    assert time.perf_counter() - start < LONG_RUN_SECONDS
     assert ledger.releases().tolist() == [LONG_RUN_RELEASES]
 
     orders = np.asarray(rdp_privacy_accountant.RdpAccountant().orders, dtype=np.float64)
