@@ -444,8 +444,8 @@ def _laplace_rdp_curves(scales: np.ndarray, orders: np.ndarray) -> np.ndarray:
     return np.logaddexp(np.log(a / (2 * a - 1)) + (a - 1) / b, np.log((a - 1) / (2 * a - 1)) - a / b) / (a - 1)
 
 
-#: Enough distinct releases that a ledger quadratic in its history would run past pytest's timeout
-#: (600 s); how long it takes is measured in benchmarks/calibration.py ("a long ledger"), not here.
+#: A history long enough for the composed epsilon to be far from any single event's. How long it takes
+#: (36 s here, linear in the releases) is measured in benchmarks/calibration.py ("a long ledger"), not here.
 LONG_RUN_RELEASES = 100_000
 
 
