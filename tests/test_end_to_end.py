@@ -54,8 +54,8 @@ def test_dsgt_learns_real_mnist_across_a_one_class_per_agent_split(
 def test_benchmark_scripts_keep_their_interface(script: str, options: list[str], keys: set[str]) -> None:
     """The scripts end with one JSON line holding the figures later checks read (values not judged here).
 
-    One timed round and no warm-up: enough to reach every key, and a third of what ``--quick`` times (dp_overhead's
-    --quick spends most of its 103 s in the per-agent Opacus loop's rounds).
+    One timed round and no warm-up: enough to reach every key, in a third of the rounds ``--quick`` runs
+    (dp_overhead's --quick spends most of its 103 s in the per-agent Opacus loop's rounds).
     """
     command = [sys.executable, str(REPO / "benchmarks" / script), "--rounds", "1", "--warmup", "0", "--json", *options]
     result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
