@@ -417,3 +417,16 @@ def test_the_iterate_average_is_sharded_with_the_agents() -> None:
                                        lambda done, current: True)
     merged, _, _ = _run_shards(experiment, 2, rounds)
     torch.testing.assert_close(merged["params_average"], expected["params_average"], rtol=0, atol=1e-5)
+
+
+def test_augmented_copies_are_sharded_with_the_agents() -> None:
+    """Each agent's copies come from its own keyed stream (``[augmentation]``): shards train as the simulator."""
+    rounds = 3
+    _, experiment = _config("dp-dsgd", rounds, "augmentation.kind=shift-flip", "augmentation.copies=3",
+                            "augmentation.shift=1")
+    assert experiment.oracle.augmentation is not None
+    reference = _copy(experiment)
+    expected = reference.simulator.run(reference.simulator.setup(reference.initial_state()), 0, rounds,
+                                       lambda done, current: True)
+    merged, _, _ = _run_shards(experiment, 2, rounds)
+    torch.testing.assert_close(merged["params"], expected["params"], rtol=0, atol=1e-5)

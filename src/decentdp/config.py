@@ -164,6 +164,19 @@ class AveragingSection(_Section):
                                             "the last iterate")
 
 
+class AugmentationSection(_Section):
+    """Augmentation multiplicity (De et al. 2022; :mod:`decentdp.data.augment`): each sampled image trains
+    as the mean gradient of ``copies`` random augmentations, clipped once. The privacy cost is unchanged
+    (a record still moves one clipped term); the gradient work grows ``copies`` times."""
+
+    kind: Literal["none", "shift", "shift-flip"] = Field(
+        "none", description="none; shift: random translations by up to `shift` pixels (reflection padding); "
+                            "shift-flip: also a random horizontal flip (not for digits)")
+    copies: int = Field(1, ge=1, le=64, description="augmented copies of each sampled record whose gradients are "
+                                                    "averaged before clipping")
+    shift: int = Field(2, ge=0, le=16, description="largest translation in pixels, in each direction")
+
+
 class EngineSection(_Section):
     """How the simulator computes, not what: these settings change results only by floating-point rounding."""
 
@@ -291,6 +304,7 @@ class ExperimentConfig(_Section):
     privacy: PrivacySection  # required: a run without a stated budget must not train silently without privacy
     schedule: ScheduleSection = Field(default_factory=ScheduleSection)
     averaging: AveragingSection = Field(default_factory=AveragingSection)
+    augmentation: AugmentationSection = Field(default_factory=AugmentationSection)
     engine: EngineSection = Field(default_factory=EngineSection)
     personalized: PersonalizedSection | None = Field(
         None, description="Bellet et al.'s personalized models (decentdp.personalized): when present, the run uses "
@@ -316,6 +330,9 @@ class ExperimentConfig(_Section):
                                                    "'poisson-clocks'")
             if self.averaging.kind != "none":
                 raise _FieldError("averaging.kind", "personalized runs do not average iterates; remove [averaging]")
+            if self.augmentation.kind != "none":
+                raise _FieldError("augmentation.kind", "personalized runs do not augment records; remove "
+                                                       "[augmentation]")
             return self
         if algo.lr_schedule != "constant" and algo.lr_final is None:
             raise _FieldError("algorithm.lr_final", f"is required by lr_schedule = '{algo.lr_schedule}'")
@@ -340,6 +357,9 @@ class ExperimentConfig(_Section):
             if getattr(topo, key) is not None and topo.graph not in users and not self.pools_data:
                 raise _FieldError(f"topology.{key}", f"is not used by graph = '{topo.graph}' (only by "
                                                      f"{', '.join(users)}); remove it, e.g. --set ~topology.{key}")
+        if self.augmentation.kind == "none" and self.augmentation.copies > 1:
+            raise _FieldError("augmentation.copies", f"is {self.augmentation.copies}, but augmentation.kind = 'none' "
+                                                     "would make identical copies; choose a kind or copies = 1")
         if self.averaging.kind != "none" and self.averaging.start >= self.experiment.rounds:
             raise _FieldError("averaging.start", f"is {self.averaging.start}, but the run has only "
                                                  f"{self.experiment.rounds} rounds: nothing would be averaged")

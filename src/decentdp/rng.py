@@ -62,6 +62,7 @@ class Stream(IntEnum):
     NOISE = 2
     SCHEDULE = 3  #: public choices of the scheduler (who is online, who pairs with whom)
     PUBLIC = 4    #: public choices of an algorithm (e.g. a random neighbour)
+    AUGMENTATION = 5  #: random augmentations of an agent's sampled records (decentdp.data.augment)
 
 
 #: The agent field of round-wide keys; per-agent keys hold a decimal integer there instead.

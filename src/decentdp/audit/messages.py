@@ -76,7 +76,10 @@ class CanaryModel:
         return canary, mask * ~canary, torch.where(y == CANARY_LABEL, torch.zeros_like(y), y)
 
     def clipped_gradient_sums(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
-                              clip: float, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                              clip: float, out: torch.Tensor | None = None,
+                              copies: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        if copies != 1:  # a canary is one row; its augmented copies would need their own labels
+            raise ValueError("the message audit plants canaries in single records: run it without augmentation")
         canary, real, labels = self._split(y, mask)
         sums, norms = self.model.clipped_gradient_sums(params, x, labels, real, clip, out=out)
         sums[:, self.coordinate] = clip * canary.sum(dim=1).to(sums.dtype)

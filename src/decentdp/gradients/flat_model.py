@@ -72,13 +72,21 @@ class FlatModel:
         return vmap(per_sample, in_dims=(0, 0, 0))(params, x, y)
 
     def clipped_gradient_sums(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
-                              clip: float, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                              clip: float, out: torch.Tensor | None = None,
+                              copies: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Each agent's sum of clipped per-sample gradients ``(N, d)`` and the norms before clipping ``(N, B)``.
 
         Padding (``mask == 0``) and samples with a non-finite gradient contribute nothing.  The sums
-        are written into ``out`` (an ``(N, d)`` tensor, possibly a view) when it is given.
+        are written into ``out`` (an ``(N, d)`` tensor, possibly a view) when it is given.  With
+        ``copies = K`` (augmentation multiplicity, De et al. 2022), ``x`` and ``y`` hold ``K``
+        consecutive rows per column of ``mask``, augmented copies of one record, and the gradient
+        that is clipped is the mean of the copies' gradients.
         """
-        sums, norms = clipped_sum(self.per_sample_gradients(params, x, y), mask, clip)
+        check_copies(x, y, mask, copies)
+        per_sample = self.per_sample_gradients(params, x, y)
+        if copies > 1:
+            per_sample = per_sample.view(per_sample.shape[0], -1, copies, per_sample.shape[-1]).mean(dim=2)
+        sums, norms = clipped_sum(per_sample, mask, clip)
         if out is None:
             return sums, norms
         return out.copy_(sums), norms
@@ -107,6 +115,13 @@ class FlatModel:
     def predict(self, params: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """Outputs of every agent's model on one shared batch: ``(N, B, outputs)``."""
         return vmap(self.forward, in_dims=(0, None))(params, inputs)
+
+
+def check_copies(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, copies: int) -> None:
+    """``x`` and ``y`` must hold ``copies`` rows for each column of ``mask`` (see ``clipped_gradient_sums``)."""
+    if copies < 1 or x.shape[:2] != (mask.shape[0], mask.shape[1] * copies) or y.shape[:2] != x.shape[:2]:
+        raise ValueError(f"{copies} copies per sample: x {tuple(x.shape[:2])} and y {tuple(y.shape[:2])} should "
+                         f"have {mask.shape[1] * copies} rows per agent for a mask of shape {tuple(mask.shape)}")
 
 
 def saved_bytes_per_sample(run: Callable[[torch.Tensor, torch.Tensor], None], sample: torch.Tensor,

@@ -25,6 +25,12 @@ convolution with ``groups = N``).  A layer can
 also take one input ``(B, ...)`` shared by all agents (evaluation on a common test set), which
 turns the first layer into one wide convolution or matrix product instead of N copies of the input.
 
+**Augmentation multiplicity** (De et al. 2022, arXiv:2204.13650): a "sample" may be ``K`` augmented
+copies of one record, held as ``K`` consecutive rows ``(N, B * K, ...)``, whose gradients are summed
+before the norm is taken (``copies = K``).  For the rules above the copies are just more positions
+of one sample: the ghost norms run over ``K * T`` positions, and the materialised per-sample
+gradients are summed over the copies.
+
 The per-sample results are checked against one-sample-at-a-time autograd in
 ``tests/test_layers.py`` for every layer type, with property-based shapes.
 """
@@ -70,6 +76,22 @@ def _agent_weighted_sums(weights: Tensor, per_sample: Sequence[Tensor], out: Seq
         torch.bmm(weights.unsqueeze(1), grad.reshape(n_agents, batch, -1), out=target.view(n_agents, 1, -1))
 
 
+def _sum_copies(per_copy: Tensor, copies: int) -> Tensor:
+    """``(N, B * K, ...)`` per-copy gradients summed into ``(N, B, ...)`` per-sample ones."""
+    if copies == 1:
+        return per_copy
+    return per_copy.view(per_copy.shape[0], -1, copies, *per_copy.shape[2:]).sum(dim=2)
+
+
+def _copies_as_positions(per_copy: Tensor, copies: int) -> Tensor:
+    """``(S * K, c, T)`` rows, ``K`` consecutive copies per sample, as ``(S, c, K * T)``: copies become positions."""
+    if copies == 1:
+        return per_copy
+    rows, channels, positions = per_copy.shape
+    grouped = per_copy.view(rows // copies, copies, channels, positions).transpose(1, 2)
+    return grouped.reshape(rows // copies, channels, copies * positions)
+
+
 @dataclass
 class Recorded:
     """What a layer kept from the forward pass: its input as the per-sample rules need it (the
@@ -96,23 +118,27 @@ class ParamLayer(ABC):
         """
 
     @abstractmethod
-    def per_sample_sq_norms(self, saved: Tensor, grad_out: Tensor) -> tuple[Tensor, list[Tensor] | None]:
+    def per_sample_sq_norms(self, saved: Tensor, grad_out: Tensor,
+                            copies: int = 1) -> tuple[Tensor, list[Tensor] | None]:
         """Squared norm of each sample's gradient over this layer's parameters, ``(N, B)``.
 
-        Also returns the per-sample gradients ``[(N, B, *shape) per parameter]`` when the rule
-        materialised them anyway (then :meth:`weighted_gradients` reuses them), else ``None``.
+        ``saved`` and ``grad_out`` hold ``B * copies`` rows per agent, each sample's ``copies`` rows
+        consecutive; a sample's gradient is the sum of its copies' (module docstring).  Also returns
+        the per-sample gradients ``[(N, B, *shape) per parameter]`` when the rule materialised them
+        anyway (then :meth:`weighted_gradients` reuses them), else ``None``.
         """
 
     def weighted_gradients(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
-                           per_sample: list[Tensor] | None, out: Sequence[Tensor]) -> None:
+                           per_sample: list[Tensor] | None, out: Sequence[Tensor], copies: int = 1) -> None:
         """Write ``sum_b weights[n, b] * grad_b`` of each parameter into ``out`` (``(N, *shape)`` views,
         typically of the flat ``(N, d)`` gradient matrix, so that no per-layer copy is needed):
         from the per-sample gradients when :meth:`per_sample_sq_norms` built them, else from the
-        saved input and the output gradient."""
+        saved input and the output gradient (each copy weighted as its sample)."""
         if per_sample is not None:
             _agent_weighted_sums(weights, per_sample, out)
         else:
-            self._weighted_from_activations(saved, grad_out, weights, out)
+            rows = weights if copies == 1 else weights.repeat_interleave(copies, dim=1)
+            self._weighted_from_activations(saved, grad_out, rows, out)
 
     @abstractmethod
     def _weighted_from_activations(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
@@ -147,10 +173,11 @@ class StackedLinear(ParamLayer):
             out = out + params[1].view(n_agents, *([1] * (out.dim() - 2)), out_features)
         return x, out
 
-    def per_sample_sq_norms(self, saved: Tensor, grad_out: Tensor) -> tuple[Tensor, list[Tensor] | None]:
-        n_agents, batch = grad_out.shape[:2]
-        a = saved.reshape(n_agents, batch, -1, saved.shape[-1])       # (N, B, T, in)
-        g = grad_out.reshape(n_agents, batch, -1, grad_out.shape[-1])  # (N, B, T, out)
+    def per_sample_sq_norms(self, saved: Tensor, grad_out: Tensor,
+                            copies: int = 1) -> tuple[Tensor, list[Tensor] | None]:
+        n_agents, batch = grad_out.shape[0], grad_out.shape[1] // copies
+        a = saved.reshape(n_agents, batch, -1, saved.shape[-1])       # (N, B, K * T, in): copies are positions
+        g = grad_out.reshape(n_agents, batch, -1, grad_out.shape[-1])  # (N, B, K * T, out)
         positions, p, q = a.shape[2], a.shape[3], g.shape[3]
         bias_sq = _sq_norm(g.sum(dim=2), (2,)) if self.bias else 0.0
         if positions == 1:  # ||g a^T||_F = ||g|| ||a||
@@ -241,34 +268,42 @@ class StackedConv2d(ParamLayer):
         full = full[..., : self.kernel[0], : self.kernel[1]]
         return full.reshape(self.in_channels, samples, self.out_channels, *self.kernel).permute(1, 2, 0, 3, 4)
 
-    def _ghost_sq_norms(self, a: Tensor, g: Tensor) -> Tensor:
-        patches = F.unfold(a, self.kernel, self.dilation, self.padding, self.stride)   # (S, p, T)
-        outputs = g.reshape(g.shape[0], self.out_channels, -1)                      # (S, q, T)
+    def _ghost_sq_norms(self, a: Tensor, g: Tensor, copies: int) -> Tensor:
+        """Squared norms of ``len(a) // copies`` samples, each ``copies`` consecutive rows of ``a`` and ``g``."""
+        patches = _copies_as_positions(F.unfold(a, self.kernel, self.dilation, self.padding, self.stride),
+                                       copies)                                      # (S, p, K * T)
+        outputs = _copies_as_positions(g.reshape(g.shape[0], self.out_channels, -1), copies)  # (S, q, K * T)
         gram_a = patches.transpose(1, 2) @ patches
         gram_g = outputs.transpose(1, 2) @ outputs
         return (gram_a * gram_g).sum(dim=(1, 2))
 
-    def per_sample_sq_norms(self, saved: Tensor, grad_out: Tensor) -> tuple[Tensor, list[Tensor] | None]:
-        n_agents, batch = grad_out.shape[:2]
+    def per_sample_sq_norms(self, saved: Tensor, grad_out: Tensor,
+                            copies: int = 1) -> tuple[Tensor, list[Tensor] | None]:
+        n_agents, batch = grad_out.shape[0], grad_out.shape[1] // copies
         samples = n_agents * batch
-        a = saved.reshape(samples, *saved.shape[2:])
-        g = grad_out.reshape(samples, *grad_out.shape[2:])
-        positions = g.shape[2] * g.shape[3]
-        bias_sq = g.sum(dim=(2, 3)).pow(2).sum(dim=1).view(n_agents, batch) if self.bias else 0.0
+        a = saved.reshape(samples * copies, *saved.shape[2:])
+        g = grad_out.reshape(samples * copies, *grad_out.shape[2:])
+        positions = copies * g.shape[2] * g.shape[3]
+        bias = g.sum(dim=(2, 3)).view(samples, copies, self.out_channels).sum(dim=1) if self.bias else None
+        bias_sq = bias.pow(2).sum(dim=1).view(n_agents, batch) if bias is not None else 0.0
         if self._cost_ghost_over_materialised(positions) < 1.0:
             sq = torch.empty(samples, dtype=g.dtype, device=g.device)
             patch_bytes = 4 * positions * self.in_channels * self.kernel[0] * self.kernel[1]
             for rows in _sample_chunks(samples, 8 * positions * positions + patch_bytes):
-                sq[rows] = self._ghost_sq_norms(a[rows], g[rows])
+                copy_rows = slice(rows.start * copies, rows.stop * copies)
+                sq[rows] = self._ghost_sq_norms(a[copy_rows], g[copy_rows], copies)
             return sq.view(n_agents, batch) + bias_sq, None
         weight = torch.empty(samples, self.out_channels, self.in_channels, *self.kernel, dtype=g.dtype,
                              device=g.device)
-        for rows in _sample_chunks(samples, 8 * (weight[0].numel() + a[0].numel() + g[0].numel())):
-            weight[rows] = self._per_sample_weights(a[rows], g[rows])
+        sample_bytes = 8 * (weight[0].numel() + copies * (a[0].numel() + g[0].numel()))
+        for rows in _sample_chunks(samples, sample_bytes):
+            copy_rows = slice(rows.start * copies, rows.stop * copies)
+            per_copy = self._per_sample_weights(a[copy_rows], g[copy_rows])
+            weight[rows] = per_copy if copies == 1 else per_copy.view(-1, copies, *weight.shape[1:]).sum(dim=1)
         sq = _sq_norm(weight, (1, 2, 3, 4))
         per_sample = [weight.view(n_agents, batch, *weight.shape[1:])]
-        if self.bias:
-            per_sample.append(g.sum(dim=(2, 3)).view(n_agents, batch, self.out_channels))
+        if bias is not None:
+            per_sample.append(bias.view(n_agents, batch, self.out_channels))
         return sq.view(n_agents, batch) + bias_sq, per_sample
 
     def _weighted_from_activations(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
@@ -313,8 +348,9 @@ class StackedGroupNorm(ParamLayer):
             return [grad_out * saved, grad_out]
         return [(grad_out * saved).sum(dim=spatial), grad_out.sum(dim=spatial)]
 
-    def per_sample_sq_norms(self, saved: Tensor, grad_out: Tensor) -> tuple[Tensor, list[Tensor] | None]:
-        per_sample = self._per_sample(saved, grad_out)
+    def per_sample_sq_norms(self, saved: Tensor, grad_out: Tensor,
+                            copies: int = 1) -> tuple[Tensor, list[Tensor] | None]:
+        per_sample = [_sum_copies(grad, copies) for grad in self._per_sample(saved, grad_out)]
         return sum(grad.pow(2).sum(dim=2) for grad in per_sample), per_sample
 
     def _weighted_from_activations(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
@@ -354,9 +390,10 @@ class StackedEmbedding(ParamLayer):
             return grad_out
         return grad_out * (tokens != self.padding_idx).unsqueeze(-1).to(grad_out.dtype)
 
-    def per_sample_sq_norms(self, saved: Tensor, grad_out: Tensor) -> tuple[Tensor, list[Tensor] | None]:
-        n_agents, batch = saved.shape[:2]
-        tokens = saved.reshape(n_agents, batch, -1)
+    def per_sample_sq_norms(self, saved: Tensor, grad_out: Tensor,
+                            copies: int = 1) -> tuple[Tensor, list[Tensor] | None]:
+        n_agents, batch = saved.shape[0], saved.shape[1] // copies
+        tokens = saved.reshape(n_agents, batch, -1)  # (N, B, K * T): copies are positions
         g = self._active(saved, grad_out).reshape(n_agents, batch, tokens.shape[2], -1)
         positions = tokens.shape[2]
         sq = torch.empty(n_agents, batch, dtype=g.dtype, device=g.device)

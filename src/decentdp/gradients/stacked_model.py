@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from decentdp.gradients.clipping import clip_factors
-from decentdp.gradients.flat_model import FlatModel, LossFn, saved_bytes_per_sample
+from decentdp.gradients.flat_model import FlatModel, LossFn, check_copies, saved_bytes_per_sample
 from decentdp.gradients.layers import PER_SAMPLE_MODULES, ParamLayer, Recorded, Unsupported, stacked_layer
 from decentdp.models import Residual
 
@@ -172,7 +172,7 @@ class StackedModel(FlatModel):
     # -- gradients ----------------------------------------------------------------------------
 
     def clipped_gradient_sums(self, params: Tensor, x: Tensor, y: Tensor, mask: Tensor, clip: float,
-                              out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                              out: Tensor | None = None, copies: int = 1) -> tuple[Tensor, Tensor]:
         """See :meth:`FlatModel.clipped_gradient_sums`.
 
         On the CPU the agents are evaluated in groups (:func:`agent_groups`): agents of similar batch
@@ -182,20 +182,22 @@ class StackedModel(FlatModel):
         of agents at 32 of 100 records), and activations of thousands of agents at once stream
         through memory at a fraction of the speed of cached ones.
         """
+        check_copies(x, y, mask, copies)
         sums = torch.empty(params.shape, dtype=params.dtype, device=params.device) if out is None else out
         if params.device.type != "cpu" or mask.numel() == 0:  # a GPU prefers one wide call, without host reads
-            return self._clipped_group(params, x, y, mask, clip, sums)
-        per_sample = self._bytes_per_sample(x, y)
-        if per_sample < GROUP_MIN_ACTIVATION_RATIO * x[0, 0].numel() * x.element_size():
+            return self._clipped_group(params, x, y, mask, clip, copies, sums)
+        per_copy = self._bytes_per_sample(x, y)
+        if per_copy < GROUP_MIN_ACTIVATION_RATIO * x[0, 0].numel() * x.element_size():
             # Little beyond the input itself (linear models, MLPs): grouping would mostly copy the input.
-            return self._clipped_group(params, x, y, mask, clip, sums)
-        groups = agent_groups(mask, per_sample, GROUP_ACTIVATION_BYTES)
+            return self._clipped_group(params, x, y, mask, clip, copies, sums)
+        groups = agent_groups(mask, copies * per_copy, GROUP_ACTIVATION_BYTES)
         if len(groups) == 1 and groups[0][1] == mask.shape[1]:
-            return self._clipped_group(params, x, y, mask, clip, sums)
+            return self._clipped_group(params, x, y, mask, clip, copies, sums)
         norms = torch.zeros(mask.shape, dtype=params.dtype, device=params.device)
         for rows, width in groups:
-            group_sums, group_norms = self._clipped_group(params[rows], x[rows, :width], y[rows, :width],
-                                                          mask[rows, :width], clip)
+            rows_of_copies = width * copies
+            group_sums, group_norms = self._clipped_group(params[rows], x[rows, :rows_of_copies],
+                                                          y[rows, :rows_of_copies], mask[rows, :width], clip, copies)
             sums[rows] = group_sums
             norms[rows, :width] = group_norms  # columns beyond the group's width are padding: norm 0
         return sums, norms
@@ -213,20 +215,22 @@ class StackedModel(FlatModel):
             cached = self._sample_bytes[key] = max(1, int(measured * scale))
         return cached
 
-    def _clipped_group(self, params: Tensor, x: Tensor, y: Tensor, mask: Tensor, clip: float,
+    def _clipped_group(self, params: Tensor, x: Tensor, y: Tensor, mask: Tensor, clip: float, copies: int,
                        out: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """The clipped sums and norms of all of ``params``' agents in one pass of the program."""
         tape: list[Recorded] = []
         with torch.enable_grad():
             logits, _ = self._run(self.program, params.detach(), x, False, tape)
-            total = (self.loss(logits, y) * mask).sum()  # padding contributes no gradient
+            # Padding contributes no gradient; a sample's copies each weigh 1/K, so its gradient is their mean.
+            weights = mask if copies == 1 else mask.repeat_interleave(copies, dim=1) / copies
+            total = (self.loss(logits, y) * weights).sum()
             output_grads = list(torch.autograd.grad(total, [record.output for record in tape]))
         layers = [(record.layer, record.saved.detach()) for record in tape]
         del tape, logits, total  # the layers' outputs are no longer needed
         squared = torch.zeros(mask.shape, dtype=params.dtype, device=params.device)
         materialised = []
         for (layer, inputs), grad_out in zip(layers, output_grads, strict=True):
-            layer_sq, per_sample = layer.per_sample_sq_norms(inputs, grad_out)
+            layer_sq, per_sample = layer.per_sample_sq_norms(inputs, grad_out, copies)
             squared += layer_sq
             materialised.append(per_sample)
         norms = squared.clamp_(min=0.0).sqrt()  # rounding in a ghost norm can leave a tiny negative
@@ -238,12 +242,13 @@ class StackedModel(FlatModel):
         factors = torch.where((mask > 0) & ~broken, clip_factors(norms, clip), torch.zeros_like(norms))
         sums = torch.empty(params.shape, dtype=params.dtype, device=params.device) if out is None else out
         slots = {id(node.layer): node.slots for node in _param_layers(self.program)}
+        keep_copies = ~broken if copies == 1 else (~broken).repeat_interleave(copies, dim=1)
         for (layer, inputs), grad_out, per_sample in zip(layers, output_grads, materialised, strict=True):
             if any_broken:
-                grad_out, inputs = _zero_rows(grad_out, ~broken), _zero_rows(inputs, ~broken)
+                grad_out, inputs = _zero_rows(grad_out, keep_copies), _zero_rows(inputs, keep_copies)
                 per_sample = None if per_sample is None else [_zero_rows(g, ~broken) for g in per_sample]
             targets = [sums[:, s.offset:s.offset + s.numel].view(len(sums), *s.shape) for s in slots[id(layer)]]
-            layer.weighted_gradients(inputs, grad_out, factors, per_sample, targets)
+            layer.weighted_gradients(inputs, grad_out, factors, per_sample, targets, copies)
         return sums, norms
 
     def batch_gradients(self, params: Tensor, x: Tensor, y: Tensor, weights: Tensor) -> Tensor:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from decentdp.data.augment import Augmentation
 from decentdp.gradients.flat_model import FlatModel
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.privacy.mechanisms import Mechanism, NoiseDraw, NoiseReuseError, NoNoise
@@ -79,11 +80,13 @@ class DataOracle:
 
     ``agent_ids`` are the global ids of the local rows (noise keys and ledger rows use them).
     ``mechanism`` is the run's calibrated gradient mechanism (``None``: a non-private run).
+    ``augmentation`` (optional) replaces each sampled record by the mean gradient of its augmented
+    copies before clipping (:mod:`decentdp.data.augment`): the same sensitivity, so the same events.
     """
 
     def __init__(self, model: FlatModel, sampler: PoissonSampler, ledger: PrivacyLedger, rng: AgentRandom,
                  mechanism: Mechanism | None, clip: float, agents_per_pass: int | None = None,
-                 agent_ids: torch.Tensor | None = None) -> None:
+                 agent_ids: torch.Tensor | None = None, augmentation: Augmentation | None = None) -> None:
         self.model = model
         self.sampler = sampler
         self.ledger = ledger
@@ -91,6 +94,7 @@ class DataOracle:
         self.mechanism = mechanism
         self.clip_norm = float(clip)
         self.agents_per_pass = agents_per_pass
+        self.augmentation = augmentation
         self.timer: PhaseTimer = NO_TIMER
         self.sample_rates = sampler.sample_rates
         self.expected_batch = (sampler.sample_rates.double() * sampler.data.sizes).float()
@@ -181,16 +185,23 @@ class DataOracle:
                 raise ValueError("an inactive agent's data cannot be used in this round")
             rows, models = owners.to(self.device, non_blocking=True), params
         result = out if out is not None and models is params else torch.empty_like(models)
-        self._compute(models, batch, rows, result, key.index)
+        self._compute(models, batch, rows, host, result, key.index)
         self._pending[key.index] += 1
         return Clipped(key, result, host, slots)
 
-    def _compute(self, models: torch.Tensor, batch: Batch, owners: torch.Tensor | None, out: torch.Tensor,
-                 index: int) -> None:
+    def _compute(self, models: torch.Tensor, batch: Batch, owners: torch.Tensor | None, host: torch.Tensor,
+                 out: torch.Tensor, index: int) -> None:
         """Per-sample gradients of ``models[r]`` on ``owners[r]``'s batch (device rows; ``None``: every
-        agent on its own, in order), ``agents_per_pass`` rows at a time."""
+        agent on its own, in order; ``host``: the same local rows on the host), ``agents_per_pass`` rows
+        at a time."""
         x, y, mask = (batch.x, batch.y, batch.mask) if owners is None else \
             (batch.x[owners], batch.y[owners], batch.mask[owners])
+        copies = 1
+        if self.augmentation is not None:
+            with self.timer.phase("augmentation"):
+                x, y = self.augmentation.expand(x, y, self.rng, self._host_ids[host].tolist(), self.round_index,
+                                                index)
+            copies = self.augmentation.copies
         norms = torch.empty(mask.shape, dtype=models.dtype, device=models.device)
         count = len(models)
         step = max(1, self.agents_per_pass or count)
@@ -199,10 +210,11 @@ class DataOracle:
                 rows = slice(start, min(count, start + step))
                 if self.mechanism is None:
                     weights = mask[rows] / mask[rows].sum(dim=1).clamp(min=1.0)[:, None]
-                    out[rows] = self.model.batch_gradients(models[rows], x[rows], y[rows], weights)
+                    out[rows] = self.model.batch_gradients(models[rows], x[rows], y[rows],
+                                                           weights.repeat_interleave(copies, dim=1) / copies)
                 else:
                     _, norms[rows] = self.model.clipped_gradient_sums(models[rows], x[rows], y[rows], mask[rows],
-                                                                      self.clip_norm, out=out[rows])
+                                                                      self.clip_norm, out=out[rows], copies=copies)
         if self.mechanism is not None:
             self._norms.setdefault(index, []).append((owners, norms, mask))
 

@@ -26,6 +26,7 @@ import torch
 from decentdp.algorithms import algorithm_class
 from decentdp.algorithms.base import Algorithm, NoisePlan, State
 from decentdp.config import ExperimentConfig
+from decentdp.data.augment import Augmentation
 from decentdp.data.datasets import Dataset, load_dataset
 from decentdp.data.partition import class_histograms, hold_out, partition
 from decentdp.errors import ConfigError
@@ -157,7 +158,8 @@ def _plan_memory(config: ExperimentConfig, model: FlatModel, algorithm: Algorith
     n_agents = data.n_agents
     state = state_bytes(algorithm.init_state(torch.empty(n_agents, model.dim, device="meta")))  # (no memory)
     sizes = [len(owned) for owned in data.indices]
-    width = max(padded_batch(rate * size, size) for rate, size in zip(rates, sizes, strict=True))
+    copies = config.augmentation.copies  # a sampled record computes as this many rows
+    width = copies * max(padded_batch(rate * size, size) for rate, size in zip(rates, sizes, strict=True))
     sample = data.x[data.indices[0][0]]
     per_sample = model.activation_bytes_per_sample(sample, data.y[data.indices[0][0]])
     batch = n_agents * width * (sample.numel() * sample.element_size() + 8 + 4)  # inputs, labels, mask
@@ -165,6 +167,21 @@ def _plan_memory(config: ExperimentConfig, model: FlatModel, algorithm: Algorith
     return plan_memory(n_agents, model.dim, state, batch, per_sample, width,
                        int(limit * 2**30) if limit is not None else available_memory(device),
                        config.engine.agents_per_pass, algorithm.round_temporaries)
+
+
+def augmentation(config: ExperimentConfig, data: AgentData) -> Augmentation | None:
+    """The run's augmentation multiplicity (``None`` without ``[augmentation]``); images only."""
+    section = config.augmentation
+    if section.kind == "none":
+        return None
+    shape = tuple(data.x.shape[1:])
+    if len(shape) != 3:
+        raise ConfigError("augmentation.kind", f"augments images (channels, height, width); data.dataset = "
+                                               f"'{config.data.dataset}' has records of shape {shape}")
+    if section.shift >= min(shape[1:]):
+        raise ConfigError("augmentation.shift", f"is {section.shift} pixels, but the images are only "
+                                                f"{shape[1]}x{shape[2]}: use less than {min(shape[1:])}")
+    return Augmentation(section.copies, section.shift, flip=section.kind == "shift-flip")
 
 
 def _graphs(config: ExperimentConfig, first: Topology, device: torch.device) -> GraphSequence:
@@ -244,7 +261,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
         GaussianMechanism(noise_multipliers, config.privacy.clip) if private else None
     memory = _plan_memory(config, model, algorithm, data, rates, device)
     oracle = DataOracle(model, sampler, ledger, rng, mechanism, config.privacy.clip,
-                        agents_per_pass=memory.agents_per_pass)
+                        agents_per_pass=memory.agents_per_pass, augmentation=augmentation(config, data))
     graphs = _graphs(config, topology, device)
     scheduler = Scheduler(config.schedule_kind, rng, len(parts), config.schedule.offline_probability,
                           config.schedule.participation, device=device)

@@ -461,7 +461,8 @@ def make_shard(experiment: Any, bounds: list[int], index: int, transport: Transp
     ledger = split_ledger(type(experiment.ledger), experiment.ledger.state_dict(), lo, hi)
     mechanism = None if full.mechanism is None else ShardMechanism(full.mechanism, lo)
     oracle = DataOracle(full.model, sampler, ledger, rng, mechanism, full.clip_norm,
-                        agents_per_pass=full.agents_per_pass, agent_ids=torch.arange(lo, hi, device=device))
+                        agents_per_pass=full.agents_per_pass, agent_ids=torch.arange(lo, hi, device=device),
+                        augmentation=full.augmentation)
     whole = experiment.simulator
     scheduler = ShardScheduler(whole.scheduler.kind, rng, whole.scheduler.n_total,
                                whole.scheduler.offline_probability, whole.scheduler.participation, device=device)
