@@ -194,9 +194,11 @@ def _config(**augmentation: Any) -> ExperimentConfig:
     return ExperimentConfig.model_validate(raw)
 
 
-def test_a_run_with_copies_spends_exactly_the_budget_of_one_without() -> None:
+def test_a_run_with_copies_spends_exactly_the_budget_of_one_without(capsys: pytest.CaptureFixture[str]) -> None:
     plain = run_experiment(_config(), progress=False).summary
+    assert "augmentation:" not in capsys.readouterr().out
     copies = run_experiment(_config(kind="shift", copies=4, shift=1), progress=False).summary
+    assert "augmentation: each sampled record trains as the mean gradient of 4 copies" in capsys.readouterr().out
     assert copies["epsilon_max"] == pytest.approx(plain["epsilon_max"], rel=1e-12)
     assert copies["epsilon_max"] == pytest.approx(2.0, rel=1e-4)  # calibrated to the budget
     assert copies["accuracy_mean"] != plain["accuracy_mean"]  # the copies did change the training

@@ -256,6 +256,12 @@ def _announce(experiment: Experiment, emit: Callable[[str], None]) -> None:
     emit(f"gradients: {experiment.model.backend} engine on {experiment.device}" + (
         f" (the stacked engine does not support this model: {experiment.model.fallback_reason})"
         if experiment.model.fallback_reason else ""))
+    augmentation = experiment.oracle.augmentation
+    if augmentation is not None:
+        emit(f"augmentation: each sampled record trains as the mean gradient of {augmentation.copies} copies, "
+             f"translated by up to {augmentation.shift} pixel(s){' and flipped at random' if augmentation.flip else ''}"
+             ", clipped once (same noise and epsilon, about "
+             f"{augmentation.copies} times the gradient work)")
     emit(experiment.memory.describe())
     for warning in [*experiment.topology.warnings, *experiment.warnings]:
         emit(f"warning: {warning}")
