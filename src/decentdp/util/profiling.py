@@ -21,7 +21,7 @@ import torch
 from decentdp.util.device import synchronize
 
 #: Phases in report order; "algorithm update" is a round's time outside the other in-round phases.
-ROUND_PHASES = ("ledger", "sampling", "gradients", "noise", "communication", "algorithm update")
+ROUND_PHASES = ("ledger", "sampling", "augmentation", "gradients", "noise", "communication", "algorithm update")
 OUTER_PHASES = ("evaluation", "checkpoint")
 
 
