@@ -169,7 +169,7 @@ def _plan_memory(config: ExperimentConfig, model: FlatModel, algorithm: Algorith
                        config.engine.agents_per_pass, algorithm.round_temporaries)
 
 
-def augmentation(config: ExperimentConfig, data: AgentData) -> Augmentation | None:
+def _augmentation(config: ExperimentConfig, data: AgentData) -> Augmentation | None:
     """The run's augmentation multiplicity (``None`` without ``[augmentation]``); images only."""
     section = config.augmentation
     if section.kind == "none":
@@ -261,7 +261,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
         GaussianMechanism(noise_multipliers, config.privacy.clip) if private else None
     memory = _plan_memory(config, model, algorithm, data, rates, device)
     oracle = DataOracle(model, sampler, ledger, rng, mechanism, config.privacy.clip,
-                        agents_per_pass=memory.agents_per_pass, augmentation=augmentation(config, data))
+                        agents_per_pass=memory.agents_per_pass, augmentation=_augmentation(config, data))
     graphs = _graphs(config, topology, device)
     scheduler = Scheduler(config.schedule_kind, rng, len(parts), config.schedule.offline_probability,
                           config.schedule.participation, device=device)
