@@ -210,8 +210,9 @@ class DataOracle:
                 rows = slice(start, min(count, start + step))
                 if self.mechanism is None:
                     weights = mask[rows] / mask[rows].sum(dim=1).clamp(min=1.0)[:, None]
-                    out[rows] = self.model.batch_gradients(models[rows], x[rows], y[rows],
-                                                           weights.repeat_interleave(copies, dim=1) / copies)
+                    if copies > 1:  # each copy weighs 1/K of its record
+                        weights = weights.repeat_interleave(copies, dim=1) / copies
+                    out[rows] = self.model.batch_gradients(models[rows], x[rows], y[rows], weights)
                 else:
                     _, norms[rows] = self.model.clipped_gradient_sums(models[rows], x[rows], y[rows], mask[rows],
                                                                       self.clip_norm, out=out[rows], copies=copies)
