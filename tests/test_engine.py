@@ -6,13 +6,14 @@ import json
 import math
 from pathlib import Path
 
+import networkx as nx
 import numpy as np
 import pytest
 import torch
 
 from decentdp.algorithms import algorithm_names, register
 from decentdp.algorithms.base import RoundContext, State, prefixed, unprefixed
-from decentdp.algorithms.dp_dinno import DPDiNNO
+from decentdp.algorithms.dp_dinno import DPDiNNO, disagreement_map
 from decentdp.algorithms.dp_dsgd import DPDSGD
 from decentdp.algorithms.dp_dsgt import DPDSGT
 from decentdp.algorithms.optim import SGD, Adam, OptimizerAlgorithm
@@ -203,6 +204,45 @@ def test_dinno_on_a_quadratic_reaches_consensus_at_the_optimum(optimizer: SGD | 
     state = _run(algorithm, net, targets, 1000, lambda k: 0.02)
     torch.testing.assert_close(state["params"], targets.mean(0).expand(6, 2), atol=1e-6, rtol=0)
     assert state["dual"].sum(0).abs().max() < 1e-9  # duals stay in the range of the Laplacian
+
+
+@pytest.mark.parametrize("momentum,nesterov", [(0.0, False), (0.9, False), (0.9, True)])
+def test_dinno_disagreement_map_is_one_round_of_the_algorithm(momentum: float, nesterov: bool) -> None:
+    """Without a loss, DiNNO's round moves a Laplacian eigenvector of disagreement exactly as
+    :func:`disagreement_map` says: the map, not a guess, is what the stability warning multiplies."""
+    net = _network("ring", 6)
+    eigenvalues, vectors = np.linalg.eigh(nx.laplacian_matrix(net.topology.graph).toarray().astype(float))
+    lam, vector = eigenvalues[3], vectors[:, 3]  # lambda = 3 on the ring of six
+    lr, rho = 0.2, 0.4
+    algorithm = DPDiNNO(SGD(momentum=momentum, nesterov=nesterov), rho=rho)
+    state = algorithm.init_state(torch.tensor(vector)[:, None])
+    mode = np.array([1.0, 0.0, 0.0])  # (e, lr y, lr b)
+    step = disagreement_map(np.array([lr * rho * lam]), momentum, nesterov)[0]
+    for k in range(12):
+        state = algorithm.round(state, RoundContext(k, lr, net, _FixedOracle(torch.zeros_like)))
+        mode = step @ mode
+        torch.testing.assert_close(state["params"][:, 0], torch.tensor(mode[0] * vector), atol=1e-10, rtol=1e-9)
+
+
+def _dinno_warnings(optimizer: SGD | Adam, lr: float, reset: bool = False, primal_steps: int = 1) -> list[str]:
+    """The tuned epsilon = 1 row's penalty ratio (rho = 0.5 / 5.478, growth 1.0003) on its complete graph of 10."""
+    algorithm = DPDiNNO(optimizer, rho=0.09128, rho_growth=1.0003, primal_steps=primal_steps, reset_each_round=reset)
+    return algorithm.stability_warnings(build_topology("complete", 10, seed=0), np.full(1000, lr))
+
+
+def test_dinno_warns_when_one_primal_step_makes_its_agents_drift_apart() -> None:
+    """Plain SGD needs lr rho_k lambda < 4/3 (a trial at lr = 1.3 diverged by round 500, one at 0.6 did not);
+    momentum and Adam's kept moments grow at every step (a momentum trial at lr = 0.03 diverged by round 250)."""
+    assert _dinno_warnings(SGD(), 0.6) == []
+    assert _dinno_warnings(SGD(), 1.3)[0].startswith("algorithm.lr:")
+    assert _dinno_warnings(SGD(momentum=0.9), 0.01)[0].startswith("algorithm.momentum = 0.9:")
+    assert _dinno_warnings(Adam(), 0.001)[0].startswith("algorithm.reset_optimizer_each_round = false:")
+    assert _dinno_warnings(Adam(), 0.03, reset=True) == []  # lr * sign(G): bounded steps
+    assert _dinno_warnings(SGD(momentum=0.9), 0.01, primal_steps=2) == []  # not what the map describes
+    experiment = build_experiment(validate_config(tiny_config(
+        algorithm={"name": "dp-dinno", "optimizer": "sgd", "momentum": 0.9}, privacy={"epsilon": "inf"},
+        experiment={"rounds": 400})))
+    assert any(w.startswith("algorithm.momentum = 0.9:") for w in experiment.warnings)
 
 
 def test_dsgt_tracks_the_sum_of_the_latest_gradients(device: torch.device) -> None:

@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -34,6 +34,9 @@ from pydantic import BaseModel, ConfigDict
 
 from decentdp.privacy.oracle import SETUP_ROUND, DataOracle
 from decentdp.rng import AgentRandom, Stream
+
+if TYPE_CHECKING:
+    from decentdp.topology import Topology
 
 State = dict[str, torch.Tensor]
 T = TypeVar("T")
@@ -329,6 +332,11 @@ class Algorithm(ABC):
         """``(N, d)`` matrices a round allocates besides its state at its peak (gradient sums, mixing
         outputs, updates), with some slack for the allocator; the memory plan budgets them."""
         return 3
+
+    def stability_warnings(self, topology: Topology, steps: np.ndarray) -> list[str]:
+        """Settings under which this algorithm's round diverges on the run's (first) graph, one message each,
+        announced when the run starts (default: none); ``steps`` holds the learning rate of every round."""
+        return []
 
     @abstractmethod
     def init_state(self, params: torch.Tensor) -> State:

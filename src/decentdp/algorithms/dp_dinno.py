@@ -16,18 +16,71 @@ is clipped and noised.  Each of the ``T`` primal steps is one noisy release (eac
 Poisson batch), so ``releases_per_round == T`` and the noise is calibrated for ``K * T`` releases
 (the paper code accounted for ``K``).  The optimizer (Adam in the paper) keeps its state across
 rounds unless ``reset_each_round`` reproduces the paper code's re-created optimizer.
+
+With one primal step, the penalty's dual ascent and an optimizer's momentum make a feedback loop on the
+agents' disagreement that can grow whatever the loss does; :meth:`DPDiNNO.stability_warnings` says so
+before a run starts (see :func:`disagreement_map`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
+import networkx as nx
+import numpy as np
 import torch
 from pydantic import Field
 
 from decentdp.algorithms.base import RoundContext, State, prefixed, unprefixed
-from decentdp.algorithms.optim import Optimizer, OptimizerAlgorithm, OptimizerSettings
+from decentdp.algorithms.optim import Adam, Optimizer, OptimizerAlgorithm, OptimizerSettings
 from decentdp.algorithms.registry import register
+from decentdp.topology import Topology
+
+#: A disagreement the linearised round amplifies by more than this over a run is announced as divergent.
+GROWTH_LIMIT = 10.0
+
+
+def disagreement_map(a: np.ndarray, momentum: float, nesterov: bool) -> np.ndarray:
+    """``(M, 3, 3)``: one round's linear map of a disagreement mode ``(e, lr y, lr b)``, for ``a = lr rho lambda``.
+
+    With one primal step ``psi = theta``, so the penalty's gradient in (7) is ``rho L theta`` for the graph
+    Laplacian ``L``.  Along an eigenvector of ``L`` (eigenvalue ``lambda > 0``), with the loss left out, a
+    round with heavy-ball momentum ``m`` (buffer ``b``) is::
+
+        y' = y + rho lambda e                                (6)
+        G  = y' + rho lambda e                               (7 at psi = theta)
+        b' = m b + G;  d = b', or G + m b' with Nesterov
+        e' = e - lr d
+
+    and scaling ``y`` and ``b`` by ``lr`` leaves ``a`` as the only parameter.  Without momentum the map is
+    stable exactly for ``0 < a < 4/3`` (Jury's test on ``z^2 - (2 - 2a) z + (1 - a)``); with ``m > 0.5`` its
+    spectral radius exceeds 1 for every ``a`` (the dual integrates the disagreement and the momentum delays the
+    correction)."""
+    a = np.asarray(a, dtype=np.float64).ravel()
+    one, zero = np.ones_like(a), np.zeros_like(a)
+    gradient = np.stack([2 * a, one, zero], -1)                      # lr G over (e, lr y, lr b)
+    buffer = gradient + np.array([0.0, 0.0, momentum])                # lr b'
+    direction = gradient + momentum * buffer if nesterov else buffer  # lr d
+    return np.stack([np.array([1.0, 0.0, 0.0]) - direction, np.stack([a, one, zero], -1), buffer], 1)
+
+
+def spectral_radius(a: np.ndarray, momentum: float, nesterov: bool) -> np.ndarray:
+    """The spectral radius of :func:`disagreement_map` for each ``a`` (flattened)."""
+    return np.abs(np.linalg.eigvals(disagreement_map(a, momentum, nesterov))).max(-1)
+
+
+def disagreement_growth(a: np.ndarray, momentum: float, nesterov: bool) -> float:
+    """The largest factor by which a disagreement injected in some round has grown by the end of the run.
+
+    ``a`` is ``(rounds, eigenvalues)``; a mode's growth from round ``k`` is taken as the product of the rounds'
+    spectral radii from ``k`` on (exact for a constant map up to a transient, and close for the slowly varying
+    steps and penalties of a schedule).  ``a`` is rounded to 0.1 % before the eigenvalues are taken, so the cost
+    is bounded by the range of ``a``, not by rounds times eigenvalues."""
+    keys, inverse = np.unique(np.round(np.log(a), 3), return_inverse=True)
+    log_radius = np.log(spectral_radius(np.exp(keys), momentum, nesterov))[inverse.reshape(a.shape)]
+    from_round = np.cumsum(log_radius[::-1], axis=0)  # row j: log growth over the last j + 1 rounds
+    return math.exp(min(float(from_round.max()), 700.0))
 
 
 class DiNNOSettings(OptimizerSettings):
@@ -63,6 +116,41 @@ class DPDiNNO(OptimizerAlgorithm):
     @property
     def releases_per_round(self) -> int:
         return self.primal_steps
+
+    def stability_warnings(self, topology: Topology, steps: np.ndarray) -> list[str]:
+        """A warning when one primal step per dual update makes the agents' disagreement grow (see
+        :func:`disagreement_map`).  Not checked: several primal steps (the map above assumes ``psi = theta``),
+        and Adam rebuilt every round, whose step is ``lr * sign(G)`` coordinate-wise and so bounded."""
+        if self.primal_steps > 1 or (isinstance(self.optimizer, Adam) and self.reset_each_round):
+            return []
+        spectrum = nx.laplacian_spectrum(topology.graph)  # dense: O(N^3), for DiNNO's checked settings only
+        eigenvalues = spectrum[spectrum > 1e-9]
+        if not eigenvalues.size:  # one agent: nothing to disagree on
+            return []
+        if isinstance(self.optimizer, Adam):  # its step lr / sqrt(v) is unknown before the run: all a > 0
+            beta1 = self.optimizer.beta1
+            if spectral_radius(np.logspace(-6, 2, 801), beta1, False).min() <= 1:
+                return []
+            return [f"algorithm.reset_optimizer_each_round = false: with one primal step per dual update, Adam's "
+                    f"first moment (beta1 = {beta1:g}) and DiNNO's dual ascent make the agents' disagreement grow at "
+                    "every step size (linearised, second moments frozen); set reset_optimizer_each_round = true "
+                    "(the paper code's choice), or use optimizer = 'sgd' without momentum"]
+        momentum, nesterov = self.optimizer.momentum, self.optimizer.nesterov
+        rhos = self.rho0 * self.rho_growth ** (np.arange(len(steps)) + 1.0)
+        growth = disagreement_growth(np.outer(np.asarray(steps) * rhos, eigenvalues), momentum, nesterov)
+        if growth <= GROWTH_LIMIT:
+            return []
+        size = f"about 1e{math.floor(math.log10(growth))}"
+        if momentum:
+            return [f"algorithm.momentum = {momentum:g}: with one primal step per dual update, heavy-ball momentum "
+                    "and DiNNO's dual ascent make the agents' disagreement grow (linearised, the loss left out: "
+                    f"by {size} over the run; for momentum above 0.5 at every step size); use momentum = 0, or Adam "
+                    "with reset_optimizer_each_round = true"]
+        worst = float(np.max(steps * rhos)) * float(eigenvalues.max())
+        return [f"algorithm.lr: with one primal step per dual update, DiNNO's agents drift apart (linearised, the "
+                f"loss left out: their disagreement grows by {size} over the run) because lr * rho_k * lambda "
+                f"reaches {worst:.3g}, above the 4/3 that plain SGD needs (lambda_max = {eigenvalues.max():.4g}, "
+                "the largest Laplacian eigenvalue); lower algorithm.lr, algorithm.rho or algorithm.rho_growth"]
 
     def init_state(self, params: torch.Tensor) -> State:
         return {**super().init_state(params), "dual": torch.zeros_like(params)}
