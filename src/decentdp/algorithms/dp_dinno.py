@@ -45,7 +45,8 @@ def disagreement_map(a: np.ndarray, momentum: float, nesterov: bool) -> np.ndarr
     """``(M, 3, 3)``: one round's linear map of a disagreement mode ``(e, lr y, lr b)``, for ``a = lr rho lambda``.
 
     With one primal step ``psi = theta``, so the penalty's gradient in (7) is ``rho L theta`` for the graph
-    Laplacian ``L``.  Along an eigenvector of ``L`` (eigenvalue ``lambda > 0``), with the loss left out, a
+    Laplacian ``L``.  Along an eigenvector of ``L`` (eigenvalue ``lambda > 0``), with the loss and weight decay
+    left out, a
     round with heavy-ball momentum ``m`` (buffer ``b``) is::
 
         y' = y + rho lambda e                                (6)
