@@ -46,8 +46,7 @@ def disagreement_map(a: np.ndarray, momentum: float, nesterov: bool) -> np.ndarr
 
     With one primal step ``psi = theta``, so the penalty's gradient in (7) is ``rho L theta`` for the graph
     Laplacian ``L``.  Along an eigenvector of ``L`` (eigenvalue ``lambda > 0``), with the loss and weight decay
-    left out, a
-    round with heavy-ball momentum ``m`` (buffer ``b``) is::
+    left out, a round with heavy-ball momentum ``m`` (buffer ``b``) is::
 
         y' = y + rho lambda e                                (6)
         G  = y' + rho lambda e                               (7 at psi = theta)
