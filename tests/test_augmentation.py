@@ -9,6 +9,8 @@
    and the copies come from each agent's keyed stream (reproducible, independent of the other agents).
 3. A run with ``[augmentation]`` spends exactly the budget of the same run without it (the copies cost
    compute, not privacy), and bad settings are refused naming their field.
+4. A non-private run (no clipping) weighs each copy 1 / (K n_i): the mean of a record's copies, averaged over
+   the agent's records.
 """
 
 from __future__ import annotations
@@ -211,3 +213,25 @@ def test_bad_augmentation_settings_name_their_field() -> None:
         _config(kind="rotate")
     with pytest.raises(ConfigError, match="augmentation.shift"):
         build_experiment(_config(kind="shift", copies=2, shift=8))  # the digits are 8x8
+
+
+def test_a_non_private_run_averages_each_records_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With epsilon = inf there is no clipping: an agent's gradient is the mean over its sampled records of the
+    mean over each record's copies, so every copy weighs 1 / (K n_i) and padding nothing."""
+    config = _config(kind="shift", copies=COPIES, shift=1).model_copy(deep=True)
+    config.privacy.epsilon = float("inf")
+    experiment = build_experiment(config)
+    calls = []
+    engine = experiment.oracle.model
+    original = engine.batch_gradients
+    monkeypatch.setattr(engine, "batch_gradients",
+                        lambda params, x, y, weights: calls.append((x, weights)) or original(params, x, y, weights))
+    experiment.oracle.gradient(experiment.initial_state()["params"])
+    (x, weights), = calls
+    assert x.shape[1] == weights.shape[1] and weights.shape[1] % COPIES == 0
+    per_record = weights.view(len(weights), -1, COPIES)
+    assert torch.equal(per_record, per_record[..., :1].expand_as(per_record))  # a record's copies weigh the same
+    records = (per_record[..., 0] > 0).sum(dim=1)
+    assert (records > 0).all()
+    torch.testing.assert_close(per_record.sum(dim=(1, 2)), torch.ones(len(weights), dtype=weights.dtype))
+    torch.testing.assert_close(per_record[..., 0].max(dim=1).values, 1 / (COPIES * records.to(weights.dtype)))
