@@ -227,7 +227,7 @@ def test_dinno_disagreement_map_is_one_round_of_the_algorithm(momentum: float, n
 def _dinno_warnings(optimizer: SGD | Adam, lr: float, reset: bool = False, primal_steps: int = 1) -> list[str]:
     """The tuned epsilon = 1 row's penalty ratio (rho = 0.5 / 5.478, growth 1.0003) on its complete graph of 10."""
     algorithm = DPDiNNO(optimizer, rho=0.09128, rho_growth=1.0003, primal_steps=primal_steps, reset_each_round=reset)
-    return algorithm.stability_warnings(build_topology("complete", 10, seed=0), np.full(1000, lr))
+    return algorithm.stability_warnings(build_topology("complete", 10, seed=0), Schedule("constant", lr, lr, 1000))
 
 
 def test_dinno_warns_when_one_primal_step_makes_its_agents_drift_apart() -> None:

@@ -603,10 +603,14 @@ def _adjacency(graph: nx.Graph) -> np.ndarray:
     return nx.to_numpy_array(graph, nodelist=range(graph.number_of_nodes()), dtype=np.float64, weight=None)
 
 
+def laplacian_spectrum(adj: np.ndarray) -> np.ndarray:
+    """Eigenvalues of the Laplacian ``diag(degree) - adj`` of a symmetric adjacency matrix, ascending."""
+    return np.linalg.eigvalsh(np.diag(adj.sum(axis=1)) - adj)
+
+
 def _algebraic_connectivity(adj: np.ndarray) -> float:
     """Second smallest eigenvalue λ₂ of the Laplacian ``diag(degree) - adj`` (needs N >= 2)."""
-    laplacian = np.diag(adj.sum(axis=1)) - adj
-    return float(np.linalg.eigvalsh(laplacian)[1])
+    return float(laplacian_spectrum(adj)[1])
 
 
 def _as_square(w: np.ndarray, n: int) -> np.ndarray:

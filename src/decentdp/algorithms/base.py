@@ -36,6 +36,7 @@ from decentdp.privacy.oracle import SETUP_ROUND, DataOracle
 from decentdp.rng import AgentRandom, Stream
 
 if TYPE_CHECKING:
+    from decentdp.runtime.schedules import Schedule
     from decentdp.topology import Topology
 
 State = dict[str, torch.Tensor]
@@ -333,9 +334,9 @@ class Algorithm(ABC):
         outputs, updates), with some slack for the allocator; the memory plan budgets them."""
         return 3
 
-    def stability_warnings(self, topology: Topology, steps: np.ndarray) -> list[str]:
-        """Settings under which this algorithm's round diverges on the run's (first) graph, one message each,
-        announced when the run starts (default: none); ``steps`` holds the learning rate of every round."""
+    def stability_warnings(self, topology: Topology, schedule: Schedule) -> list[str]:
+        """Settings under which this algorithm's round diverges on the run's (first) graph with the run's
+        learning-rate schedule, one message each, announced when the run starts (default: none)."""
         return []
 
     @abstractmethod

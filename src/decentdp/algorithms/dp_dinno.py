@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 from typing import ClassVar
 
-import networkx as nx
 import numpy as np
 import torch
 from pydantic import Field
@@ -35,7 +34,8 @@ from pydantic import Field
 from decentdp.algorithms.base import RoundContext, State, prefixed, unprefixed
 from decentdp.algorithms.optim import Adam, Optimizer, OptimizerAlgorithm, OptimizerSettings
 from decentdp.algorithms.registry import register
-from decentdp.topology import Topology
+from decentdp.runtime.schedules import Schedule
+from decentdp.topology import Topology, laplacian_spectrum
 
 #: A disagreement the linearised round amplifies by more than this over a run is announced as divergent.
 GROWTH_LIMIT = 10.0
@@ -117,13 +117,13 @@ class DPDiNNO(OptimizerAlgorithm):
     def releases_per_round(self) -> int:
         return self.primal_steps
 
-    def stability_warnings(self, topology: Topology, steps: np.ndarray) -> list[str]:
+    def stability_warnings(self, topology: Topology, schedule: Schedule) -> list[str]:
         """A warning when one primal step per dual update makes the agents' disagreement grow (see
         :func:`disagreement_map`).  Not checked: several primal steps (the map above assumes ``psi = theta``),
         and Adam rebuilt every round, whose step is ``lr * sign(G)`` coordinate-wise and so bounded."""
         if self.primal_steps > 1 or (isinstance(self.optimizer, Adam) and self.reset_each_round):
             return []
-        spectrum = nx.laplacian_spectrum(topology.graph)  # dense: O(N^3), for DiNNO's checked settings only
+        spectrum = laplacian_spectrum(topology.adjacency())  # dense, O(N^3): only for the settings checked
         eigenvalues = spectrum[spectrum > 1e-9]
         if not eigenvalues.size:  # one agent: nothing to disagree on
             return []
@@ -136,8 +136,9 @@ class DPDiNNO(OptimizerAlgorithm):
                     "every step size (linearised, second moments frozen); set reset_optimizer_each_round = true "
                     "(the paper code's choice), or use optimizer = 'sgd' without momentum"]
         momentum, nesterov = self.optimizer.momentum, self.optimizer.nesterov
-        rhos = self.rho0 * self.rho_growth ** (np.arange(len(steps)) + 1.0)
-        growth = disagreement_growth(np.outer(np.asarray(steps) * rhos, eigenvalues), momentum, nesterov)
+        steps = np.array([schedule(k) for k in range(schedule.rounds)])
+        rhos = self.rho0 * self.rho_growth ** (np.arange(schedule.rounds) + 1.0)
+        growth = disagreement_growth(np.outer(steps * rhos, eigenvalues), momentum, nesterov)
         if growth <= GROWTH_LIMIT:
             return []
         size = f"about 1e{math.floor(math.log10(growth))}"

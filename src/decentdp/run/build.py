@@ -266,7 +266,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     scheduler = Scheduler(config.schedule_kind, rng, len(parts), config.schedule.offline_probability,
                           config.schedule.participation, device=device)
     schedule = Schedule(algo_cfg.lr_schedule, algo_cfg.lr, algo_cfg.lr_final or algo_cfg.lr, config.experiment.rounds)
-    warnings += algorithm.stability_warnings(topology, np.array([schedule(k) for k in range(config.experiment.rounds)]))
+    warnings += algorithm.stability_warnings(topology, schedule)
     averaging = config.averaging
     simulator = Simulator(algorithm, graphs, oracle, scheduler, schedule, rng,
                           averaging=None if averaging.kind == "none" else
