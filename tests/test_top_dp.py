@@ -18,10 +18,7 @@ from decentdp.audit.blocks import BlockNetwork
 from decentdp.cli import main
 from decentdp.config import validate_config
 from decentdp.errors import ConfigError
-from decentdp.privacy.accounting import rdp_curve, rdp_epsilon
-from decentdp.privacy.events import gaussian_event
 from decentdp.privacy.mechanisms import NoiseDraw
-from decentdp.privacy.receiver_budget import rdp_epsilon_upper_bound
 from decentdp.rng import AgentRandom, Stream
 from decentdp.run.build import build_experiment
 from decentdp.run.loop import run_experiment
@@ -191,7 +188,7 @@ def test_a_redrawn_graph_delivers_messages_to_kept_neighbours_and_the_estimate_t
 @pytest.mark.parametrize("algorithm", ["top-dp", "top-dp-async"])
 def test_resume_ends_exactly_like_an_uninterrupted_run(tmp_path: Path, algorithm: str) -> None:
     """The checkpoint holds the estimates, each agent's messages and picks, per-agent counters and the
-    receiver ledger (its own kind: a plain ledger would enforce the colluding view and refuse releases)."""
+    ledger (with its per-receiver accounts)."""
     config = validate_config(tiny_config(experiment={"rounds": 6, "eval_every": 2, "checkpoint_every": 1},
                                          algorithm={"name": algorithm, "alpha": 0.5},
                                          topology={"graph": "erdos-renyi", "agents": 6, "p": 0.6}))
@@ -240,16 +237,20 @@ def test_pairing_offline_agents_and_ledger_match_messages() -> None:
 
 
 def test_sync_ledger_charges_each_receiver_once_per_round() -> None:
+    """Budgets hold on the joint view (every noisy copy of an agent's sum, the colluding observer), which
+    the calibration sized for the graph's largest cover: within budget, and above the per-receiver
+    composition the paper argues with (reported as ``paper_epsilon_per_receiver``)."""
     experiment, state, history = _simulate("top-dp", 5)
     ledger = experiment.ledger
     edges = experiment.simulator.graphs.at(0).out_edges.tolist()
     assert {tuple(pair) for pair in ledger._pair_index} == {tuple(e) for e in edges}
     for account in ledger._pair_index.values():
         assert ledger._pairs.releases()[account] == 5               # one message per edge and round
-    pairwise, _ = ledger.reported_epsilon()
-    colluding, _ = ledger.colluding_epsilon()
-    assert (pairwise <= experiment.config.privacy.budgets[0] + 1e-9).all()
-    assert (colluding >= pairwise).all()
+    joint, _ = ledger.reported_epsilon()
+    per_receiver = ledger.pairwise_epsilon(experiment.config.privacy.accountant).max(axis=1)
+    assert (joint <= experiment.config.privacy.budgets[0] + 1e-9).all()
+    assert (joint >= per_receiver - 1e-9).all() and (joint > per_receiver + 0.1).any()
+    assert not ledger.refused.any()
     assert int(state["count.reduced"].sum()) + int(state["count.full"].sum()) == 5 * len(edges)
 
 
@@ -277,20 +278,6 @@ def test_receivers_covered_by_one_neighbour_get_one_message() -> None:
                 assert torch.equal(received[e], received[f]) == same, (e, f)
                 seen.add(same)
     assert seen == {True, False}   # the graph has shared groups and distinct ones
-
-
-def test_vectorised_rdp_bound_is_never_below_dp_accounting() -> None:
-    """The ledger clears most per-receiver messages with one vectorised RDP conversion; it must never say
-    less than dp_accounting (else a message beyond budget could pass)."""
-    rng = np.random.default_rng(0)
-    totals = np.stack([rdp_curve(gaussian_event(float(s), float(q))) * int(c)
-                       for s, q, c in zip(rng.uniform(0.3, 20, 40), rng.uniform(0.001, 1, 40),
-                                          rng.integers(1, 5000, 40), strict=True)] + [np.zeros(len(rdp_curve(
-                                              gaussian_event(1.0, 1.0))))])
-    bound = rdp_epsilon_upper_bound(totals, 1e-5)
-    exact = np.array([rdp_epsilon(t, 1e-5) for t in totals])
-    assert (bound >= exact - 1e-12).all()
-    assert bound[exact > 0] == pytest.approx(exact[exact > 0], rel=1e-9)
 
 
 @pytest.mark.parametrize(("section", "values", "field"), [

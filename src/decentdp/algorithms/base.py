@@ -251,6 +251,8 @@ class NoisePlan:
     relation: str                 # neighbouring relation
     participation: float          # the probability that an agent takes part in a round (1 - offline, sampled)
     degrees: list[int]            # neighbours per agent in the run's first graph
+    neighbours: list[list[int]]   # each agent's neighbours in the run's first graph
+    redrawn: bool                 # whether the graph is redrawn during the run (any agent may meet any other)
 
 
 @dataclass(frozen=True)
@@ -262,6 +264,21 @@ class Calibrated:
     mechanism: Any
     noise_multipliers: list[float]
     paper_accounting: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What is public about a run once it ends, for an algorithm's own privacy results
+    (:meth:`Algorithm.privacy_extras`): its graphs, steps, noise and each agent's per-release epsilon."""
+
+    rounds: int                                # rounds run
+    network: Callable[[int], Network]          # the network of round k
+    lr: Callable[[int], float]                 # the step size of round k
+    noise_multipliers: np.ndarray              # sigma_i (0 in a non-private run)
+    expected_batches: np.ndarray               # L_i = q_i |D_i|
+    delta: float
+    relation: str                              # privacy.neighbouring
+    local_epsilon: np.ndarray                  # each agent's reported epsilon over all its releases (agent view)
 
 
 class AlgorithmSettings(BaseModel):
@@ -284,10 +301,6 @@ class Algorithm(ABC):
     #: Whether the round reads ``ctx.plan`` so that inactive agents neither send, receive nor move
     #: (required for ``schedule.offline_probability > 0``).
     follows_plan: ClassVar[bool] = False
-
-    #: The ledger view budgets are enforced on: ``agent`` (all observers together, the default) or
-    #: ``pairwise`` (each receiver alone; the agent view is then reported as the colluding worst case).
-    budget_view: ClassVar[str] = "agent"
 
     @classmethod
     def from_settings(cls, settings: Any) -> Algorithm:
@@ -317,10 +330,10 @@ class Algorithm(ABC):
         the looser accounting a paper may use; the ledger still charges the joint event."""
         return True
 
-    def privacy_extras(self, state: State, delta: float, local: np.ndarray) -> dict[str, Any]:
-        """Extra privacy results of a finished run from its final state and each agent's reported local
-        epsilon (e.g. Muffliato's pairwise network DP): keys ending in ``_max`` go into the summary, all
-        into ``privacy.json``; default none."""
+    def privacy_extras(self, state: State, facts: RunFacts) -> dict[str, Any]:
+        """Extra privacy results of a finished run from its final state and what is public about it (e.g.
+        Muffliato's pairwise network DP, priced by :mod:`decentdp.privacy.observer_view`): keys ending in
+        ``_max`` go into the summary, all into ``privacy.json``; default none."""
         return {}
 
     @property

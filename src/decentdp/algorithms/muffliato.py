@@ -14,9 +14,15 @@ with ``l2`` the spectral gap of ``W`` (Metropolis-Hastings, the authors' ``hamil
 with sigma the agents' median noise multiplier, at least 1/2 so that a non-private run gets
 ``log(N) / sqrt(l2)`` steps).  The graph may be redrawn each round (``topology.redraw_every``).
 
-Besides the local-DP epsilon of the ledger, the state accumulates each round's pairwise network-DP
-RDP (:mod:`decentdp.privacy.network_dp`); :meth:`Muffliato.privacy_extras` turns it into the
-``N x N`` matrix eps_{u->v} of ``privacy.json`` and ``epsilon_pairwise_max`` of the summary.
+**Accounting.**  Budgets hold on the ledger's per-agent (local-DP) view, which bounds every observer:
+whatever a node sees is post-processing of the senders' releases.  What one node ``v`` learns of ``u``
+is priced by the observer-view accountant (:mod:`decentdp.privacy.observer_view`) over the run's whole
+view: every gossip message of every round, each agent's own sigma, the run's neighbouring relation,
+and what ``v`` knows (its own injections); reported as ``epsilon_pairwise_network`` (row ``u``,
+column ``v``; never above ``u``'s local epsilon) and ``epsilon_pairwise_max``.  A direct neighbour
+receives ``u``'s noisy injection itself, so its epsilon is the local one.  The authors' bound
+(``contrib``, :mod:`decentdp.privacy.network_dp`), which composes messages that share one noise
+vector as if independent and each round separately, is reported as ``paper_epsilon_pairwise_network``.
 """
 
 from __future__ import annotations
@@ -28,10 +34,16 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from decentdp.algorithms.base import AlgorithmSettings, Network, RoundContext, SettingsAlgorithm, State
+from decentdp.algorithms.base import AlgorithmSettings, Network, RoundContext, RunFacts, SettingsAlgorithm, State
 from decentdp.algorithms.registry import register
 from decentdp.privacy import network_dp
 from decentdp.privacy.accounting import RDP_ORDERS
+from decentdp.privacy.observer_view import LinearView, ViewBuilder, observer_mu, view_cost
+
+#: Work (floating-point operations) the observer-view accountant may spend on a run's pairwise epsilons,
+#: about half a minute here; a larger run reports each sender's local epsilon for every observer instead
+#: (sound: every view is post-processing of the sender's releases), and says so.
+VIEW_BUDGET_FLOPS = 3e10
 
 
 class MuffliatoSettings(AlgorithmSettings):
@@ -78,17 +90,22 @@ class Muffliato(SettingsAlgorithm):
                           device=params.device)
         return {"params": params, "pairwise_rdp": rdp}
 
+    def gossip(self, w: np.ndarray, sigmas: np.ndarray, n_total: int) -> tuple[float, int]:
+        """gamma and K of a graph with mixing matrix ``w`` (K = T_mix unless ``gossip_steps`` is set), from
+        every agent's sigma (public): the median, at least 1/2."""
+        gap = network_dp.spectral_gap(w)
+        sigma = max(0.5, float(np.median(sigmas)))
+        steps = self.settings.gossip_steps or network_dp.mixing_steps(gap, n_total, sigma)
+        return network_dp.chebyshev_gamma(gap), steps
+
     def _prepare(self, ctx: RoundContext, sigmas: np.ndarray) -> tuple[float, int, np.ndarray]:
-        """gamma, K and the pairwise coefficients of this round's network (computed once per graph) from
-        the whole graph's W and every agent's sigma (public), the coefficients' rows those of the local
-        senders (the rows of the state's ``pairwise_rdp`` held here)."""
+        """gamma, K and the authors' pairwise coefficients of this round's network (computed once per graph)
+        from the whole graph's W and every agent's sigma (public), the coefficients' rows those of the
+        local senders (the rows of the state's ``pairwise_rdp`` held here)."""
         net = ctx.network
         if self._graph is None or self._graph[0] is not net:
             w = dense_mixing(net)
-            gap = network_dp.spectral_gap(w)
-            gamma = network_dp.chebyshev_gamma(gap)
-            sigma = max(0.5, float(np.median(sigmas)))
-            steps = self.settings.gossip_steps or network_dp.mixing_steps(gap, net.n_total, sigma)
+            gamma, steps = self.gossip(w, sigmas, net.n_total)
             polys = network_dp.gossip_polynomials(w, steps, gamma)[:steps]  # messages y^0 .. y^{K-1}
             coefficients = network_dp.pairwise_coefficients(polys, (w > 0).astype(float))
             self._graph = (net, gamma, steps, coefficients[net.agent_ids.cpu().numpy()])
@@ -109,13 +126,61 @@ class Muffliato(SettingsAlgorithm):
         return {"params": params,
                 "pairwise_rdp": state["pairwise_rdp"] + torch.from_numpy(rdp).to(state["pairwise_rdp"].device)}
 
-    def privacy_extras(self, state: State, delta: float, local: np.ndarray) -> dict[str, Any]:
-        """eps_{u->v} (RDP-converted network bound, capped by u's reported local epsilon: v's view is
-        post-processing of u's releases) and its largest value off the diagonal."""
-        epsilons = np.minimum(network_dp.pairwise_epsilon(state["pairwise_rdp"].cpu().numpy(), delta),
-                              np.asarray(local, dtype=float)[:, None])
+    def linear_view(self, facts: RunFacts) -> LinearView:
+        """Steps 1-4 of every round unrolled over sources (:class:`ViewBuilder`): each agent's injection
+        ``theta_v - (eta / L_v)(x_v + sigma_v xi_v)`` (its noise known to itself alone), then every gossip
+        message ``y^t_w`` (``t < K``) that ``w`` sends to each neighbour.  The initial model is public."""
+        n = len(facts.noise_multipliers)
+        builder = ViewBuilder(n, capacity=2 * n * facts.rounds)
+        own = [{agent} for agent in range(n)]
+        theta = builder.zeros(n)
+        for k in range(facts.rounds):
+            w = dense_mixing(facts.network(k))
+            gamma, steps = self.gossip(w, facts.noise_multipliers, n)
+            receiver, sender = np.nonzero((w > 0) & ~np.eye(n, dtype=bool))   # v mixes w's value: w sends to v
+            scale = facts.lr(k) / facts.expected_batches
+            noisy = builder.data(range(n)) + facts.noise_multipliers[:, None] * builder.noise(np.ones(n), own)
+            previous = theta - scale[:, None] * noisy                                      # step 3: y^0
+            builder.send(receiver, previous[sender])
+            current = w @ previous                                                         # y^1
+            for _ in range(steps - 1):                                                     # y^2 .. y^K
+                builder.send(receiver, current[sender])
+                previous, current = current, gamma * (w @ current) + (1 - gamma) * previous
+            theta = current
+        return builder.view()
+
+    def privacy_extras(self, state: State, facts: RunFacts) -> dict[str, Any]:
+        """eps_{u->v}: the observer-view accountant's, capped by u's local epsilon (both sound; the local one
+        is amplified by sampling, the network one is not), or the local epsilon alone when the view is
+        beyond :data:`VIEW_BUDGET_FLOPS` or not linear (a post-processing clip); and the authors' bound,
+        labelled ``paper_``."""
+        local = np.asarray(facts.local_epsilon, dtype=float)
+        n = len(local)
+        observers = [[agent] for agent in range(n)]
+        network, note = np.full((n, n), np.inf), "the observer-view accountant over every message of the run"
+        if self.settings.update_clip is not None:
+            note = "not linear (algorithm.update_clip clips the noisy update): each sender's local epsilon"
+        elif (facts.noise_multipliers > 0).all():
+            view = self.linear_view(facts)
+            cost = view_cost(view, observers)
+            if cost <= VIEW_BUDGET_FLOPS:
+                network = observer_mu(view, observers, facts.relation).epsilon(facts.delta)
+            else:
+                note = (f"not computed: the run's view needs {cost:.2g} floating-point operations, beyond "
+                        f"{VIEW_BUDGET_FLOPS:.2g}; each sender's local epsilon")
+        epsilons = np.minimum(network, local[:, None])
         np.fill_diagonal(epsilons, 0.0)
-        off = epsilons[~np.eye(len(epsilons), dtype=bool)]
+        paper = np.minimum(network_dp.pairwise_epsilon(state["pairwise_rdp"].cpu().numpy(), facts.delta),
+                           local[:, None])
+        np.fill_diagonal(paper, 0.0)
+        off = epsilons[~np.eye(n, dtype=bool)]
         largest = float(off.max()) if off.size else 0.0
         return {"epsilon_pairwise_max": None if math.isinf(largest) else largest,
-                "epsilon_pairwise_network": [[None if math.isinf(e) else e for e in row] for row in epsilons.tolist()]}
+                "epsilon_pairwise_network": _json_matrix(epsilons),
+                "epsilon_pairwise_network_method": note,
+                "paper_epsilon_pairwise_network": _json_matrix(paper)}
+
+
+def _json_matrix(epsilons: np.ndarray) -> list[list[float | None]]:
+    """A matrix of epsilons for JSON (infinite: ``null``)."""
+    return [[None if math.isinf(e) else e for e in row] for row in epsilons.tolist()]

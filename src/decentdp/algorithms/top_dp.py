@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from decentdp.algorithms.base import Calibrated, NoisePlan, RoundContext, State, ragged_rows_key
+from decentdp.algorithms.base import Calibrated, NoisePlan, RoundContext, RunFacts, State, ragged_rows_key
 from decentdp.algorithms.registry import register
 from decentdp.algorithms.select_mix import SelectMix
 from decentdp.algorithms.topology_noise import (
@@ -79,7 +79,6 @@ class TopDPBase(SelectMix):
     so that a shard of a sharded run plans exactly as the simulator does."""
 
     Settings = TopDPSettings
-    budget_view: ClassVar[str] = "pairwise"
 
     def __init__(self, alpha: float, topology_aware: bool = True, decay_gamma: float = 0.9,
                  decay_period: int = 1000) -> None:
@@ -98,8 +97,12 @@ class TopDPBase(SelectMix):
     def setup_releases(self) -> int:
         return 1
 
+    #: Whether a round sends one message per cover group besides the estimate (Alg. 1), or one (Alg. 2).
+    messages_per_cover: ClassVar[bool] = True
+
     def calibrate(self, plan: NoisePlan) -> Calibrated:
-        return calibrate_top_dp(plan, self.gamma, self.period, self.setup_releases)
+        return calibrate_top_dp(plan, self.alpha, self.gamma, self.period, self.setup_releases,
+                                self.topology_aware, self.messages_per_cover)
 
     def init_state(self, params: torch.Tensor) -> State:
         """The estimates and, per agent, the counters of its messages (per agent, so that shards split them)."""
@@ -107,7 +110,7 @@ class TopDPBase(SelectMix):
                     for name in COUNTERS}
         return {"params": params, **counters}
 
-    def privacy_extras(self, state: State, delta: float, local: np.ndarray) -> dict[str, Any]:
+    def privacy_extras(self, state: State, facts: RunFacts) -> dict[str, Any]:
         """The run's message counts (``privacy.json``): residual-noise and full-noise messages, coverable
         edges that fell back to full noise (heterogeneous budgets) and uncoverable ones."""
         return {"top_dp_messages": report({name: int(state[f"count.{name}"].sum()) for name in COUNTERS})}
@@ -270,7 +273,9 @@ class TopDP(TopDPBase):
         position, width = self.out_positions(ctx)[2:]
         pick = np.zeros((n, width, 2), dtype=np.int64)
         pick[..., 0] = -1
-        pick[senders, position] = np.stack([edges[:, 1], np.where(covered, 1 + number[groups.edge_group], 0)], 1)
+        message = np.zeros(len(edges), dtype=np.int64)
+        message[covered] = 1 + number[groups.edge_group[covered]]
+        pick[senders, position] = np.stack([edges[:, 1], message], 1)
         flags = {"reduced": covered, "full": ~covered}
         if coverable is not None:
             flags.update(fallback=~covered & coverable, uncoverable=~covered & ~coverable)
@@ -285,6 +290,8 @@ def by_sender(groups: CoverGroups, senders: np.ndarray) -> CoverGroups:
     order = np.argsort(senders[groups.first], kind="stable")
     renumber = np.empty_like(order)
     renumber[order] = np.arange(len(order))
+    if not len(order):  # no neighbour covers anyone (e.g. a complete graph): every receiver gets the estimate
+        return groups
     edge_group = np.where(groups.edge_group >= 0, renumber[np.maximum(groups.edge_group, 0)], -1)
     return CoverGroups(groups.via[order], groups.first[order], edge_group)
 

@@ -35,6 +35,7 @@ class TopDPAsync(TopDPBase):
 
     name: ClassVar[str] = "top-dp-async"
     schedules: ClassVar[tuple[str, ...]] = ("pairing",)
+    messages_per_cover: ClassVar[bool] = False
 
     def noisy_step(self, x: torch.Tensor, ctx: RoundContext, paired: torch.Tensor) -> torch.Tensor:
         oracle = ctx.oracle

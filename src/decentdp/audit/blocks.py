@@ -183,12 +183,15 @@ def block_simulation(experiment: Experiment, x: torch.Tensor, y: torch.Tensor, p
     planned = planned_releases(config, experiment.algorithm)
     sums = experiment.algorithm.sums_per_batch(experiment.topology.adjacency().sum(axis=1).astype(np.int64))
     private = config.privacy.private
-    degrees = [int(d) for d in experiment.topology.adjacency().sum(axis=1)]
+    adjacency = experiment.topology.adjacency()
+    degrees = [int(d) for d in adjacency.sum(axis=1)]
+    neighbours = [[int(j) + b * block for j in np.flatnonzero(row)] for b in range(blocks) for row in adjacency]
     schedule_cfg = config.schedule
     own = experiment.algorithm.calibrate(NoisePlan(
         budgets * blocks, config.privacy.delta, rates * blocks, sizes * blocks, config.experiment.rounds,
         experiment.model.dim, config.privacy.clip, config.privacy.accountant, config.privacy.neighbouring,
-        (1 - schedule_cfg.offline_probability) * schedule_cfg.participation, degrees * blocks)) if private else None
+        (1 - schedule_cfg.offline_probability) * schedule_cfg.participation, degrees * blocks, neighbours,
+        bool(config.topology.redraw_every))) if private else None
     if own is not None:  # the algorithm's own mechanism (TOP-DP, Li18, ...), calibrated for every block agent
         sigmas, mechanism = list(own.noise_multipliers[:block]), own.mechanism
     else:

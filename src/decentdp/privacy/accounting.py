@@ -247,7 +247,18 @@ def _gaussian_epsilon(priced: History, delta: float, relation: str) -> float:
     ``(sum count / sigma^2)^(-1/2)`` (halved under replace-one), whose privacy loss dp_accounting gives in
     closed form; no discretisation, so a large budget at sample rate 1 calibrates in milliseconds."""
     sigma = sum(count / event.noise_multiplier**2 for event, count in priced) ** -0.5
-    loss = privacy_loss_mechanism.GaussianPrivacyLoss(sigma / 2 if relation == "replace-one" else sigma)
+    return gaussian_dp_epsilon((2.0 if relation == "replace-one" else 1.0) / sigma, delta)
+
+
+def gaussian_dp_epsilon(mu: float, delta: float) -> float:
+    """The exact epsilon at ``delta`` of a ``mu``-Gaussian-DP view (the mean shift of a unit Gaussian,
+    Dong, Roth & Su 2019): ``delta = Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2)``, solved for the
+    smallest epsilon that holds, through dp_accounting's closed-form Gaussian privacy loss."""
+    if mu <= 0:
+        return 0.0
+    if math.isinf(mu):
+        return math.inf
+    loss = privacy_loss_mechanism.GaussianPrivacyLoss(1.0 / mu)
 
     def excess(epsilon: float) -> float:  # delta decreases in epsilon; 0 counts as the smallest positive float
         return math.log(max(loss.get_delta_for_epsilon(epsilon), 5e-324) / delta)

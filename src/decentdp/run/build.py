@@ -38,7 +38,6 @@ from decentdp.privacy.accounting import calibrate_noise_multiplier
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.privacy.mechanisms import GaussianMechanism, round_up_to_float32
 from decentdp.privacy.oracle import DataOracle
-from decentdp.privacy.receiver_budget import ReceiverLedger
 from decentdp.privacy.sampling import AgentData, PoissonSampler
 from decentdp.rng import AgentKeys, AgentRandom, SecureRandom, Stream, round_stream_seed
 from decentdp.runtime.averaging import IterateAverage
@@ -69,6 +68,8 @@ class Experiment:
     sample_rates: torch.Tensor
     histograms: np.ndarray
     memory: MemoryPlan
+    graphs: GraphSequence     # the network of each round (public), whichever engine runs the rounds
+    schedule: Schedule        # the step size of each round
     setup: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # announced when the run starts
 
@@ -146,10 +147,12 @@ def _noise_plan(config: ExperimentConfig, budgets: list[float], rates: list[floa
                 topology: Topology) -> NoisePlan:
     """What an algorithm that calibrates its own noise (:meth:`Algorithm.calibrate`) is told of the run."""
     schedule = config.schedule
+    adjacency = topology.adjacency()
     return NoisePlan(budgets, config.privacy.delta, rates, sizes, config.experiment.rounds, dim, config.privacy.clip,
                      config.privacy.accountant, config.privacy.neighbouring,
                      (1 - schedule.offline_probability) * schedule.participation,
-                     [int(d) for d in topology.adjacency().sum(axis=1)])
+                     [int(d) for d in adjacency.sum(axis=1)],
+                     [np.flatnonzero(row).tolist() for row in adjacency], bool(config.topology.redraw_every))
 
 
 def _plan_memory(config: ExperimentConfig, model: FlatModel, algorithm: Algorithm, data: AgentData,
@@ -249,8 +252,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     own = algorithm.calibrate(_noise_plan(config, budgets, rates, sizes, model.dim, topology)) if private else None
     sigmas = own.noise_multipliers if own is not None else \
         _calibrate(budgets, rates, config, planned, sums, algorithm.joint_accounting) if private else [0.0] * len(parts)
-    ledger_class = ReceiverLedger if algorithm.budget_view == "pairwise" else PrivacyLedger
-    ledger = ledger_class(len(parts), budgets, config.privacy.delta, budget_accountant=config.privacy.accountant,
+    ledger = PrivacyLedger(len(parts), budgets, config.privacy.delta, budget_accountant=config.privacy.accountant,
                           relation=config.privacy.neighbouring)
     rng = random_source(config, len(parts), device)
     # host values, known before any round: the ledger and the events read them without a device round trip
@@ -304,7 +306,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
                                                             "the agents' training data",
     }
     return Experiment(config, dataset, data, topology, model, algorithm, ledger, oracle, simulator, evaluator,
-                      noise_multipliers, sample_rates, histograms, memory, setup, warnings)
+                      noise_multipliers, sample_rates, histograms, memory, graphs, schedule, setup, warnings)
 
 
 def _privacy_warnings(config: ExperimentConfig, sizes: list[int]) -> list[str]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from decentdp.algorithms.base import State
+from decentdp.algorithms.base import RunFacts, State
 from decentdp.config import ExperimentConfig
 from decentdp.errors import ConfigError
 from decentdp.results import epsilon_json
@@ -44,8 +44,6 @@ class RunResult:
 
 def _restore(experiment: Experiment, checkpoint: dict[str, Any]) -> None:
     """Put the ledger, scheduler and pass sizes of a checkpoint back (bit-exact resumes)."""
-    # The run's own kind of ledger (TOP-DP's enforces budgets per receiver): a plain PrivacyLedger would
-    # enforce them on the colluding view after a resume, refusing releases the run was entitled to.
     experiment.ledger = type(experiment.ledger).from_state_dict(checkpoint["ledger"])
     experiment.oracle.ledger = experiment.ledger
     if "scheduler" in checkpoint:  # checkpoints of earlier versions ran synchronous rounds only
@@ -178,8 +176,8 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
         if folder is not None:
             folder.profile(report)
     result = summary(experiment, metrics, wall, finished=last == rounds) | {"threads": threads.threads}
-    extras = experiment.algorithm.privacy_extras(state, config.privacy.delta,  # e.g. Muffliato's pairwise DP
-                                                 experiment.ledger.reported_epsilon()[0])
+    extras = experiment.algorithm.privacy_extras(state, run_facts(experiment, int(metrics[-1]["round"]) if metrics
+                                                                  else 0))  # e.g. Muffliato's pairwise DP
     result |= {key: value for key, value in extras.items() if key.endswith("_max")}
     refused = experiment.ledger.refused
     if refused.any():
@@ -190,6 +188,13 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
     if not config.privacy.private:
         emit(NOT_PRIVATE)
     return RunResult(result, metrics, state, folder.path if folder is not None else None)
+
+
+def run_facts(experiment: Experiment, rounds: int) -> RunFacts:
+    """What is public about a run that ran ``rounds`` rounds, for its algorithm's own privacy results."""
+    return RunFacts(rounds, experiment.graphs.at, experiment.schedule, experiment.noise_multipliers.double().numpy(),
+                    experiment.oracle.expected_batch.double().numpy(), experiment.config.privacy.delta,
+                    experiment.config.privacy.neighbouring, experiment.ledger.reported_epsilon()[0])
 
 
 def _run_personalized(config: ExperimentConfig, out_dir: str | Path | None, data_dir: str | Path | None,

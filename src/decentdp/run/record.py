@@ -20,9 +20,7 @@ import torch
 from decentdp.algorithms.base import State
 from decentdp.config import PLACEMENT_FIELDS, ExperimentConfig, config_differences, validate_config
 from decentdp.errors import ConfigError
-from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.privacy.network_dp import plot_pairwise
-from decentdp.privacy.receiver_budget import ReceiverLedger
 from decentdp.results import (
     CHECKPOINT_FILE,
     CONFIG_FILE,
@@ -44,14 +42,10 @@ from decentdp.rng import SIMULATION_NOTICE, AgentKeys, SecureRandom
 from decentdp.run.build import Experiment
 from decentdp.runtime.sharded import SHARD_CHECKPOINT_FORMAT, ShardCheckpointWriter, read_shard_checkpoints
 
-#: What each epsilon of a run whose budgets hold per receiver assumes (privacy.json).
-RECEIVER_VIEWS = {
-    "epsilon": "(a) each agent's most exposed single neighbour, in the paper's threat model: the neighbour is "
-               "honest-but-curious and knows no noise but its own (TOP-DP eq. 5a); budgets hold on this view",
-    "epsilon_colluding": "(b) all receivers pooling what they saw, knowing every reused noise: the worst case",
-    "paper_accounting": "(c) what the paper's own calibration claims (TOP-DP Theorem 1, eq. 7)",
-}
-
+#: What the per-receiver composition of a run's per-receiver messages assumes (privacy.json).
+PER_RECEIVER_VIEW = ("each receiver's messages composed alone, as if it knew no noise it was not sent and never saw "
+                     "another copy of the same sum (TOP-DP's view (a), eq. 5a): the papers' argument, below the "
+                     "truth when messages share or reuse noise; reported, never enforced")
 
 def _check_creatable(path: Path) -> None:
     """Refuse, before anything runs, a results folder that cannot be created: one below a file, or below
@@ -234,10 +228,9 @@ class ResultsFolder:
             privacy["epsilon_rdp"] = epsilon_json(ledger.epsilon("rdp"))
         if ledger.has_receiver_releases and ledger.relation == "add-remove":
             privacy["epsilon_pairwise_rdp"] = epsilon_json(ledger.pairwise_epsilon("rdp"))
-        if isinstance(ledger, ReceiverLedger):  # budgets per receiver: (a) per pair, (b) colluding, (c) the paper's
-            privacy["epsilon_pairwise"] = epsilon_json(ledger.pairwise_epsilon(accountant))
-            privacy["epsilon_colluding"] = epsilon_json(colluding_epsilon(ledger))
-            privacy["threat_models"] = RECEIVER_VIEWS
+        if ledger.has_receiver_releases:
+            privacy["paper_epsilon_per_receiver"] = epsilon_json(ledger.pairwise_epsilon(accountant).max(axis=1))
+            privacy["paper_epsilon_per_receiver_view"] = PER_RECEIVER_VIEW
         if "paper_accounting" in experiment.setup:
             privacy["paper_accounting"] = experiment.setup["paper_accounting"]
         privacy.update(extras or {})
@@ -253,14 +246,6 @@ class ResultsFolder:
 
     def profile(self, report: dict[str, Any]) -> None:
         write_json(self.path / PROFILE_FILE, report)
-
-
-def colluding_epsilon(ledger: PrivacyLedger) -> np.ndarray:
-    """Each agent's epsilon against all its receivers together (the ledger's agent view).  It is what
-    ``epsilon`` reports unless budgets hold per receiver (:class:`ReceiverLedger`, e.g. TOP-DP)."""
-    if isinstance(ledger, ReceiverLedger):
-        return ledger.colluding_epsilon()[0]
-    return ledger.reported_epsilon()[0]
 
 
 def summary(experiment: Experiment, metrics: list[dict[str, Any]], wall: float, finished: bool) -> dict[str, Any]:
@@ -283,7 +268,6 @@ def summary(experiment: Experiment, metrics: list[dict[str, Any]], wall: float, 
            if config.averaging.kind != "none" else {}),
         "private": config.privacy.private,
         "epsilon_max": epsilon_json(float(epsilons.max())),
-        "epsilon_max_colluding": epsilon_json(float(colluding_epsilon(experiment.ledger).max())),
         "epsilon_per_agent": epsilon_json(epsilons),
         "epsilon_accountant": accountant,
         "neighbouring": config.privacy.neighbouring,
