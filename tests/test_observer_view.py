@@ -9,6 +9,7 @@ accountant claims exactness (``M`` without negative entries)."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import networkx as nx
@@ -17,12 +18,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import norm
+from tests.conftest import tiny_config
 
 from decentdp.algorithms.base import RunFacts
 from decentdp.algorithms.muffliato import Muffliato, MuffliatoSettings
+from decentdp.config import validate_config
 from decentdp.privacy import network_dp
 from decentdp.privacy.accounting import gaussian_dp_epsilon
 from decentdp.privacy.observer_view import LinearView, ViewBuilder, observer_mu
+from decentdp.run.loop import run_experiment
 from decentdp.runtime.network import SimulatedNetwork
 from decentdp.topology import build_topology, topology_from_matrix
 
@@ -249,3 +253,17 @@ def test_muffliato_many_rounds_reported_is_at_least_the_same_direction_truth() -
         m = a.T @ np.linalg.pinv(b @ b.T) @ a
         aligned = gaussian_dp_epsilon(math.sqrt(max(m.sum(), 0.0)), DELTA)
         assert reported[0, v] >= min(aligned, facts.local_epsilon[0]) - 1e-6
+
+
+def test_a_run_measured_on_private_records_says_so(tmp_path) -> None:
+    """Issue item 6: with data.validation_fraction > 0 the metrics read held-out private records; the run
+    warns when it starts and privacy.json says which records the metrics read."""
+    lines: list[str] = []
+    config = validate_config(tiny_config(data={"dataset": "digits", "partition": "iid", "validation_fraction": 0.2}))
+    run_experiment(config, tmp_path / "run", progress=False, log=lines.append)
+    privacy = json.loads((tmp_path / "run" / "privacy.json").read_text())
+    assert privacy["evaluation_records"].startswith("private") and "validation_fraction" in privacy["evaluation_notice"]
+    assert any("held out of the agents' private training data" in line for line in lines)
+    plain = validate_config(tiny_config())
+    run_experiment(plain, tmp_path / "plain", progress=False, log=lambda _line: None)
+    assert json.loads((tmp_path / "plain" / "privacy.json").read_text())["evaluation_records"] == "public"

@@ -336,3 +336,31 @@ def test_movielens_cli_path(capsys, tmp_path):
     for key in ("rmse_mean", "epsilon_max", "epsilon_max_paper", "wall_seconds"):
         assert summary[key] is not None
     assert 0.9 < summary["rmse_mean"] < 1.2 and summary["epsilon_max"] <= 1.0 + 1e-9
+
+
+def test_a_run_states_its_noise_mode_and_spends_the_warm_start_inside_the_budget(tmp_path):
+    """Issue item 6: the noise mode and the simulation notice are stated (setup, privacy.json, summary, log),
+    and the private warm start's epsilon is spent inside the budget, not added on top of it."""
+    lines: list[str] = []
+    raw = _config(warm_start=True, warm_start_epsilon=0.3)
+    summary, _, _ = run_personalized(validate_config(raw), out_dir=tmp_path / "run", log=lines.append)
+    assert summary["epsilon_max"] <= 1.0 + 1e-9 and summary["warm_start_epsilon"] == 0.3
+    assert summary["private"] is True and summary["noise"] == "simulation"
+    privacy = json.loads((tmp_path / "run" / "privacy.json").read_text())
+    setup = json.loads((tmp_path / "run" / "setup.json").read_text())
+    for record in (privacy, setup):
+        assert record["noise"] == "simulation" and "recomputable" in record["noise_notice"]
+        assert record["neighbouring"] == "replace-one"
+    assert any("recomputable" in line for line in lines)
+    with pytest.raises(ConfigError, match="personalized.warm_start_epsilon"):
+        run_personalized(validate_config(_config(warm_start=True, warm_start_epsilon=1.0)), log=lambda _line: None)
+
+
+@pytest.mark.parametrize("method", ["admm", "propagation"])
+def test_a_method_without_noise_says_it_is_not_private(method, tmp_path):
+    lines: list[str] = []
+    summary, _, _ = run_personalized(validate_config(_config(method=method)), out_dir=tmp_path / method,
+                                     log=lines.append)
+    assert summary["private"] is False and summary["epsilon_max"] is None
+    assert any("NOT private" in line for line in lines)
+    assert json.loads((tmp_path / method / "privacy.json").read_text())["private"] is False

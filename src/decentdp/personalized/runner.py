@@ -33,6 +33,7 @@ from decentdp.personalized.schedule import WakeupPlan, plan_wakeups, poisson_tic
 from decentdp.personalized.settings import PersonalizedSection
 from decentdp.personalized.solver import PrivateUpdates, coordinate_descent, model_propagation
 from decentdp.privacy.ledger import PrivacyLedger
+from decentdp.privacy.report import privacy_statement
 from decentdp.results import epsilon_json, provenance, write_json, write_jsonl, write_toml
 
 
@@ -85,9 +86,25 @@ class PersonalizedRun:
     setup: dict[str, Any] = field(default_factory=dict)
 
 
+def update_budget(config: ExperimentConfig) -> float:
+    """What the private updates may spend: epsilon-bar less the private warm start's pure epsilon, which
+    composes with them (basic composition of an epsilon_w-DP and an (epsilon, delta)-DP release)."""
+    settings = config.personalized
+    assert settings is not None
+    budget = config.privacy.epsilon or math.inf
+    if settings.warm_start and config.privacy.private:
+        if settings.warm_start_epsilon >= budget:
+            raise ConfigError("personalized.warm_start_epsilon", f"{settings.warm_start_epsilon:g} leaves nothing of "
+                                                                 f"privacy.epsilon = {budget:g} for the updates: "
+                                                                 "the warm start is spent inside the budget")
+        budget -= settings.warm_start_epsilon
+    return budget
+
+
 def _noise(settings: PersonalizedSection, config: ExperimentConfig, problem: Problem,
            plan: WakeupPlan) -> UpdateNoise:
-    """Per-update noise multipliers for the budget and allocation (see :mod:`decentdp.personalized.privacy`)."""
+    """Per-update noise multipliers for the updates' budget (:func:`update_budget`) and allocation (see
+    :mod:`decentdp.personalized.privacy`)."""
     planned = settings.wakeups
     has_data = (problem.counts > 0).cpu().numpy()
     if settings.allocation == "equal":
@@ -97,7 +114,7 @@ def _noise(settings: PersonalizedSection, config: ExperimentConfig, problem: Pro
         shape = optimal_profile(plan.update_ticks(planned), contraction)
     shape[~has_data] = 0.0
     try:
-        return calibrate_updates(settings.mechanism, settings.calibration, config.privacy.epsilon or math.inf,
+        return calibrate_updates(settings.mechanism, settings.calibration, update_budget(config),
                                  config.privacy.delta, shape, config.privacy.accountant, config.privacy.neighbouring)
     except PrivacyError as error:
         raise ConfigError("privacy.epsilon", str(error)) from None
@@ -122,7 +139,7 @@ def build_run(config: ExperimentConfig, data_dir: str | Path | None = None,
         plan = plan_wakeups(poisson_ticks(seed, problem.n_agents, ticks), data.weights, settings.wakeups)
     if settings.method == "cd":
         noise = _noise(settings, config, problem, plan)
-    budget = (config.privacy.epsilon or math.inf) if settings.method == "cd" else math.inf
+    budget = update_budget(config) if settings.method == "cd" else math.inf
     ledger = PrivacyLedger(problem.n_agents, budget, config.privacy.delta,
                            budget_accountant=config.privacy.accountant, relation=config.privacy.neighbouring)
     setup = {"n_agents": problem.n_agents, "dim": problem.dim, "data": data.info, "method": settings.method,
@@ -131,7 +148,9 @@ def build_run(config: ExperimentConfig, data_dir: str | Path | None = None,
              "ticks": None if plan is None else plan.total_ticks,
              "levels": None if plan is None else plan.n_levels,
              "updates_per_agent": None if plan is None else plan.updates_per_agent().tolist(),
-             "private": private and settings.method == "cd"}
+             **privacy_statement(private and settings.method == "cd", config.privacy.neighbouring,
+                                 config.privacy.noise, private_evaluation=settings.validation),
+             "warnings": _warnings(config)}
     if noise is not None:
         setup["noise_multipliers_first_update"] = noise.multipliers[:, 0].tolist()
         setup["calibration"] = {"mechanism": noise.mechanism, "calibration": settings.calibration,
@@ -183,6 +202,10 @@ def run_personalized(config: ExperimentConfig, out_dir: str | Path | None = None
     emit(f"personalized {settings.method} on {settings.dataset}: {problem.n_agents} agents, p = {problem.dim}, "
          f"{int(problem.counts.sum())} training records"
          + ("" if run.plan is None else f", {run.plan.total_ticks} ticks in {run.plan.n_levels} levels"))
+    for warning in run.setup["warnings"]:
+        emit(f"warning: {warning}")
+    if run.setup["private"] and "noise_notice" in run.setup:
+        emit(f"privacy: {run.setup['noise_notice']}")
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
         write_toml(folder / "config.toml", config.to_toml_dict())
@@ -246,20 +269,39 @@ def run_personalized(config: ExperimentConfig, out_dir: str | Path | None = None
                "epsilon_max_paper": epsilon_json(float(np.max(spent["paper"]))),
                "delta_paper": spent["paper_delta"], "delta": privacy.delta,
                "epsilon_budget": epsilon_json(privacy.epsilon), "warm_start_epsilon": warm,
+               "private": run.setup["private"], "noise": privacy.noise,
                "epsilon_per_agent": epsilon_json(spent["tight"]),
                "updates_per_agent_mean": float(run.ledger.releases().mean()) if settings.method == "cd" else None,
                "refused_releases": int(run.ledger.refused.sum()),
                "wall_seconds": wall, "finished": True}
     if folder is not None:
         write_jsonl(folder / "metrics.jsonl", metrics)
-        write_json(folder / "privacy.json", {key: epsilon_json(value) if key != "paper_delta" else value
-                                             for key, value in spent.items()})
+        statement = {key: run.setup[key] for key in ("private", "neighbouring", "neighbouring_assumption", "noise",
+                                                      "evaluation_records", "noise_notice", "evaluation_notice")
+                     if key in run.setup}
+        write_json(folder / "privacy.json", {**{key: epsilon_json(value) if key != "paper_delta" else value
+                                                for key, value in spent.items()}, **statement})
         write_json(folder / "summary.json", summary)
     headline = (f"RMSE mean {final['rmse_mean']:.4f}" if "rmse_mean" in final
                 else f"accuracy mean {final['accuracy_mean']:.4f}")
     emit(f"{headline}; epsilon max {summary['epsilon_max']} ({privacy.accountant}), paper's formula "
          f"{summary['epsilon_max_paper']}; {wall:.1f} s")
     return summary, metrics, theta
+
+
+def _warnings(config: ExperimentConfig) -> list[str]:
+    """What a personalized config does that its user may not expect, said when the run starts."""
+    settings = config.personalized
+    assert settings is not None
+    warnings = []
+    if settings.method in ("admm", "propagation") and config.privacy.private:
+        warnings.append(f"personalized.method = '{settings.method}' adds no noise: this run is NOT private "
+                        f"(privacy.epsilon = {config.privacy.epsilon:g} is ignored; its epsilon is reported as "
+                        "infinite); use method = 'cd' for a private run")
+    if settings.validation:
+        warnings.append("personalized.validation: the metrics are measured on held-out private ratings, not "
+                        "on a public test set; choosing settings by them spends privacy that no epsilon here counts")
+    return warnings
 
 
 def _rng(config: ExperimentConfig, n_agents: int, device: torch.device) -> Any:

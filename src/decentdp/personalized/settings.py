@@ -39,8 +39,9 @@ class PersonalizedSection(BaseModel):
                              "of Theorem 1 (looser: more noise for the same budget)")
     warm_start: bool = Field(False, description="start from DP local models (output perturbation) smoothed by "
                                                 "model propagation (supplementary C)")
-    warm_start_epsilon: float = Field(0.05, gt=0.0, description="pure epsilon of the warm start's local models; "
-                                                                "it adds to epsilon-bar by composition")
+    warm_start_epsilon: float = Field(0.05, gt=0.0, description="pure epsilon of the warm start's local models, "
+                                                                "spent inside epsilon-bar (the updates get the "
+                                                                "rest, by composition)")
     admm_rho: float = Field(1.0, gt=0.0, description="ADMM penalty (not reported by the papers)")
     admm_local_steps: int = Field(10, ge=1, description="gradient steps of each ADMM primal update")
     validation: bool = Field(False, description="evaluate on a held-out fifth of each agent's training data "

@@ -38,6 +38,7 @@ from decentdp.privacy.accounting import calibrate_noise_multiplier
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.privacy.mechanisms import GaussianMechanism, round_up_to_float32
 from decentdp.privacy.oracle import DataOracle
+from decentdp.privacy.report import PRIVATE_EVALUATION_NOTICE
 from decentdp.privacy.sampling import AgentData, PoissonSampler
 from decentdp.rng import AgentKeys, AgentRandom, SecureRandom, Stream, round_stream_seed
 from decentdp.runtime.averaging import IterateAverage
@@ -245,6 +246,8 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
 
     sizes = [len(p) for p in parts]
     warnings = _privacy_warnings(config, sizes) if private else []
+    if cfg_data.validation_fraction > 0 and private:
+        warnings.append(PRIVATE_EVALUATION_NOTICE)
     rates = [min(1.0, algo_cfg.batch_size / n) for n in sizes]
     budgets = _agent_budgets(config, len(parts))
     planned = planned_releases(config, algorithm)

@@ -21,6 +21,7 @@ from decentdp.algorithms.base import State
 from decentdp.config import PLACEMENT_FIELDS, ExperimentConfig, config_differences, validate_config
 from decentdp.errors import ConfigError
 from decentdp.privacy.network_dp import plot_pairwise
+from decentdp.privacy.report import privacy_report, privacy_statement
 from decentdp.results import (
     CHECKPOINT_FILE,
     CONFIG_FILE,
@@ -38,14 +39,10 @@ from decentdp.results import (
     write_jsonl,
     write_toml,
 )
-from decentdp.rng import SIMULATION_NOTICE, AgentKeys, SecureRandom
+from decentdp.rng import AgentKeys, SecureRandom
 from decentdp.run.build import Experiment
 from decentdp.runtime.sharded import SHARD_CHECKPOINT_FORMAT, ShardCheckpointWriter, read_shard_checkpoints
 
-#: What the per-receiver composition of a run's per-receiver messages assumes (privacy.json).
-PER_RECEIVER_VIEW = ("each receiver's messages composed alone, as if it knew no noise it was not sent and never saw "
-                     "another copy of the same sum (TOP-DP's view (a), eq. 5a): the papers' argument, below the "
-                     "truth when messages share or reuse noise; reported, never enforced")
 
 def _check_creatable(path: Path) -> None:
     """Refuse, before anything runs, a results folder that cannot be created: one below a file, or below
@@ -83,25 +80,10 @@ DIAGNOSTICS_FILE = "diagnostics.json"
 DIAGNOSTICS_WARNING = ("operator diagnostics computed from the raw private data, NOT differentially private: "
                        "do not share this file or the 'diagnostics' entries of metrics.jsonl")
 
-NEIGHBOURING_ASSUMPTIONS = {
-    "add-remove": "neighbouring datasets differ by adding or removing one record of one agent; the run publishes "
-                  "each agent's sample rate q_i = L/|D_i|, so this assumes dataset sizes are not secret (the "
-                  "DP-SGD papers' relation; use replace-one when sizes must be covered)",
-    "replace-one": "neighbouring datasets differ by replacing one record of one agent (sizes public, as the run "
-                   "publishes them); about twice the epsilon of add-remove for the same noise",
-}
-
-
-def privacy_statement(config: ExperimentConfig) -> dict[str, Any]:
-    """What a run's epsilon means: the neighbouring relation and its assumption, and the noise's secrecy."""
-    statement: dict[str, Any] = {
-        "neighbouring": config.privacy.neighbouring,
-        "neighbouring_assumption": NEIGHBOURING_ASSUMPTIONS[config.privacy.neighbouring],
-        "noise": config.privacy.noise,
-    }
-    if config.privacy.noise == "simulation" and config.privacy.private:
-        statement["noise_notice"] = SIMULATION_NOTICE
-    return statement
+def run_privacy_statement(config: ExperimentConfig) -> dict[str, Any]:
+    """:func:`~decentdp.privacy.report.privacy_statement` of a config."""
+    return privacy_statement(config.privacy.private, config.privacy.neighbouring, config.privacy.noise,
+                             private_evaluation=config.data.validation_fraction > 0)
 
 
 def _merged_shards(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -213,27 +195,8 @@ class ResultsFolder:
                extras: dict[str, Any] | None = None) -> None:
         """``privacy.json``, ``summary.json`` and the plots of a finished run; ``extras`` are the
         algorithm's own privacy results (``Algorithm.privacy_extras``), added to ``privacy.json``."""
-        ledger = experiment.ledger
-        epsilons, accountant = ledger.reported_epsilon()
-        privacy: dict[str, Any] = {
-            "delta": experiment.config.privacy.delta,
-            "epsilon": epsilon_json(epsilons),
-            "epsilon_accountant": accountant,
-            **privacy_statement(experiment.config),
-            "releases": ledger.releases().tolist(),
-            "refused_releases": ledger.refused.tolist(),
-            "ledger": ledger.state_dict(),
-        }
-        if ledger.relation == "add-remove":  # RDP has no replace-one bound for sampled releases
-            privacy["epsilon_rdp"] = epsilon_json(ledger.epsilon("rdp"))
-        if ledger.has_receiver_releases and ledger.relation == "add-remove":
-            privacy["epsilon_pairwise_rdp"] = epsilon_json(ledger.pairwise_epsilon("rdp"))
-        if ledger.has_receiver_releases:
-            privacy["paper_epsilon_per_receiver"] = epsilon_json(ledger.pairwise_epsilon(accountant).max(axis=1))
-            privacy["paper_epsilon_per_receiver_view"] = PER_RECEIVER_VIEW
-        if "paper_accounting" in experiment.setup:
-            privacy["paper_accounting"] = experiment.setup["paper_accounting"]
-        privacy.update(extras or {})
+        privacy = privacy_report(experiment.ledger, experiment.config.privacy.delta, run_privacy_statement(
+            experiment.config), experiment.setup.get("paper_accounting"), extras)
         if (extras or {}).get("epsilon_pairwise_network") is not None:
             plot_pairwise(np.array(extras["epsilon_pairwise_network"], dtype=float), self.path / "pairwise_epsilon.png")
         write_json(self.path / PRIVACY_FILE, privacy)
