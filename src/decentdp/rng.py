@@ -45,7 +45,7 @@ import hashlib
 import json
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from enum import IntEnum
 from pathlib import Path
@@ -347,6 +347,19 @@ class SecureRandom(AgentRandom):
                   slot: int | None = None) -> np.ndarray:
         raw = _keystream(self.keys.key(agent), _nonce(round_index, stream, step, slot), 8 * count)
         return _uniform53(raw, count)
+
+    def words(self, agent: int, round_index: int, stream: Stream, step: int = 0,
+              slot: int | None = None) -> Callable[[int], np.ndarray]:
+        """Agent ``agent``'s stream of uniform 64-bit words for one key: ``words(n)`` returns its next ``n``
+        (the ChaCha20 keystream, continued call after call), for exact samplers that reject a
+        variable number of draws (:mod:`decentdp.privacy.discrete`)."""
+        encryptor = Cipher(algorithms.ChaCha20(self.keys.key(agent), _nonce(round_index, stream, step, slot)),
+                           mode=None).encryptor()
+
+        def take(count: int) -> np.ndarray:
+            return np.frombuffer(encryptor.update(bytes(8 * count)), dtype=np.uint64).copy()
+
+        return take
 
     def record_uniforms(self, round_index: int, step: int, lengths: Sequence[int]) -> torch.Tensor:
         """Agent ``i``'s slice drawn from agent ``i``'s key alone (the keys of the agents this process holds)."""

@@ -44,7 +44,10 @@ class PrivateUpdates:
     The standard draws of all updates are made on the first release, one row of ``T * p`` values per
     agent from its stream (one keyed generator per agent instead of one per update: per-update keys
     cost a re-seeded generator and a key derivation for each of the ~10^5 updates of a MovieLens run);
-    update (i, k) adds block k of row i, scaled by its own multiplier times C."""
+    update (i, k) adds block k of row i, scaled by its own multiplier times C.  In secure mode a Laplace
+    update is released on a grid instead, with exact discrete Laplace noise drawn when it is made (keyed
+    by agent and update number; :mod:`decentdp.privacy.discrete`): floating-point Laplace noise leaves
+    gaps in the support of the released sum."""
 
     noise: UpdateNoise
     clip: float
@@ -59,6 +62,8 @@ class PrivateUpdates:
         self._data = self.has_data.cpu().numpy()
         self._draws: torch.Tensor | None = None
         self._scales: torch.Tensor | None = None
+        self._exact = NoiseDraw(self.rng, torch.arange(len(self._data)), UPDATE_ROUND, 0) \
+            if self.noise.mechanism == "laplace" and getattr(self.rng, "secure", False) else None
 
     @property
     def norm(self) -> int:
@@ -82,7 +87,6 @@ class PrivateUpdates:
     def release(self, tick: int, agents: torch.Tensor, index: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
         """Charge and perturb the clipped sums of ``agents`` (their ``index``-th updates) in place; the mask
         of agents allowed to update (refused agents' sums are zeroed)."""
-        draws, scales = self._draw(sums.shape[1], sums.device)
         n = self.ledger.n_agents
         rows, numbers = agents.cpu().numpy(), index.cpu().numpy()
         data = self._data[rows]
@@ -93,7 +97,17 @@ class PrivateUpdates:
         allowed = self.ledger.charge(tick, events, agents=asking)[rows] | ~data
         mask = torch.as_tensor(allowed, device=sums.device)
         noisy = torch.as_tensor(allowed & data, device=sums.device)
-        add_noise(sums, draws[agents, index], torch.where(noisy, scales[agents, index], 0.0))
+        if self._exact is not None:
+            released = allowed & data
+            if released.any():
+                picked = torch.from_numpy(np.flatnonzero(released)).to(sums.device)
+                values = self._exact.grid_laplace(rows[released].tolist(), sums[picked].double().cpu().numpy(),
+                                                  self.clip, self.noise.multipliers[rows[released], numbers[released]],
+                                                  slots=numbers[released].tolist())
+                sums[picked] = torch.from_numpy(values).to(sums.device, sums.dtype)
+        else:
+            draws, scales = self._draw(sums.shape[1], sums.device)
+            add_noise(sums, draws[agents, index], torch.where(noisy, scales[agents, index], 0.0))
         sums[~mask] = 0.0
         return mask
 

@@ -21,8 +21,10 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import dp_accounting
+import numpy as np
 import torch
 
+from decentdp.privacy.discrete import grid_release
 from decentdp.privacy.events import gaussian_event, joint_gaussian_event, laplace_event
 from decentdp.rng import AgentRandom, Stream
 
@@ -72,6 +74,22 @@ class NoiseDraw:
         agents = self._claim(rows, slots)
         return self.rng.normal(agents, out.shape[1], self.round_index, Stream.NOISE, self.release, out=out,
                                workers=workers, slots=slots)
+
+    @property
+    def exact(self) -> bool:
+        """Whether this draw releases on a grid with exact samplers (secure mode, :mod:`decentdp.privacy.discrete`)."""
+        return bool(getattr(self.rng, "secure", False))
+
+    def grid_laplace(self, rows: Sequence[int], values: np.ndarray, clip: float, multipliers: np.ndarray,
+                     slots: Sequence[int] | None = None) -> np.ndarray:
+        """``values`` (float64, one row per entry of ``rows``) released on the grid with exact discrete Laplace
+        noise of multiplier ``multipliers[r]`` (:func:`~decentdp.privacy.discrete.grid_release`), each row's
+        words from its agent's key under this draw's key (secure mode only)."""
+        agents = self._claim(rows, slots)
+        keys = [None] * len(agents) if slots is None else list(slots)
+        streams = [self.rng.words(agent, self.round_index, Stream.NOISE, self.release, slot)
+                   for agent, slot in zip(agents, keys, strict=True)]
+        return grid_release(values, clip, multipliers, lambda row: streams[row])
 
     def laplace(self, rows: Sequence[int], out: torch.Tensor, slots: Sequence[int] | None = None) -> torch.Tensor:
         """Standard Laplace draws (scale 1) into ``out``, by inverting the CDF of float64 uniforms."""
@@ -177,6 +195,12 @@ class LaplaceMechanism(_ScaledNoise):
 
     def perturb(self, values: torch.Tensor, owners: torch.Tensor, noise: NoiseDraw,
                 slots: Sequence[int] | None = None) -> None:
+        if noise.exact:  # secure mode: on a grid, exact discrete Laplace (no floating-point support gaps)
+            multipliers = self.noise_multipliers.double().numpy()[owners.numpy()]
+            released = noise.grid_laplace(owners.tolist(), values.double().cpu().numpy(), self.sensitivity,
+                                          multipliers, slots)
+            values.copy_(torch.from_numpy(released))
+            return
         draws = noise.laplace(owners.tolist(), torch.empty_like(values, dtype=noise.dtype), slots)
         add_noise(values, draws, self._row_scales(owners, values.device))
 

@@ -1,0 +1,127 @@
+"""Exact sampling on a grid for secure mode: the discrete Laplace of Canonne, Kamath & Steinke (NeurIPS 2020).
+
+A floating-point Laplace sample added to a floating-point value has gaps in its support: many outputs
+can come from one dataset and not from its neighbour, and such a release is not DP for any epsilon
+(Mironov 2012; measured here: 82 % of raw noisy sums of a personalized run).  Secure mode therefore
+releases values on a grid: the value is rounded to a multiple of ``gamma`` and an integer drawn from
+the *discrete* Laplace distribution ``P(y) ∝ exp(-|y| / t)`` is added, every draw made with integer
+arithmetic alone from uniform 64-bit words (Algorithms 1 and 2 of CKS 2020, vectorised over rows by
+rejection).  Every grid point then has positive probability under any input, and the release is
+``(Delta_int / t)``-DP for integer inputs of l1 sensitivity ``Delta_int``.
+
+:func:`grid_release` sizes the grid from the l1 sensitivity ``C``: ``gamma`` is the power of two with
+``2^GRID_BITS <= C / gamma < 2^(GRID_BITS + 1)`` (:func:`grid_step`), so that dividing by it and
+multiplying back are exact in float64.  Rounding moves each coordinate by at most half a step, so
+neighbouring sums (l1 distance at most C under add/remove) round to integers at most ``C / gamma + d``
+apart (``d`` coordinates).  With ``t = ceil(m (C / gamma + d))`` (:func:`grid_scale`) the release costs at
+most ``1 / m``, the epsilon of the continuous Laplace of multiplier ``m`` that it replaces (``2 / m``
+under replace-one, where sums are 2C apart): the ledger's event stays a sound upper bound.  The
+noise's scale grows by a factor ``1 + d gamma / C`` (a few parts per million here).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+#: Grid steps per clip norm (gamma = C / 2^GRID_BITS).
+GRID_BITS = 20
+
+Words = Callable[[int], np.ndarray]
+"""A source of uniform 64-bit words: ``words(n)`` returns the next ``n`` of one stream (``uint64``)."""
+
+
+def uniform_below(words: Words, bounds: np.ndarray) -> np.ndarray:
+    """One uniform integer in ``[0, bounds[i])`` per entry, exactly (rejection of the top partial range of
+    64-bit words: no modulo bias).  ``bounds`` are positive int64."""
+    bounds = np.asarray(bounds, dtype=np.uint64)
+    out = np.zeros(len(bounds), dtype=np.uint64)
+    limit = (np.uint64(2**64 - 1) // bounds) * bounds          # the largest multiple of the bound in range
+    pending = np.arange(len(bounds))
+    while len(pending):
+        draws = words(len(pending))
+        accept = draws < limit[pending]
+        out[pending[accept]] = draws[accept] % bounds[pending[accept]]
+        pending = pending[~accept]
+    return out.astype(np.int64)
+
+
+def bernoulli(words: Words, numerators: np.ndarray, denominators: np.ndarray) -> np.ndarray:
+    """Bernoulli(n / d) per entry, exactly (``0 <= n <= d``)."""
+    return uniform_below(words, denominators) < np.asarray(numerators, dtype=np.int64)
+
+
+def bernoulli_exp(words: Words, numerators: np.ndarray, denominator: int | np.ndarray) -> np.ndarray:
+    """Bernoulli(exp(-n / d)) per entry for ``0 <= n <= d`` (CKS Algorithm 1: the parity of the first K with
+    a failed Bernoulli(gamma / K))."""
+    numerators = np.asarray(numerators, dtype=np.int64)
+    denominators = np.broadcast_to(np.asarray(denominator, dtype=np.int64), numerators.shape)
+    k = np.ones(len(numerators), dtype=np.int64)
+    result = np.zeros(len(numerators), dtype=bool)
+    pending = np.arange(len(numerators))
+    while len(pending):
+        success = bernoulli(words, numerators[pending], denominators[pending] * k[pending])
+        done = pending[~success]
+        result[done] = k[done] % 2 == 1
+        k[pending[success]] += 1
+        pending = pending[success]
+    return result
+
+
+def discrete_laplace(words: Words, scales: np.ndarray) -> np.ndarray:
+    """One draw per entry of the discrete Laplace ``P(y) ∝ exp(-|y| / t)``, ``t = scales[i]`` (positive int64)
+    (CKS Algorithm 2 with s = 1): ``U`` uniform below t kept with probability exp(-U / t), plus t times a
+    geometric count of Bernoulli(exp(-1)) successes, with a random sign (a negative zero rejected)."""
+    scales = np.asarray(scales, dtype=np.int64)
+    out = np.zeros(len(scales), dtype=np.int64)
+    pending = np.arange(len(scales))
+    while len(pending):
+        t = scales[pending]
+        u = uniform_below(words, t)
+        keep = bernoulli_exp(words, u, t)
+        pending_kept, u, t = pending[keep], u[keep], t[keep]
+        v = np.zeros(len(pending_kept), dtype=np.int64)
+        growing = np.arange(len(pending_kept))
+        while len(growing):
+            more = bernoulli_exp(words, np.ones(len(growing), dtype=np.int64), 1)
+            v[growing[more]] += 1
+            growing = growing[more]
+        magnitude = u + t * v
+        negative = bernoulli(words, np.ones(len(magnitude), dtype=np.int64), np.full(len(magnitude), 2))
+        valid = ~(negative & (magnitude == 0))
+        out[pending_kept[valid]] = np.where(negative[valid], -magnitude[valid], magnitude[valid])
+        finished = np.zeros(len(scales), dtype=bool)
+        finished[pending_kept[valid]] = True
+        pending = pending[~finished[pending]]
+    return out
+
+
+def grid_step(sensitivity: float) -> float:
+    """``gamma``: the power of two with ``2^GRID_BITS <= C / gamma < 2^(GRID_BITS + 1)``."""
+    return 2.0 ** (math.floor(math.log2(sensitivity)) - GRID_BITS)
+
+
+def grid_scale(multiplier: float, dim: int, sensitivity: float) -> int:
+    """``t`` (in grid steps) of the discrete Laplace that replaces a continuous Laplace of multiplier ``m``
+    (scale ``m C``) on ``dim`` coordinates at no more epsilon (module docstring)."""
+    return int(math.ceil(multiplier * (sensitivity / grid_step(sensitivity) + dim)))
+
+
+def grid_release(values: np.ndarray, sensitivity: float, multipliers: np.ndarray,
+                 words_of_row: Callable[[int], Words]) -> np.ndarray:
+    """``values`` (rows, d; float64) of l1 sensitivity ``C`` released on the grid :func:`grid_step` ``(C)``: each
+    row rounded to the grid plus ``gamma`` times a discrete Laplace integer of scale :func:`grid_scale`,
+    drawn from ``words_of_row(r)``.  Every result is an integer times ``gamma``, exactly."""
+    gamma = grid_step(sensitivity)
+    rows, dim = values.shape
+    steps = np.rint(values / gamma)
+    if np.abs(steps).max(initial=0.0) >= 2**52:
+        raise ValueError(f"a released value is beyond the grid's exact range (2^52 steps of {gamma:g})")
+    out = np.empty_like(values)
+    for row in range(rows):
+        noise = discrete_laplace(words_of_row(row), np.full(dim, grid_scale(float(multipliers[row]), dim,
+                                                                            sensitivity)))
+        out[row] = (steps[row] + noise) * gamma
+    return out
