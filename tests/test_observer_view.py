@@ -15,6 +15,7 @@ import math
 import networkx as nx
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import norm
@@ -169,7 +170,6 @@ def _pairwise(muffliato: Muffliato, network: SimulatedNetwork, facts: RunFacts) 
     coefficients = network_dp.pairwise_coefficients(network_dp.gossip_polynomials(w, steps, _gamma(w))[:steps],
                                                     (w > 0).astype(float))
     rdp = facts.rounds * network_dp.round_pairwise_rdp(coefficients, facts.noise_multipliers, np.ones(n))
-    import torch
     extras = muffliato.privacy_extras({"pairwise_rdp": torch.from_numpy(rdp)}, facts)
     return (np.array(extras["epsilon_pairwise_network"], dtype=float),
             np.array(extras["paper_epsilon_pairwise_network"], dtype=float))
@@ -267,3 +267,20 @@ def test_a_run_measured_on_private_records_says_so(tmp_path) -> None:
     plain = validate_config(tiny_config())
     run_experiment(plain, tmp_path / "plain", progress=False, log=lambda _line: None)
     assert json.loads((tmp_path / "plain" / "privacy.json").read_text())["evaluation_records"] == "public"
+
+
+def test_a_view_beyond_the_budget_reports_the_local_epsilon_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run too large for the explicit view reports each sender's local epsilon for every observer (sound:
+    every view is post-processing of the sender's releases), and names the reason; nothing is built."""
+    from decentdp.algorithms import muffliato as module
+
+    monkeypatch.setattr(module, "VIEW_BUDGET_FLOPS", 0.0)
+    monkeypatch.setattr(Muffliato, "linear_view", lambda self, facts: pytest.fail("the view was built"))
+    network = SimulatedNetwork(build_topology("ring", 8))
+    facts = _facts(network, 2, 3.0, "add-remove")
+    reported, _ = _pairwise(Muffliato(MuffliatoSettings(gossip_steps=3)), network, facts)
+    off = ~np.eye(8, dtype=bool)
+    assert np.allclose(reported[off], facts.local_epsilon[0])
+    extras = Muffliato(MuffliatoSettings(gossip_steps=3)).privacy_extras(
+        {"pairwise_rdp": torch.zeros(8, 8, len(network_dp.RDP_ORDERS), dtype=torch.float64)}, facts)
+    assert extras["epsilon_pairwise_network_method"].startswith("not computed")

@@ -38,12 +38,15 @@ from decentdp.algorithms.base import AlgorithmSettings, Network, RoundContext, R
 from decentdp.algorithms.registry import register
 from decentdp.privacy import network_dp
 from decentdp.privacy.accounting import RDP_ORDERS
-from decentdp.privacy.observer_view import LinearView, ViewBuilder, observer_mu, view_cost
+from decentdp.privacy.observer_view import LinearView, ViewBuilder, dense_cost, observer_mu
 
-#: Work (floating-point operations) the observer-view accountant may spend on a run's pairwise epsilons,
-#: about half a minute here; a larger run reports each sender's local epsilon for every observer instead
-#: (sound: every view is post-processing of the sender's releases), and says so.
-VIEW_BUDGET_FLOPS = 3e10
+#: Work (``dense_cost``'s floating-point operations) the observer-view accountant may spend on a run's
+#: pairwise epsilons, about half a minute at one thread here (N = 16, T = 100, K = 4: 3.9e11 in 30 s,
+#: ``benchmarks/observer_view.py``), and the memory its explicit view may take; a larger run reports each
+#: sender's local epsilon for every observer instead (sound: every view is post-processing of the
+#: sender's releases), and says so.
+VIEW_BUDGET_FLOPS = 4e11
+VIEW_BUDGET_BYTES = 2**31
 
 
 class MuffliatoSettings(AlgorithmSettings):
@@ -126,6 +129,17 @@ class Muffliato(SettingsAlgorithm):
         return {"params": params,
                 "pairwise_rdp": state["pairwise_rdp"] + torch.from_numpy(rdp).to(state["pairwise_rdp"].device)}
 
+    def view_size(self, facts: RunFacts) -> tuple[list[int], int, int]:
+        """Without building it: the messages each agent receives over the run, the noise draws and the data
+        terms of :meth:`linear_view` (for :func:`~decentdp.privacy.observer_view.dense_cost`)."""
+        n = len(facts.noise_multipliers)
+        received = np.zeros(n, dtype=np.int64)
+        for k in range(facts.rounds):
+            w = dense_mixing(facts.network(k))
+            steps = self.gossip(w, facts.noise_multipliers, n)[1]
+            received += steps * ((w > 0) & ~np.eye(n, dtype=bool)).sum(axis=1)
+        return received.tolist(), n * facts.rounds, n * facts.rounds
+
     def linear_view(self, facts: RunFacts) -> LinearView:
         """Steps 1-4 of every round unrolled over sources (:class:`ViewBuilder`): each agent's injection
         ``theta_v - (eta / L_v)(x_v + sigma_v xi_v)`` (its noise known to itself alone), then every gossip
@@ -161,13 +175,14 @@ class Muffliato(SettingsAlgorithm):
         if self.settings.update_clip is not None:
             note = "not linear (algorithm.update_clip clips the noisy update): each sender's local epsilon"
         elif (facts.noise_multipliers > 0).all():
-            view = self.linear_view(facts)
-            cost = view_cost(view, observers)
-            if cost <= VIEW_BUDGET_FLOPS:
-                network = observer_mu(view, observers, facts.relation).epsilon(facts.delta)
+            received, noise, data = self.view_size(facts)
+            cost, memory = dense_cost(received, noise, data), 8.0 * sum(received) * (noise + data)
+            if cost <= VIEW_BUDGET_FLOPS and memory <= VIEW_BUDGET_BYTES:
+                network = observer_mu(self.linear_view(facts), observers, facts.relation).epsilon(facts.delta)
             else:
-                note = (f"not computed: the run's view needs {cost:.2g} floating-point operations, beyond "
-                        f"{VIEW_BUDGET_FLOPS:.2g}; each sender's local epsilon")
+                note = (f"not computed: the run's explicit view needs {cost:.2g} floating-point operations and "
+                        f"{memory / 2**30:.3g} GiB, beyond {VIEW_BUDGET_FLOPS:.2g} and "
+                        f"{VIEW_BUDGET_BYTES / 2**30:.3g} GiB; each sender's local epsilon")
         epsilons = np.minimum(network, local[:, None])
         np.fill_diagonal(epsilons, 0.0)
         paper = np.minimum(network_dp.pairwise_epsilon(state["pairwise_rdp"].cpu().numpy(), facts.delta),

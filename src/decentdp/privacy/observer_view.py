@@ -168,14 +168,18 @@ def sensitivity(relation: str) -> float:
     return 2.0 if relation == "replace-one" else 1.0
 
 
+def dense_cost(observed_rows: Sequence[int], noise_columns: int, data_columns: int) -> float:
+    """Floating-point operations of :func:`observer_mu` for observers that see ``observed_rows[o]`` messages
+    each, over ``noise_columns`` unknown draws and ``data_columns`` data terms (the SVDs dominate): to
+    decide before building a view whether it is affordable."""
+    return sum(4.0 * rows * noise_columns * min(rows, noise_columns)
+               + 2.0 * rows * data_columns * min(rows, noise_columns) for rows in observed_rows)
+
+
 def view_cost(view: LinearView, observers: Sequence[Collection[int]]) -> float:
-    """Floating-point operations :func:`observer_mu` will take (the SVDs dominate), to decide beforehand."""
-    total = 0.0
-    for observer in observers:
-        rows = int(np.isin(view.receivers, list(observer)).sum())
-        columns = int((~view.noise_holders[:, list(observer)].any(axis=1)).sum())
-        total += 4.0 * rows * columns * min(rows, columns) + 2.0 * rows * len(view.data_owner) * min(rows, columns)
-    return total
+    """:func:`dense_cost` of a built view."""
+    rows = [int(np.isin(view.receivers, list(observer)).sum()) for observer in observers]
+    return dense_cost(rows, len(view.noise_scale), len(view.data_owner))
 
 
 def observer_mu(view: LinearView, observers: Sequence[Collection[int]], relation: str = "add-remove",
