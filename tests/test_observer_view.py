@@ -132,7 +132,7 @@ def _chebyshev(w: np.ndarray, steps: int) -> list[np.ndarray]:
     return polys
 
 
-def _muffliato_view(w: np.ndarray, steps: int, rounds: int, sigma: float, observer: int, sender: int,
+def _muffliato_view(w: np.ndarray, steps: int, rounds: int, sigma: float | np.ndarray, observer: int, sender: int,
                     ) -> tuple[np.ndarray, np.ndarray]:
     """(A, B): what ``observer`` sees (its neighbours' y^0 .. y^{K-1} every round) as A x_sender + B z, its
     own noise and the other agents' data removed; z is every other agent's noise, one draw per round."""
@@ -144,7 +144,7 @@ def _muffliato_view(w: np.ndarray, steps: int, rounds: int, sigma: float, observ
     for r in range(rounds):
         inj_x, inj_z = theta_x.copy(), theta_z.copy()
         inj_x[sender, r] -= 1.0
-        inj_z[np.arange(n), np.arange(n) * rounds + r] -= sigma
+        inj_z[np.arange(n), np.arange(n) * rounds + r] -= np.broadcast_to(sigma, (n,))
         for t in range(steps):
             rows_a.append((polys[t] @ inj_x)[neighbours])
             rows_b.append((polys[t] @ inj_z)[neighbours])
@@ -284,3 +284,20 @@ def test_a_view_beyond_the_budget_reports_the_local_epsilon_and_says_why(monkeyp
     extras = Muffliato(MuffliatoSettings(gossip_steps=3)).privacy_extras(
         {"pairwise_rdp": torch.zeros(8, 8, len(network_dp.RDP_ORDERS), dtype=torch.float64)}, facts)
     assert extras["epsilon_pairwise_network_method"].startswith("not computed")
+
+
+def test_muffliato_prices_every_node_with_its_own_sigma() -> None:
+    """Issue item 2: with per-agent budgets, each node's injection carries its own sigma (the authors' bound
+    used the sender's for every node).  Two rounds on a ring of 6, K = 2, the sender at sigma 4 among
+    nodes at 0.5: the antipodal observer's exact mu^2 with each node's own sigma is 5.5x the one that
+    gives every node the sender's sigma, and the accountant equals the former."""
+    network = SimulatedNetwork(build_topology("ring", 6))
+    w = network.public_graph().dense_mixing()
+    sigmas = np.array([4.0, 0.5, 0.5, 3.0, 0.5, 0.5])
+    facts = RunFacts(2, lambda k: network, lambda k: 0.1, sigmas, np.full(6, 50.0), DELTA, "add-remove",
+                     np.full(6, 50.0))
+    loss = observer_mu(Muffliato(MuffliatoSettings(gossip_steps=2)).linear_view(facts), [[v] for v in range(6)])
+    a, b = _muffliato_view(w, 2, 2, sigmas, 3, 0)
+    assert loss.mu[0, 3] ** 2 == pytest.approx(_exact_mu2(a, b)[0], rel=1e-5)
+    a, b = _muffliato_view(w, 2, 2, 4.0, 3, 0)
+    assert loss.mu[0, 3] ** 2 > 4 * _exact_mu2(a, b)[0]

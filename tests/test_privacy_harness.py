@@ -60,7 +60,8 @@ LINEAR_SETTINGS: dict[str, dict[str, Any]] = {
     "local": {"optimizer": "sgd"},
 }
 
-SCHEDULES = {"top-dp-async": {"kind": "pairing"}}
+#: Agents go offline and re-pair with earlier partners (TOP-DP's Alg. 2: the issue's item 3(B)).
+SCHEDULES = {"top-dp-async": {"kind": "pairing", "offline_probability": 0.3}}
 
 
 class Sources:
