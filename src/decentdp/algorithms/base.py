@@ -24,7 +24,7 @@ from __future__ import annotations
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
@@ -264,6 +264,7 @@ class Calibrated:
     mechanism: Any
     noise_multipliers: list[float]
     paper_accounting: dict[str, Any]
+    details: dict[str, Any] = field(default_factory=dict)  # how our own calibration sized the noise (setup.json)
 
 
 @dataclass(frozen=True)

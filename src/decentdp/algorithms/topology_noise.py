@@ -24,8 +24,9 @@ budgets hold on it: it bounds every observer, a single curious neighbour and col
 
 Two views the paper argues with are reported beside it, labelled, never enforced: the per-receiver
 composition (view (a), each receiver charged ``sigma_{t,i}`` per round, as if it knew no reused noise
-and never saw the estimate's copy: below the truth, which an exact linear-Gaussian model of a 4-ring
-puts 1.2-1.5x higher), and Theorem 1 (eq. 7), which also leaves out the decay.
+and never saw the estimate's copy: below what one receiver of a 4-ring actually learns,
+``tests/test_privacy_harness.py``; 1.20-1.25x it over 50 full-batch rounds, ``docs/reproduction.md``),
+and Theorem 1 (eq. 7), which also leaves out the decay.
 """
 
 from __future__ import annotations
@@ -106,8 +107,9 @@ def calibrate_top_dp(plan: NoisePlan, alpha: float, gamma: float, period: int, s
     """sigma_0 per agent such that the joint release of every round (all noisy copies of its sum, the
     colluding view) meets (epsilon_i, delta) over the decayed rounds: ``sigma_0,i = base_i sqrt(f_i)``,
     where ``base_i`` meets the budget with one release per round (:func:`decayed_history_event`) and
-    ``f_i`` is :func:`precision_factors` (which depends on the neighbours' sigmas: iterated to a fixed
-    point, then checked on the float32 values the run draws with)."""
+    ``f_i`` is :func:`precision_factors`, which depends on the neighbours' sigmas: each agent's sigma is
+    raised until no joint multiplier ``sigma_i / sqrt(f_i)`` is below its base, checked on the float32
+    values the run draws with (raising one agent's sigma can only make reusing it unusable for others)."""
     if min(plan.degrees) < 1:
         agent = plan.degrees.index(min(plan.degrees))
         raise ConfigError("topology.graph", f"agent {agent} has no neighbour: TOP-DP needs at least one per agent")
@@ -146,9 +148,11 @@ def calibrate_top_dp(plan: NoisePlan, alpha: float, gamma: float, period: int, s
         "epsilon_theorem1": [theorem1_epsilon(s, plan.delta, plan.rounds, n)
                              for s, n in zip(sigmas.tolist(), plan.sizes, strict=True)],
         "decay": {"gamma": gamma, "period": period},
-        "precision_factors": factors.tolist(),
     }
-    return Calibrated(GaussianMechanism(torch.tensor(sigmas, dtype=torch.float32), plan.clip), sigmas.tolist(), paper)
+    ours = {"view": "joint: every noisy copy of a round's sum (the estimate and each message) as one release",
+            "base_noise_multipliers": base.tolist(), "precision_factors": factors.tolist()}
+    return Calibrated(GaussianMechanism(torch.tensor(sigmas, dtype=torch.float32), plan.clip), sigmas.tolist(), paper,
+                      ours)
 
 
 def reuse_coefficients(alpha: float, sigma: np.ndarray, expected_batch: np.ndarray, src: np.ndarray,

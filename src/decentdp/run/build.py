@@ -285,6 +285,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     histograms = class_histograms(labels, parts, dataset.num_classes)
     setup = {
         **({"paper_accounting": own.paper_accounting} if own is not None else {}),
+        **({"calibration_details": own.details} if own is not None and own.details else {}),
         "n_agents": len(parts),
         "parameters": model.dim,
         "agent_sizes": sizes,
