@@ -11,15 +11,17 @@ import torch
 from decentdp.personalized.privacy import calibrate_updates
 from decentdp.personalized.solver import PrivateUpdates
 from decentdp.privacy.discrete import (
+    _resolve,
     bernoulli_exp,
     discrete_laplace,
     grid_release,
     grid_scale,
     grid_step,
+    rounded_gaussian,
     uniform_below,
 )
 from decentdp.privacy.ledger import PrivacyLedger
-from decentdp.privacy.mechanisms import LaplaceMechanism, NoiseDraw
+from decentdp.privacy.mechanisms import GaussianMechanism, LaplaceMechanism, NoiseDraw
 from decentdp.rng import AgentKeys, SecureRandom
 
 
@@ -93,3 +95,49 @@ def test_secure_laplace_mechanism_and_personalized_updates_release_on_the_grid()
     steps = sums.numpy() / grid_step(1.0)
     assert np.array_equal(steps, np.rint(steps))
     assert (ledger.releases() == np.array([1, 0, 1])).all()
+
+
+@pytest.mark.parametrize(("fraction", "scale"), [(0.0, 0.3), (0.31, 0.8), (-0.45, 2.5)])
+def test_rounded_gaussian_matches_the_gaussian_mass_of_each_grid_cell(fraction: float, scale: float) -> None:
+    """P(offset = k) = Phi((k + 1/2 - f) / s) - Phi((k - 1/2 - f) / s): the continuous Gaussian mechanism's
+    output rounded to the grid, over 200,000 draws."""
+    from scipy.stats import norm
+
+    draws = rounded_gaussian(_words(5), np.full(200_000, fraction), np.full(200_000, scale))
+    for k in range(-3, 4):
+        mass = norm.cdf((k + 0.5 - fraction) / scale) - norm.cdf((k - 0.5 - fraction) / scale)
+        assert (draws == k).mean() == pytest.approx(mass, abs=4 * math.sqrt(max(mass, 1e-6) / 200_000) + 1e-4), k
+
+
+def test_an_ambiguous_cell_is_resolved_to_the_point_the_float_path_would_pick() -> None:
+    """A uniform cell the float bounds cannot place is refined with mpmath; for cells the float path does
+    place, the refinement (with any further bits) lands on the same grid point."""
+    rng = np.random.default_rng(6)
+    for _ in range(40):
+        fraction, scale = rng.uniform(-0.5, 0.5), rng.uniform(0.1, 50)
+        cell = int(rng.integers(1, 2**53 - 1))
+        words = lambda count, c=cell: np.array([c << 11], dtype=np.uint64)   # noqa: E731 (the first 53 bits)
+        fast = rounded_gaussian(words, np.array([fraction]), np.array([scale]))[0]
+        assert _resolve(_words(7), fraction, scale, cell) == fast
+
+
+def test_secure_gaussian_mechanism_releases_on_the_grid() -> None:
+    secure = SecureRandom(0, AgentKeys.generate(range(2)))
+    mechanism = GaussianMechanism(torch.tensor([1.0, 2.0]), 1.3)
+    values = torch.randn(2, 11, dtype=torch.float64)
+    before = values.clone()
+    mechanism.perturb(values, torch.arange(2), NoiseDraw(secure, torch.arange(2), 0, 0))
+    steps = values.numpy() / grid_step(1.3)
+    assert np.array_equal(steps, np.rint(steps)) and not torch.equal(values, before)
+
+
+def test_a_cell_on_a_rounding_boundary_resolves_to_either_side_by_its_further_bits() -> None:
+    import mpmath
+
+    fraction, scale = 0.2, 3.0
+    with mpmath.workprec(200):                             # f + s z + 1/2 = 0: between offsets -1 and 0
+        cell = int(mpmath.floor(mpmath.ncdf(-(mpmath.mpf(fraction) + mpmath.mpf(0.5)) / scale) * 2**53))
+    words = lambda count: np.array([cell << 11], dtype=np.uint64)   # noqa: E731
+    results = {_resolve(_words(seed), fraction, scale, cell) for seed in range(40)}
+    assert results == {-1, 0}
+    assert rounded_gaussian(words, np.array([fraction]), np.array([scale]))[0] in (-1, 0)

@@ -45,6 +45,7 @@ from decentdp.algorithms.base import Calibrated, Network, NoisePlan
 from decentdp.algorithms.select_mix import SelectMixSettings
 from decentdp.errors import ConfigError
 from decentdp.privacy.accounting import calibrate_scale
+from decentdp.privacy.discrete import grid_gaussian_release
 from decentdp.privacy.events import gaussian_event
 from decentdp.privacy.mechanisms import GaussianMechanism, NoiseDraw, add_noise, round_up_to_float32
 from decentdp.privacy.paper_accounting import theorem1_epsilon, theorem1_noise_multiplier
@@ -297,6 +298,11 @@ class RowGaussian:
                 slots: Sequence[int] | None = None) -> None:
         """``values[r] += scales[r] * N(0, 1)``, drawn block by block into one small buffer (eq. 5b's residual
         noise, or the full sigma_t for local estimates and uncovered receivers)."""
+        if noise.exact:  # secure mode: the rounded Gaussian release, sampled exactly on a grid
+            released = noise.on_grid(grid_gaussian_release, owners.tolist(), values.double().cpu().numpy(), self.clip,
+                                     self.multipliers, slots)
+            values.copy_(torch.from_numpy(released))
+            return
         count, dim = values.shape
         rows, keys = owners.tolist(), None if slots is None else list(slots)
         block = max(1, min(count, self.BLOCK_BYTES // (values.element_size() * dim)))

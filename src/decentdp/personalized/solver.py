@@ -25,6 +25,7 @@ import torch
 from decentdp.personalized.objective import Problem, data_gradient_sums
 from decentdp.personalized.privacy import UpdateNoise
 from decentdp.personalized.schedule import WakeupPlan
+from decentdp.privacy.discrete import grid_gaussian_release, grid_release
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.privacy.mechanisms import NoiseDraw, add_noise, round_up_to_float32
 from decentdp.rng import AgentRandom
@@ -44,10 +45,10 @@ class PrivateUpdates:
     The standard draws of all updates are made on the first release, one row of ``T * p`` values per
     agent from its stream (one keyed generator per agent instead of one per update: per-update keys
     cost a re-seeded generator and a key derivation for each of the ~10^5 updates of a MovieLens run);
-    update (i, k) adds block k of row i, scaled by its own multiplier times C.  In secure mode a Laplace
-    update is released on a grid instead, with exact discrete Laplace noise drawn when it is made (keyed
-    by agent and update number; :mod:`decentdp.privacy.discrete`): floating-point Laplace noise leaves
-    gaps in the support of the released sum."""
+    update (i, k) adds block k of row i, scaled by its own multiplier times C.  In secure mode an update is
+    released on a grid instead, sampled exactly when it is made (discrete Laplace, or the rounded
+    Gaussian; keyed by agent and update number; :mod:`decentdp.privacy.discrete`): floating-point noise
+    leaves gaps in the support of the released sum."""
 
     noise: UpdateNoise
     clip: float
@@ -63,7 +64,7 @@ class PrivateUpdates:
         self._draws: torch.Tensor | None = None
         self._scales: torch.Tensor | None = None
         self._exact = NoiseDraw(self.rng, torch.arange(len(self._data)), UPDATE_ROUND, 0) \
-            if self.noise.mechanism == "laplace" and getattr(self.rng, "secure", False) else None
+            if getattr(self.rng, "secure", False) else None
 
     @property
     def norm(self) -> int:
@@ -101,9 +102,10 @@ class PrivateUpdates:
             released = allowed & data
             if released.any():
                 picked = torch.from_numpy(np.flatnonzero(released)).to(sums.device)
-                values = self._exact.grid_laplace(rows[released].tolist(), sums[picked].double().cpu().numpy(),
-                                                  self.clip, self.noise.multipliers[rows[released], numbers[released]],
-                                                  slots=numbers[released].tolist())
+                exact = grid_release if self.noise.mechanism == "laplace" else grid_gaussian_release
+                values = self._exact.on_grid(exact, rows[released].tolist(), sums[picked].double().cpu().numpy(),
+                                             self.clip, self.noise.multipliers[rows[released], numbers[released]],
+                                             slots=numbers[released].tolist())
                 sums[picked] = torch.from_numpy(values).to(sums.device, sums.dtype)
         else:
             draws, scales = self._draw(sums.shape[1], sums.device)

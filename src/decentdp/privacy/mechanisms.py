@@ -17,14 +17,14 @@ variants (TOP-DP's per-receiver residual noise) implement the same protocol.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import dp_accounting
 import numpy as np
 import torch
 
-from decentdp.privacy.discrete import grid_release
+from decentdp.privacy.discrete import grid_gaussian_release, grid_release
 from decentdp.privacy.events import gaussian_event, joint_gaussian_event, laplace_event
 from decentdp.rng import AgentRandom, Stream
 
@@ -32,6 +32,10 @@ from decentdp.rng import AgentRandom, Stream
 NOISE_BLOCK_BYTES = 64 * 2**20
 #: Blocks of at least this many draws are filled by several threads.
 PARALLEL_NOISE_ELEMENTS = 2**20
+
+
+GridRelease = Callable[[np.ndarray, float, np.ndarray, Callable[[int], Callable[[int], np.ndarray]]], np.ndarray]
+"""An exact grid sampler of :mod:`decentdp.privacy.discrete`: (values, sensitivity, multipliers, words of row)."""
 
 
 class NoiseReuseError(RuntimeError):
@@ -80,16 +84,17 @@ class NoiseDraw:
         """Whether this draw releases on a grid with exact samplers (secure mode, :mod:`decentdp.privacy.discrete`)."""
         return bool(getattr(self.rng, "secure", False))
 
-    def grid_laplace(self, rows: Sequence[int], values: np.ndarray, clip: float, multipliers: np.ndarray,
-                     slots: Sequence[int] | None = None) -> np.ndarray:
-        """``values`` (float64, one row per entry of ``rows``) released on the grid with exact discrete Laplace
-        noise of multiplier ``multipliers[r]`` (:func:`~decentdp.privacy.discrete.grid_release`), each row's
-        words from its agent's key under this draw's key (secure mode only)."""
+    def on_grid(self, release: GridRelease, rows: Sequence[int], values: np.ndarray, sensitivity: float,
+                multipliers: np.ndarray, slots: Sequence[int] | None = None) -> np.ndarray:
+        """``values`` (float64, one row per entry of ``rows``) released on the grid by an exact sampler of
+        :mod:`decentdp.privacy.discrete` (``release``: ``grid_release`` for Laplace, ``grid_gaussian_release``
+        for Gaussian noise) with multiplier ``multipliers[r]``, each row's words from its agent's key under
+        this draw's key (secure mode only)."""
         agents = self._claim(rows, slots)
         keys = [None] * len(agents) if slots is None else list(slots)
         streams = [self.rng.words(agent, self.round_index, Stream.NOISE, self.release, slot)
                    for agent, slot in zip(agents, keys, strict=True)]
-        return grid_release(values, clip, multipliers, lambda row: streams[row])
+        return release(values, sensitivity, multipliers, lambda row: streams[row])
 
     def laplace(self, rows: Sequence[int], out: torch.Tensor, slots: Sequence[int] | None = None) -> torch.Tensor:
         """Standard Laplace draws (scale 1) into ``out``, by inverting the CDF of float64 uniforms."""
@@ -149,6 +154,14 @@ class _ScaledNoise:
     def multiplier(self, owner: int) -> float:
         return float(self.noise_multipliers[owner])
 
+    def _on_grid(self, release: GridRelease, values: torch.Tensor, owners: torch.Tensor, noise: NoiseDraw,
+                 slots: Sequence[int] | None) -> None:
+        """Secure mode: ``values`` replaced by their exact grid release (:meth:`NoiseDraw.on_grid`)."""
+        multipliers = self.noise_multipliers.double().numpy()[owners.numpy()]
+        released = noise.on_grid(release, owners.tolist(), values.double().cpu().numpy(), self.sensitivity,
+                                 multipliers, slots)
+        values.copy_(torch.from_numpy(released))
+
     def _row_scales(self, owners: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Each row's noise scale on ``device``, picked on the host (the scales live there)."""
         return self.scales[owners.cpu()].to(device, non_blocking=True)
@@ -165,6 +178,9 @@ class GaussianMechanism(_ScaledNoise):
 
     def perturb(self, values: torch.Tensor, owners: torch.Tensor, noise: NoiseDraw,
                 slots: Sequence[int] | None = None) -> None:
+        if noise.exact:  # secure mode: the rounded Gaussian release, sampled exactly on a grid
+            self._on_grid(grid_gaussian_release, values, owners, noise, slots)
+            return
         count, dim = values.shape
         scale = self._row_scales(owners, values.device)
         owner_rows = owners.tolist()
@@ -196,10 +212,7 @@ class LaplaceMechanism(_ScaledNoise):
     def perturb(self, values: torch.Tensor, owners: torch.Tensor, noise: NoiseDraw,
                 slots: Sequence[int] | None = None) -> None:
         if noise.exact:  # secure mode: on a grid, exact discrete Laplace (no floating-point support gaps)
-            multipliers = self.noise_multipliers.double().numpy()[owners.numpy()]
-            released = noise.grid_laplace(owners.tolist(), values.double().cpu().numpy(), self.sensitivity,
-                                          multipliers, slots)
-            values.copy_(torch.from_numpy(released))
+            self._on_grid(grid_release, values, owners, noise, slots)
             return
         draws = noise.laplace(owners.tolist(), torch.empty_like(values, dtype=noise.dtype), slots)
         add_noise(values, draws, self._row_scales(owners, values.device))

@@ -370,6 +370,10 @@ class _ShiftedNoise:
     def laplace(self, rows: Sequence[int], out: torch.Tensor, slots: Sequence[int] | None = None) -> torch.Tensor:
         return self.noise.laplace([row - self.lo for row in rows], out, slots)
 
+    def on_grid(self, release: Any, rows: Sequence[int], values: Any, sensitivity: float, multipliers: Any,
+                slots: Sequence[int] | None = None) -> Any:
+        return self.noise.on_grid(release, [row - self.lo for row in rows], values, sensitivity, multipliers, slots)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.noise, name)
 
