@@ -87,6 +87,7 @@ class TracingNoiseDraw:
     """Stands in for :class:`~decentdp.privacy.mechanisms.NoiseDraw`: a draw is a fresh noise coordinate."""
 
     sources: Sources
+    exact = False  # the continuous path: every draw a coordinate
 
     def __init__(self, rng: Any, agent_ids: Any, round_index: int, release: int) -> None:
         self.agent_ids = agent_ids.tolist() if isinstance(agent_ids, torch.Tensor) else list(agent_ids)

@@ -319,3 +319,24 @@ def test_a_run_reports_its_messages_and_fallbacks_in_privacy_json(tmp_path: Path
     counts = json.loads((tmp_path / "run" / "privacy.json").read_text())["top_dp_messages"]
     assert counts["fallback"] > 0 and counts["reduced"] > 0
     assert counts["reduced"] + counts["full"] == 3 * 6 * 2  # every message of the 3 rounds, once
+
+
+def test_calibration_on_replayed_covers_matches_the_run_and_never_refuses() -> None:
+    """Algorithm 1's covers are public: calibration replays them before the first round, and the precision
+    factors it replays are those of the joint events the run's ledger charges; the agent with the
+    largest need spends (by RDP) its budget to within 10 %, and no agent is refused a release."""
+    raw = tiny_config(experiment={"rounds": 10, "eval_every": 10}, algorithm={"name": "top-dp", "alpha": 0.25,
+                                                                             "batch_size": 16},
+                      topology={"graph": "erdos-renyi", "agents": 12, "p": 0.5})   # (the replay has less noise here)
+    experiment = build_experiment(validate_config(raw))
+    details = experiment.setup["calibration_details"]
+    assert details["calibrated_for"].startswith("the joint releases of the covers")
+    ledger = experiment.ledger
+    with torch.no_grad():
+        state = experiment.simulator.setup(experiment.initial_state())
+        experiment.simulator.run(state, 0, 10, lambda k, s: True)
+    assert not ledger.refused.any()
+    spent = ledger.epsilon("rdp")
+    assert (spent <= 5.0 + 1e-9).all() and spent.max() > 4.5  # (priced at integer orders, rounded-up levels)
+    groups = set(zip(experiment.setup["epsilon_budgets"], experiment.setup["sample_rates"], strict=True))
+    assert len(set(experiment.setup["noise_multipliers"])) == len(groups)   # one sigma per (budget, rate)

@@ -236,6 +236,17 @@ class RoundContext:
 
 
 @dataclass(frozen=True)
+class PublicRun:
+    """What every agent can compute before the first round: each round's network and public generator, and
+    each agent's expected batch as the oracle holds it (float32), for an algorithm that calibrates on the
+    public choices its rounds will make (TOP-DP's covers).  It must draw exactly as its rounds do."""
+
+    network: Callable[[int], Network]
+    generator: Callable[[int], torch.Generator]
+    expected_batches: np.ndarray
+
+
+@dataclass(frozen=True)
 class NoisePlan:
     """What a run plans, for an algorithm that calibrates its own noise (:meth:`Algorithm.calibrate`):
     everything is public (budgets, sizes, graph degrees), one entry per agent where it is a list."""
@@ -253,6 +264,7 @@ class NoisePlan:
     degrees: list[int]            # neighbours per agent in the run's first graph
     neighbours: list[list[int]]   # each agent's neighbours in the run's first graph
     redrawn: bool                 # whether the graph is redrawn during the run (any agent may meet any other)
+    public: PublicRun | None = None  # the run's public choices, replayable (None: plan for the worst case)
 
 
 @dataclass(frozen=True)

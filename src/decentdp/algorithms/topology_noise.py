@@ -32,7 +32,7 @@ and Theorem 1 (eq. 7), which also leaves out the decay.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,6 +103,26 @@ def precision_factors(plan: NoisePlan, alpha: float, sigmas: np.ndarray, per_cov
     return factors
 
 
+def replayed_factors(plan: NoisePlan, alpha: float, sigmas: np.ndarray, gamma: float, period: int) -> np.ndarray:
+    """``(rounds, N)``: each round's precision factor of each agent's joint release in Algorithm 1, from the
+    covers the run will draw (public: each round's graph and generator, ``plan.public``), replayed with
+    ``sigmas`` (the float32 values the run draws with) decayed as its rounds decay them.  A factor is
+    ``sigma_t^2`` times the precision of the estimate and every group message of the round."""
+    assert plan.public is not None
+    public = plan.public
+    factors = np.ones((plan.rounds, len(sigmas)))
+    planners: dict[int, CoverPlanner] = {}
+    for k in range(plan.rounds):
+        network = public.network(k)
+        planner = planners.setdefault(id(network.out_edges), CoverPlanner(network))
+        sigma = sigmas * gamma ** (k // period)
+        cover = planner.plan(alpha, sigma, public.expected_batches, public.generator(k))   # lines 10-17
+        first = cover_groups(cover.via).first
+        senders = planner.edges[first, 0]
+        np.add.at(factors[k], senders, (sigma[senders] / cover.multiplier[first]) ** 2)
+    return factors
+
+
 def calibrate_top_dp(plan: NoisePlan, alpha: float, gamma: float, period: int, setup_releases: int,
                      topology_aware: bool, per_cover: bool) -> Calibrated:
     """sigma_0 per agent such that the joint release of every round (all noisy copies of its sum, the
@@ -142,6 +162,15 @@ def calibrate_top_dp(plan: NoisePlan, alpha: float, gamma: float, period: int, s
         raise ConfigError("algorithm.alpha", "TOP-DP's noise could not be calibrated for these budgets: reusing "
                                              "neighbours' noise leaves residuals too small; try another alpha or "
                                              "topology_aware = false")
+    method = "the largest joint release the graph allows, every round, per agent"
+    if per_cover and topology_aware and plan.public is not None:
+        # both are sound; the one with less noise on average is kept (the replay shares one sigma per
+        # budget, which costs agents with few cover groups, e.g. the leaves of a star)
+        replayed = _replayed_calibration(plan, alpha, gamma, period, setup_releases, drawn, base)
+        if replayed is not None and np.mean(replayed[0] ** 2) <= np.mean(sigmas**2):
+            sigmas, factors = replayed[0], replayed[1].max(axis=0)
+            method = ("the joint releases of the covers the run will draw (public, replayed before the first "
+                      "round), one sigma per budget")
     paper = {
         "method": "TOP-DP Theorem 1 (eq. 7), the paper's calibration, reported beside ours",
         "noise_multiplier_theorem1": [theorem1_noise_multiplier(e, plan.delta, plan.rounds, n)
@@ -151,9 +180,99 @@ def calibrate_top_dp(plan: NoisePlan, alpha: float, gamma: float, period: int, s
         "decay": {"gamma": gamma, "period": period},
     }
     ours = {"view": "joint: every noisy copy of a round's sum (the estimate and each message) as one release",
-            "base_noise_multipliers": base.tolist(), "precision_factors": factors.tolist()}
+            "calibrated_for": method, "base_noise_multipliers": base.tolist(),
+            "precision_factors": factors.tolist()}
     return Calibrated(GaussianMechanism(torch.tensor(sigmas, dtype=torch.float32), plan.clip), sigmas.tolist(), paper,
                       ours)
+
+
+def _replayed_calibration(plan: NoisePlan, alpha: float, gamma: float, period: int, setup_releases: int,
+                          drawn: Callable[[np.ndarray], np.ndarray], base: np.ndarray,
+                          ) -> tuple[np.ndarray, np.ndarray] | None:
+    """sigma_0 per agent meeting its budget over the joint releases of the covers the run will draw: each
+    agent's history is the setup release at sigma_0 and round t's joint Gaussian of multiplier
+    ``sigma_0 gamma^floor(t / period) / sqrt(f_t)`` (:func:`replayed_factors`, each ``f_t`` rounded up to
+    one of a few levels), priced by RDP at integer orders in closed form (:func:`_history_epsilon`; the
+    run's ledger, RDP at more orders or PLD, is never above it).  Agents with the same budget and rate
+    share one sigma, their largest need: which reuse is usable depends only on sigma ratios, so with
+    one group the covers do not move and one replay settles it (with several, the groups' sigmas are
+    raised until every agent's meets its own replayed history).  ``None`` under replace-one, or if that
+    does not settle (the caller keeps the worst case)."""
+    if plan.relation != "add-remove":
+        return None
+    epochs = (np.arange(plan.rounds) // period).astype(np.int64)
+
+    def needed(epsilon: float, rate: float, history: np.ndarray) -> float:
+        keys, counts = np.unique(np.stack([epochs, _rounded_up(history)]), axis=1, return_counts=True)
+        coefficients = np.concatenate([np.ones(int(setup_releases > 0)), gamma ** keys[0] / np.sqrt(keys[1])])
+        weights = np.concatenate([[setup_releases] if setup_releases else [], counts]).astype(np.float64)
+        low, high = 1e-3, 1.0
+        while _history_epsilon(high, coefficients, weights, rate, plan.delta) > epsilon:
+            low, high = high, high * 2
+        for _ in range(60):
+            middle = (low + high) / 2
+            low, high = (middle, high) if _history_epsilon(middle, coefficients, weights, rate, plan.delta) > epsilon \
+                else (low, middle)
+        return high
+
+    def need(sigmas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        factors = replayed_factors(plan, alpha, sigmas, gamma, period)
+        return np.array([needed(e, q, factors[:, i]) for i, (e, q) in
+                         enumerate(zip(plan.budgets, plan.sample_rates, strict=True))]) * (1 + 1e-7), factors
+
+    groups = np.unique(np.stack([plan.budgets, plan.sample_rates]), axis=1, return_inverse=True)[1].reshape(-1)
+    sigmas = drawn(base)
+    for _ in range(30):  # one sigma per (budget, rate) group, raised to its largest need until all are met
+        required, factors = need(sigmas)
+        if not (sigmas < required).any():
+            return sigmas, factors
+        largest = np.zeros(groups.max() + 1)
+        np.maximum.at(largest, groups, required)
+        sigmas = np.maximum(sigmas, drawn(largest[groups]))
+    return None
+
+
+#: Integer RDP orders of :func:`_history_epsilon` (a subset of orders only makes the converted epsilon larger).
+INTEGER_ORDERS = np.arange(2, 129)
+_LOG_BINOMIAL = np.array([[math.lgamma(a + 1) - math.lgamma(k + 1) - math.lgamma(a - k + 1) if k <= a else -np.inf
+                           for k in range(INTEGER_ORDERS[-1] + 1)] for a in INTEGER_ORDERS])
+
+
+def _history_epsilon(scale: float, coefficients: np.ndarray, counts: np.ndarray, rate: float, delta: float) -> float:
+    """Epsilon at ``delta`` of ``counts[j]`` Poisson-sampled Gaussian releases of multiplier
+    ``scale * coefficients[j]`` at rate ``rate``: RDP at integer orders in closed form (Mironov, Talwar &
+    Zhang 2019: ``log sum_k C(a, k) (1 - q)^(a - k) q^k exp((k^2 - k) / (2 sigma^2)) / (a - 1)``), converted
+    as dp_accounting does (Canonne, Kamath & Steinke 2020, Prop. 12)."""
+    a = INTEGER_ORDERS[:, None].astype(np.float64)
+    k = np.arange(INTEGER_ORDERS[-1] + 1, dtype=np.float64)[None, :]
+    total = np.zeros(len(INTEGER_ORDERS))
+    for coefficient, count in zip(coefficients.tolist(), counts.tolist(), strict=True):
+        sigma = scale * coefficient
+        if rate >= 1:
+            total += count * INTEGER_ORDERS / (2 * sigma**2)
+            continue
+        with np.errstate(divide="ignore", invalid="ignore"):
+            terms = _LOG_BINOMIAL + (a - k) * math.log1p(-rate) + k * math.log(rate) + (k * k - k) / (2 * sigma**2)
+        terms = np.where(k <= a, terms, -np.inf)
+        peak = terms.max(axis=1)
+        total += count * (peak + np.log(np.exp(terms - peak[:, None]).sum(axis=1))) / (INTEGER_ORDERS - 1)
+    orders = INTEGER_ORDERS.astype(np.float64)
+    epsilons = total + np.log1p(-1 / orders) - (math.log(delta) + np.log(orders)) / (orders - 1)
+    return float(max(0.0, epsilons.min()))
+
+
+#: Distinct precision factors one agent's replayed history is priced with (each round's rounded up to one of
+#: them: sound, and a handful of composed events keeps calibration to a fraction of a second per agent).
+HISTORY_LEVELS = 6
+
+
+def _rounded_up(factors: np.ndarray) -> np.ndarray:
+    """Each factor rounded up to one of at most :data:`HISTORY_LEVELS` levels: quantiles of its distinct values."""
+    distinct = np.unique(factors)
+    if len(distinct) <= HISTORY_LEVELS:
+        return factors
+    levels = np.unique(np.quantile(distinct, np.linspace(0, 1, HISTORY_LEVELS + 1)[1:], method="higher"))
+    return levels[np.searchsorted(levels, factors)]
 
 
 def reuse_coefficients(alpha: float, sigma: np.ndarray, expected_batch: np.ndarray, src: np.ndarray,

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from decentdp.algorithms import algorithm_class
-from decentdp.algorithms.base import Algorithm, NoisePlan, State
+from decentdp.algorithms.base import Algorithm, NoisePlan, PublicRun, State
 from decentdp.config import ExperimentConfig
 from decentdp.data.augment import Augmentation
 from decentdp.data.datasets import Dataset, load_dataset
@@ -145,7 +145,7 @@ def _sums_per_batch(config: ExperimentConfig, algorithm: Algorithm, topology: To
 
 
 def _noise_plan(config: ExperimentConfig, budgets: list[float], rates: list[float], sizes: list[int], dim: int,
-                topology: Topology) -> NoisePlan:
+                topology: Topology, public: PublicRun | None = None) -> NoisePlan:
     """What an algorithm that calibrates its own noise (:meth:`Algorithm.calibrate`) is told of the run."""
     schedule = config.schedule
     adjacency = topology.adjacency()
@@ -153,7 +153,7 @@ def _noise_plan(config: ExperimentConfig, budgets: list[float], rates: list[floa
                      config.privacy.accountant, config.privacy.neighbouring,
                      (1 - schedule.offline_probability) * schedule.participation,
                      [int(d) for d in adjacency.sum(axis=1)],
-                     [np.flatnonzero(row).tolist() for row in adjacency], bool(config.topology.redraw_every))
+                     [np.flatnonzero(row).tolist() for row in adjacency], bool(config.topology.redraw_every), public)
 
 
 def _plan_memory(config: ExperimentConfig, model: FlatModel, algorithm: Algorithm, data: AgentData,
@@ -252,12 +252,16 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     budgets = _agent_budgets(config, len(parts))
     planned = planned_releases(config, algorithm)
     sums = _sums_per_batch(config, algorithm, topology)
-    own = algorithm.calibrate(_noise_plan(config, budgets, rates, sizes, model.dim, topology)) if private else None
+    rng = random_source(config, len(parts), device)
+    replay = _graphs(config, topology, device)  # a sequence of its own: the run's keeps its first network
+    public = PublicRun(replay.at, lambda k: rng.round_generator(k, Stream.PUBLIC),
+                       (torch.tensor(rates, dtype=torch.float64) * torch.tensor(sizes)).float().double().numpy())
+    own = algorithm.calibrate(_noise_plan(config, budgets, rates, sizes, model.dim, topology, public)) \
+        if private else None
     sigmas = own.noise_multipliers if own is not None else \
         _calibrate(budgets, rates, config, planned, sums, algorithm.joint_accounting) if private else [0.0] * len(parts)
     ledger = PrivacyLedger(len(parts), budgets, config.privacy.delta, budget_accountant=config.privacy.accountant,
                           relation=config.privacy.neighbouring)
-    rng = random_source(config, len(parts), device)
     # host values, known before any round: the ledger and the events read them without a device round trip
     sample_rates = torch.tensor(rates, dtype=torch.float64)
     noise_multipliers = torch.tensor(sigmas, dtype=torch.float32)
