@@ -19,8 +19,10 @@ that knows the reused noise learns each copy up to its residual noise.  The ledg
 per round, all of ``i``'s copies on one batch as one joint Gaussian with ``1 / sigma_eff^2 = sum_r
 1 / sigma_r^2`` (:meth:`RowGaussian.agent_event`: every other noise known, the colluding view), and
 budgets hold on it: it bounds every observer, a single curious neighbour and colluding ones alike.
-:func:`calibrate_top_dp` sizes ``sigma_0`` so that the largest such joint release the graph allows
-(:func:`precision_factors`) meets the budget over the decayed rounds.
+:func:`calibrate_top_dp` sizes ``sigma_0`` so that these joint releases meet the budget over the
+decayed rounds: those of the covers Algorithm 1 will draw (public randomness, replayed before the first
+round: :func:`replayed_factors`), or the largest the graph allows (:func:`precision_factors`), whichever
+needs less noise on average.
 
 Two views the paper argues with are reported beside it, labelled, never enforced: the per-receiver
 composition (view (a), each receiver charged ``sigma_{t,i}`` per round, as if it knew no reused noise
