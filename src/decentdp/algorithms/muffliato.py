@@ -129,14 +129,25 @@ class Muffliato(SettingsAlgorithm):
         return {"params": params,
                 "pairwise_rdp": state["pairwise_rdp"] + torch.from_numpy(rdp).to(state["pairwise_rdp"].device)}
 
+    def _rounds(self, facts: RunFacts) -> list[tuple[np.ndarray, float, int]]:
+        """Each round's (W, gamma, K), computed once per graph (a redrawn graph is a new network)."""
+        n = len(facts.noise_multipliers)
+        graphs: dict[int, tuple[Network, np.ndarray, float, int]] = {}  # (the network kept: its id stays its own)
+        rounds = []
+        for k in range(facts.rounds):
+            network = facts.network(k)
+            if id(network.in_edges) not in graphs:
+                w = dense_mixing(network)
+                graphs[id(network.in_edges)] = (network, w, *self.gossip(w, facts.noise_multipliers, n))
+            rounds.append(graphs[id(network.in_edges)][1:])
+        return rounds
+
     def view_size(self, facts: RunFacts) -> tuple[list[int], int, int]:
         """Without building it: the messages each agent receives over the run, the noise draws and the data
         terms of :meth:`linear_view` (for :func:`~decentdp.privacy.observer_view.dense_cost`)."""
         n = len(facts.noise_multipliers)
         received = np.zeros(n, dtype=np.int64)
-        for k in range(facts.rounds):
-            w = dense_mixing(facts.network(k))
-            steps = self.gossip(w, facts.noise_multipliers, n)[1]
+        for w, _, steps in self._rounds(facts):
             received += steps * ((w > 0) & ~np.eye(n, dtype=bool)).sum(axis=1)
         return received.tolist(), n * facts.rounds, n * facts.rounds
 
@@ -148,9 +159,7 @@ class Muffliato(SettingsAlgorithm):
         builder = ViewBuilder(n, capacity=2 * n * facts.rounds)
         own = [{agent} for agent in range(n)]
         theta = builder.zeros(n)
-        for k in range(facts.rounds):
-            w = dense_mixing(facts.network(k))
-            gamma, steps = self.gossip(w, facts.noise_multipliers, n)
+        for k, (w, gamma, steps) in enumerate(self._rounds(facts)):
             receiver, sender = np.nonzero((w > 0) & ~np.eye(n, dtype=bool))   # v mixes w's value: w sends to v
             scale = facts.lr(k) / facts.expected_batches
             noisy = builder.data(range(n)) + facts.noise_multipliers[:, None] * builder.noise(np.ones(n), own)
