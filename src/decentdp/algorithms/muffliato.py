@@ -132,14 +132,14 @@ class Muffliato(SettingsAlgorithm):
     def _rounds(self, facts: RunFacts) -> list[tuple[np.ndarray, float, int]]:
         """Each round's (W, gamma, K), computed once per graph (a redrawn graph is a new network)."""
         n = len(facts.noise_multipliers)
-        graphs: dict[int, tuple[Network, np.ndarray, float, int]] = {}  # (the network kept: its id stays its own)
-        rounds = []
+        rounds: list[tuple[np.ndarray, float, int]] = []
+        current: Network | None = None
         for k in range(facts.rounds):
             network = facts.network(k)
-            if id(network.in_edges) not in graphs:
+            if network is not current:  # a new graph (a redrawn one), else the last round's values
                 w = dense_mixing(network)
-                graphs[id(network.in_edges)] = (network, w, *self.gossip(w, facts.noise_multipliers, n))
-            rounds.append(graphs[id(network.in_edges)][1:])
+                current, values = network, (w, *self.gossip(w, facts.noise_multipliers, n))
+            rounds.append(values)
         return rounds
 
     def view_size(self, facts: RunFacts) -> tuple[list[int], int, int]:
