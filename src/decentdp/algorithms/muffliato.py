@@ -28,6 +28,7 @@ vector as if independent and each round separately, is reported as ``paper_epsil
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import numpy as np
@@ -129,18 +130,17 @@ class Muffliato(SettingsAlgorithm):
         return {"params": params,
                 "pairwise_rdp": state["pairwise_rdp"] + torch.from_numpy(rdp).to(state["pairwise_rdp"].device)}
 
-    def _rounds(self, facts: RunFacts) -> list[tuple[np.ndarray, float, int]]:
-        """Each round's (W, gamma, K), computed once per graph (a redrawn graph is a new network)."""
+    def _rounds(self, facts: RunFacts) -> Iterator[tuple[np.ndarray, float, int]]:
+        """Each round's (W, gamma, K) in turn, computed once per graph (a redrawn graph is a new network);
+        one graph's W is held at a time."""
         n = len(facts.noise_multipliers)
-        rounds: list[tuple[np.ndarray, float, int]] = []
         current: Network | None = None
         for k in range(facts.rounds):
             network = facts.network(k)
             if network is not current:  # a new graph (a redrawn one), else the last round's values
                 w = dense_mixing(network)
                 current, values = network, (w, *self.gossip(w, facts.noise_multipliers, n))
-            rounds.append(values)
-        return rounds
+            yield values
 
     def view_size(self, facts: RunFacts) -> tuple[list[int], int, int]:
         """Without building it: the messages each agent receives over the run, the noise draws and the data
