@@ -340,3 +340,11 @@ def test_calibration_on_replayed_covers_matches_the_run_and_never_refuses() -> N
     assert (spent <= 5.0 + 1e-9).all() and spent.max() > 4.5  # (priced at integer orders, rounded-up levels)
     groups = set(zip(experiment.setup["epsilon_budgets"], experiment.setup["sample_rates"], strict=True))
     assert len(set(experiment.setup["noise_multipliers"])) == len(groups)   # one sigma per (budget, rate)
+
+
+def test_top_dp_calibrates_under_replace_one() -> None:
+    """Replace-one re-prices a composed history event by event; the result was a list, unhashable by the
+    cached RDP curves, and TOP-DP's calibration crashed (found by tests/test_privacy_harness.py)."""
+    raw = tiny_config(algorithm={"name": "top-dp", "alpha": 0.5}, privacy={"neighbouring": "replace-one"})
+    experiment = build_experiment(validate_config(raw))
+    assert all(sigma > 0 for sigma in experiment.setup["noise_multipliers"])

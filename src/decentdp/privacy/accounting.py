@@ -131,7 +131,7 @@ def priced_event(event: dp_accounting.DpEvent, accountant: str, relation: str) -
     if isinstance(event, dp_accounting.SelfComposedDpEvent):
         return dp_accounting.SelfComposedDpEvent(priced_event(event.event, accountant, relation), event.count)
     if isinstance(event, dp_accounting.ComposedDpEvent):
-        return dp_accounting.ComposedDpEvent([priced_event(e, accountant, relation) for e in event.events])
+        return dp_accounting.ComposedDpEvent(tuple(priced_event(e, accountant, relation) for e in event.events))
     inner = event.event if isinstance(event, dp_accounting.PoissonSampledDpEvent) else event
     if isinstance(inner, dp_accounting.LaplaceDpEvent):
         return dp_accounting.LaplaceDpEvent(inner.noise_multiplier / 2)
