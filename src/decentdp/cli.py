@@ -14,6 +14,7 @@ import copy
 import inspect
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime
@@ -195,14 +196,15 @@ def _run(args: argparse.Namespace) -> int:
                                 profile=args.profile, diagnostics=args.diagnostics)
     except KeyboardInterrupt:
         if (out / CHECKPOINT_FILE).is_file():
-            print(f"decentdp: interrupted; continue with: decentdp run {args.config} --resume --out {out} "
+            data = f" --data-dir {args.data_dir}" if args.data_dir else ""
+            print(f"decentdp: interrupted; continue with: decentdp run {args.config} --resume --out {out}{data} "
                   "(and the same --set options)", file=sys.stderr)
         else:
             print("decentdp: interrupted before the first checkpoint was written; nothing to resume, start the "
                   "run again", file=sys.stderr)
         return 130
     summary = result.summary
-    per_agent = ", ".join(_eps(e) for e in summary["epsilon_per_agent"])
+    per_agent = _per_agent(summary["epsilon_per_agent"])
     if "rmse_mean" in summary:  # personalized regression (MovieLens): per-agent test RMSE
         print(f"final per-agent test RMSE over {summary['n_agents']} agents: mean {summary['rmse_mean']:.4f}, "
               f"min {summary['rmse_min']:.4f}, max {summary['rmse_max']:.4f}")
@@ -216,6 +218,16 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(summary_line(summary))
     return 0
+
+
+def _per_agent(epsilons: list[float | None]) -> str:
+    """Each agent's epsilon, or for more than 20 agents their range and median (the values are in
+    ``summary.json``)."""
+    if len(epsilons) <= 20:
+        return ", ".join(_eps(e) for e in epsilons)
+    finite = sorted(math.inf if e is None else e for e in epsilons)
+    return (f"{len(epsilons)} agents: min {_eps(finite[0])}, median {_eps(finite[len(finite) // 2])}, "
+            f"max {_eps(finite[-1])}; each in summary.json")
 
 
 # ----------------------------------------------------------------------------- privacy
@@ -598,6 +610,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("decentdp: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (``decentdp report --json | head``): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python would report the flush at exit)
+        return 0
 
 
 if __name__ == "__main__":

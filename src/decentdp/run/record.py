@@ -10,6 +10,7 @@ agent's ledger and epsilon, and the pairwise view when messages went to single r
 from __future__ import annotations
 
 import os
+import pickle
 import secrets
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,21 @@ def run_privacy_statement(config: ExperimentConfig) -> dict[str, Any]:
                              private_evaluation=config.data.validation_fraction > 0)
 
 
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """A run's ``checkpoint.pt`` (on the CPU; moved to the run's device later), or one message naming the file
+    when it is damaged (truncated by a full disk, empty, or not a checkpoint at all): nothing is written."""
+    try:
+        saved = torch.load(path, weights_only=True, map_location="cpu")
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as error:
+        reason = "it is empty" if path.stat().st_size == 0 else f"it cannot be read ({type(error).__name__})"
+        raise ConfigError("--resume", f"{path} is damaged: {reason}; the run cannot continue from it. Restore the "
+                                      "file, or start the run again in an empty folder") from None
+    if not isinstance(saved, dict) or not {"round", "config"} <= set(saved):
+        raise ConfigError("--resume", f"{path} is not a decentdp checkpoint (no round and config in it); start the "
+                                      "run again in an empty folder")
+    return saved
+
+
 def _merged_shards(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """The whole run's state, ledger and scheduler from the shard files a checkpoint's manifest names."""
     if manifest.get("format") != SHARD_CHECKPOINT_FORMAT:
@@ -93,7 +109,7 @@ def _merged_shards(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
                                       f"{manifest.get('format')!r}")
     try:
         return read_shard_checkpoints(path / manifest["directory"], manifest["files"], 0, manifest["n_agents"])
-    except ValueError as exc:
+    except (ValueError, RuntimeError, EOFError, OSError, pickle.UnpicklingError) as exc:
         raise ConfigError("--resume", f"cannot read the checkpoint's shard files: {exc}") from None
 
 
@@ -110,7 +126,7 @@ class ResultsFolder:
         if resume:
             if not checkpoint.is_file():
                 raise ConfigError("--resume", f"no checkpoint to resume in {self.path}")
-            saved = torch.load(checkpoint, weights_only=True, map_location="cpu")  # moved to the run's device later
+            saved = read_checkpoint(checkpoint)
             if "shards" in saved:  # written by the workers of a sharded run: their rows merged (for any split)
                 saved |= _merged_shards(self.path, saved["shards"])
             changed = [key for key in config_differences(validate_config(saved["config"]), config)

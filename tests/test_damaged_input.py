@@ -1,0 +1,92 @@
+"""A new user's damaged files and pipes: one message naming the file, no traceback, nothing written."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomli_w
+from tests.conftest import tiny_config
+
+from decentdp import cli
+from decentdp.cli import EXIT_USER_ERROR, main
+from decentdp.results import CHECKPOINT_FILE
+
+
+def _call(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A config file and the results folder of its finished run."""
+    folder = tmp_path_factory.mktemp("run")
+    config = folder / "tiny.toml"
+    config.write_text(tomli_w.dumps(tiny_config()), encoding="utf-8")
+    code, _, err = _call(["run", str(config), "--out", str(folder / "out"), "--no-progress"])
+    assert code == 0, err
+    return config, folder / "out"
+
+
+@pytest.mark.parametrize(("damage", "expected"), [
+    (lambda data: b"", "is empty"),
+    (lambda data: data[: len(data) // 2], "cannot be read"),
+    (lambda data: b"not a checkpoint at all" * 40, "cannot be read"),
+])
+def test_resume_from_a_damaged_checkpoint_names_the_file_and_writes_nothing(finished: tuple[Path, Path],
+                                                                            tmp_path: Path, damage, expected) -> None:
+    config, out = finished
+    copy = tmp_path / "out"
+    copy.mkdir()
+    for file in out.iterdir():
+        if file.is_file():
+            (copy / file.name).write_bytes(file.read_bytes())
+    checkpoint = copy / CHECKPOINT_FILE
+    checkpoint.write_bytes(damage(checkpoint.read_bytes()))
+    before = {file.name: file.read_bytes() for file in copy.iterdir()}
+    code, _, err = _call(["run", str(config), "--out", str(copy), "--resume", "--no-progress"])
+    assert code == EXIT_USER_ERROR and "Traceback" not in err
+    assert str(checkpoint) in err and expected in err and "--resume" in err
+    assert {file.name: file.read_bytes() for file in copy.iterdir()} == before
+
+
+def test_a_closed_pipe_ends_the_output_quietly(finished: tuple[Path, Path]) -> None:
+    """``decentdp report ... --json | head``: the reader leaves early; no BrokenPipeError traceback.  The
+    report here prints more than a pipe holds (a short one fits in the pipe and never meets the closed end)."""
+    _, out = finished
+    program = ("import sys; from decentdp import cli; "
+               "cli._COMMANDS['report'] = lambda args: [print('x' * 1000) for _ in range(2000)] and 0; "
+               f"sys.exit(cli.main(['report', {str(out)!r}, '--json']))")
+    result = subprocess.run(["sh", "-c", f"'{sys.executable}' -c \"{program}\" | head -c 5"], capture_output=True,
+                            text=True, timeout=120)
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
+
+
+def test_the_resume_hint_after_an_interrupt_can_be_pasted(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                           finished: tuple[Path, Path]) -> None:
+    """The printed command carries the --data-dir the run was given (without it, pasting it fails)."""
+    config, _ = finished
+    out = tmp_path / "out"
+
+    def interrupted(*args, **kwargs):
+        out.mkdir()
+        (out / CHECKPOINT_FILE).write_bytes(b"")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("decentdp.run.loop.run_experiment", interrupted)
+    code, _, err = _call(["run", str(config), "--out", str(out), "--data-dir", "/data/here", "--no-progress"])
+    assert code == 130 and f"--resume --out {out} --data-dir /data/here" in err
+
+
+def test_a_large_run_summarises_its_epsilons_on_one_line() -> None:
+    """943 agents' epsilons are not printed one by one: their range and median, the values in summary.json."""
+    line = cli._per_agent([1.0] * 940 + [0.5, None, 2.0])
+    assert line == "943 agents: min 0.500, median 1.000, max inf; each in summary.json"
+    assert cli._per_agent([1.0, None]) == "1.000, inf"
