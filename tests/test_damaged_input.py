@@ -1,9 +1,11 @@
-"""A new user's damaged files and pipes: one message naming the file, no traceback, nothing written."""
+"""A new user's damaged files, closed pipes and shared results folders: one message naming the file or the
+folder, no traceback, nothing half-written."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +16,10 @@ from tests.conftest import tiny_config
 
 from decentdp import cli
 from decentdp.cli import EXIT_USER_ERROR, main
+from decentdp.config import validate_config
+from decentdp.errors import ConfigError
 from decentdp.results import CHECKPOINT_FILE
+from decentdp.run.record import LOCK_FILE, ResultsFolder
 
 
 def _call(argv: list[str]) -> tuple[int, str, str]:
@@ -90,3 +95,30 @@ def test_a_large_run_summarises_its_epsilons_on_one_line() -> None:
     line = cli._per_agent([1.0] * 940 + [0.5, None, 2.0])
     assert line == "943 agents: min 0.500, median 1.000, max inf; each in summary.json"
     assert cli._per_agent([1.0, None]) == "1.000, inf"
+
+
+def test_one_writer_per_results_folder(tmp_path: Path) -> None:
+    """A second run on a folder another run is writing is refused, naming the writer's process, and so is
+    --resume of it; once the first ends, the folder is free and holds no lock file."""
+    config = validate_config(tiny_config())
+    out = tmp_path / "out"
+    first = ResultsFolder(out)
+    first.open(config, resume=False)
+    with pytest.raises(ConfigError, match=rf"being written by another run \(process {os.getpid()}\)"):
+        ResultsFolder(out).open(config, resume=False)
+    (out / CHECKPOINT_FILE).write_bytes(b"")
+    with pytest.raises(ConfigError, match="being written by another run"):
+        ResultsFolder(out).open(config, resume=True)
+    first.close()
+    assert not (out / LOCK_FILE).exists()
+
+
+def test_a_run_that_fails_before_writing_leaves_no_folder(tmp_path: Path) -> None:
+    """The folder is created (and locked) before the build; a build that fails removes it again."""
+    config = tmp_path / "bad.toml"
+    config.write_text(tomli_w.dumps(tiny_config(data={"dataset": "mnist", "partition": "iid"})), encoding="utf-8")
+    out = tmp_path / "results" / "never"
+    code, _, err = _call(["run", str(config), "--out", str(out), "--data-dir", str(tmp_path / "nothing"),
+                          "--no-progress"])
+    assert code == EXIT_USER_ERROR and "Traceback" not in err
+    assert not out.exists()

@@ -29,7 +29,7 @@ from decentdp.run.record import ResultsFolder, summary
 from decentdp.runtime.averaging import AVERAGE, evaluated_parameters
 from decentdp.util.allocator import retain_freed_memory
 from decentdp.util.profiling import NO_TIMER, PhaseTimer, TimedNetwork, format_report, operator_table
-from decentdp.util.threads import apply_threads
+from decentdp.util.threads import ThreadChoice, apply_threads
 
 
 @dataclass
@@ -84,6 +84,17 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
     if config.personalized is not None:  # Bellet et al.: per-agent models, asynchronous updates (own runner)
         return _run_personalized(config, out_dir, data_dir, resume, log, threads.threads)
     folder = ResultsFolder(Path(out_dir)) if out_dir is not None else None
+    try:
+        return _run(config, folder, data_dir, resume, stop_after, progress, log, profile, diagnostics, threads)
+    finally:
+        if folder is not None:
+            folder.close()  # the folder's lock; a folder left empty by a failed start is removed
+
+
+def _run(config: ExperimentConfig, folder: ResultsFolder | None, data_dir: str | Path | None, resume: bool,
+         stop_after: int | None, progress: bool, log: Callable[[str], None] | None, profile: bool,
+         diagnostics: bool, threads: ThreadChoice) -> RunResult:
+    """:func:`run_experiment` once its results folder (if any) is known: open (locked), build, run, record."""
     checkpoint = folder.open(config, resume) if folder is not None else None  # paths checked before the build
     experiment = build_experiment(config, data_dir)
     if config.engine.backend == "ray":  # agents sharded over Ray worker processes (the optional `ray` extra)

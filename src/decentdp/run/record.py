@@ -9,9 +9,12 @@ agent's ledger and epsilon, and the pairwise view when messages went to single r
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import pickle
 import secrets
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -113,12 +116,49 @@ def _merged_shards(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError("--resume", f"cannot read the checkpoint's shard files: {exc}") from None
 
 
+#: The lock a run holds on its results folder while it writes it (removed when the run ends).
+LOCK_FILE = ".lock"
+
+
+def _release(descriptor: int, folder: Path, created: bool) -> None:
+    """Drop a results folder's lock; a folder this run created and left empty (it failed before writing
+    anything) goes too, so that a failed start leaves nothing behind."""
+    with contextlib.suppress(OSError):
+        (folder / LOCK_FILE).unlink()
+    os.close(descriptor)
+    with contextlib.suppress(OSError):
+        if created and not any(folder.iterdir()):
+            folder.rmdir()
+
+
 class ResultsFolder:
-    """Writes one run's results folder ``path`` (and, for a secure run, its key file elsewhere)."""
+    """Writes one run's results folder ``path`` (and, for a secure run, its key file elsewhere), holding an
+    exclusive lock on it from :meth:`open` until the run (or this object) ends: one writer per folder."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.key_file: Path | None = None  # secure runs: the agents' keys, never inside ``path``
+        self._lock: weakref.finalize | None = None
+
+    def _acquire(self, created: bool) -> None:
+        """Lock the folder (``fcntl.flock`` on ``LOCK_FILE``, holding this process's id), or refuse naming the
+        process that holds it; released by :func:`_release` when this object goes."""
+        descriptor = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(descriptor, 32).decode(errors="replace").strip() or "unknown"
+            os.close(descriptor)
+            raise ConfigError("--out", f"{self.path} is being written by another run (process {holder}); wait "
+                                       "for it to end, or choose another folder") from None
+        os.ftruncate(descriptor, 0)
+        os.write(descriptor, str(os.getpid()).encode())
+        self._lock = weakref.finalize(self, _release, descriptor, self.path, created)
+
+    def close(self) -> None:
+        """Release the folder's lock now (it is also released when this object is collected)."""
+        if self._lock is not None:
+            self._lock()
 
     def open(self, config: ExperimentConfig, resume: bool) -> dict[str, Any] | None:
         """Check the folder before anything is written; with ``resume``, the checkpoint to continue from."""
@@ -126,6 +166,7 @@ class ResultsFolder:
         if resume:
             if not checkpoint.is_file():
                 raise ConfigError("--resume", f"no checkpoint to resume in {self.path}")
+            self._acquire(created=False)  # before reading: a run still writing the folder is refused
             saved = read_checkpoint(checkpoint)
             if "shards" in saved:  # written by the workers of a sharded run: their rows merged (for any split)
                 saved |= _merged_shards(self.path, saved["shards"])
@@ -145,10 +186,16 @@ class ResultsFolder:
                                                  f"{self.path}: the agents' keys must never sit with the results")
         if self.path.exists() and not self.path.is_dir():
             raise ConfigError("--out", f"{self.path} exists and is not a directory")
-        if self.path.exists() and any(self.path.iterdir()):
+        if self.path.exists() and any(entry.name != LOCK_FILE for entry in self.path.iterdir()):
             raise ConfigError("--out", f"{self.path} already holds files; pass --resume to continue that run "
                                        "or choose an empty directory")
         _check_creatable(self.path)
+        created = not self.path.exists()
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError("--out", f"cannot create the results folder {self.path}: {exc.strerror}") from None
+        self._acquire(created)
         return None
 
     def start(self, experiment: Experiment) -> None:
