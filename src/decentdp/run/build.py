@@ -253,8 +253,14 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     planned = planned_releases(config, algorithm)
     sums = _sums_per_batch(config, algorithm, topology)
     rng = random_source(config, len(parts), device)
-    replay = _graphs(config, topology, device)  # a sequence of its own: the run's keeps its first network
-    public = PublicRun(replay.at, lambda k: rng.round_generator(k, Stream.PUBLIC),
+    replay: list[GraphSequence] = []  # a sequence of its own (the run's keeps its first network), built if asked
+
+    def replayed_network(round_index: int) -> SimulatedNetwork:
+        if not replay:
+            replay.append(_graphs(config, topology, device))
+        return replay[0].at(round_index)
+
+    public = PublicRun(replayed_network, lambda k: rng.round_generator(k, Stream.PUBLIC),
                        (torch.tensor(rates, dtype=torch.float64) * torch.tensor(sizes)).float().double().numpy())
     own = algorithm.calibrate(_noise_plan(config, budgets, rates, sizes, model.dim, topology, public)) \
         if private else None
