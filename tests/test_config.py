@@ -533,3 +533,24 @@ def test_a_tilde_override_removes_a_key(tmp_path: Path) -> None:
 def test_a_directory_given_as_config_says_so(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="is a directory, not a TOML config file"):
         load_config(tmp_path)
+
+
+@pytest.mark.parametrize(("assignment", "owner"), [("algorithm.momentum=0.9", "dpdl"),
+                                                    ("algorithm.alpha=0.5", "top-dp"),
+                                                    ("algorithm.local_steps=1", "dp-net-fleet")])
+def test_a_setting_given_with_set_is_never_dropped(tmp_path: Path, assignment: str, owner: str) -> None:
+    """Issue 37: ``--set algorithm.momentum=0.9`` on a DP-DSGT config was dropped without a word, 0.9 being
+    dpdl's default.  A key the user gives with --set is an error when the algorithm does not use it; in a
+    file it is still dropped at another algorithm's default (earlier resolved configs list them all)."""
+    from decentdp.algorithms import algorithm_class
+
+    key, _, _ = assignment.partition("=")
+    assert key.split(".")[1] in algorithm_class(owner).Settings.model_fields
+    path = tmp_path / "c.toml"
+    path.write_text('[algorithm]\nname = "dp-dsgt"\n[privacy]\nepsilon = 1.0\n', encoding="utf-8")
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.") + ": is not used by algorithm 'dp-dsgt'"):
+        load_config(path, [assignment])
+    value = assignment.partition("=")[2]
+    path.write_text(f'[algorithm]\nname = "dp-dsgt"\n{key.split(".")[1]} = {value}\n[privacy]\nepsilon = 1.0\n',
+                    encoding="utf-8")
+    assert key.split(".")[1] not in load_config(path).to_toml_dict()["algorithm"]

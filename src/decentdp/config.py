@@ -13,7 +13,16 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from decentdp.algorithms import algorithm_class, algorithm_names
 from decentdp.algorithms.base import AlgorithmSettings
@@ -96,15 +105,16 @@ class AlgorithmSection(_Section):
         return value
 
     @model_validator(mode="after")
-    def _own_settings(self) -> AlgorithmSection:
+    def _own_settings(self, info: ValidationInfo) -> AlgorithmSection:
         settings_cls = algorithm_class(self.name).Settings
         own = settings_cls.model_fields
         if self.__pydantic_extra__ is None:
             self.__pydantic_extra__ = {}
         extras = self.__pydantic_extra__
+        written = (info.context or {}).get(EXPLICIT_KEYS, frozenset())  # given with --set: never dropped
         for key in [key for key in extras if key not in own]:
             owners = _algorithms_with_setting(key)
-            if owners and any(_is_default(name, key, extras[key]) for name in owners):
+            if key not in written and owners and any(_is_default(name, key, extras[key]) for name in owners):
                 del extras[key]  # resolved configs of other algorithms list it at its default: it changes nothing
                 continue
             allowed = ", ".join(sorted([*type(self).model_fields, *own]))
@@ -442,10 +452,17 @@ def config_differences(old: ExperimentConfig, new: ExperimentConfig) -> list[str
     return sorted(key for key in before.keys() | after.keys() if before.get(key) != after.get(key))
 
 
-def validate_config(raw: dict[str, Any]) -> ExperimentConfig:
-    """Validate a raw mapping; raise one ConfigError naming every invalid field."""
+#: Validation context: the ``[algorithm]`` keys the user gave explicitly (``--set``), which are errors when
+#: the algorithm does not use them, even at another algorithm's default (a file's are dropped then: resolved
+#: configs of earlier versions listed every algorithm's settings).
+EXPLICIT_KEYS = "explicit_algorithm_keys"
+
+
+def validate_config(raw: dict[str, Any], explicit: frozenset[str] = frozenset()) -> ExperimentConfig:
+    """Validate a raw mapping; raise one ConfigError naming every invalid field.  ``explicit``: the
+    ``[algorithm]`` keys given with ``--set``."""
     try:
-        return ExperimentConfig.model_validate(raw)
+        return ExperimentConfig.model_validate(raw, context={EXPLICIT_KEYS: explicit})
     except ValidationError as exc:
         problems = [_describe(error) for error in exc.errors()]
         lines = [f"{field}: {message}" for field, message in problems]
@@ -510,4 +527,10 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
         raise ConfigError("CONFIG", f"cannot read {file} as UTF-8 TOML: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("CONFIG", f"{file} is not valid TOML: {exc}") from None
-    return validate_config(apply_overrides(raw, overrides or []))
+    return validate_config(apply_overrides(raw, overrides or []), overridden_algorithm_keys(overrides or []))
+
+
+def overridden_algorithm_keys(assignments: list[str]) -> frozenset[str]:
+    """The ``[algorithm]`` keys that ``section.key=value`` assignments set (for :data:`EXPLICIT_KEYS`)."""
+    return frozenset(path[1] for path, value in map(parse_override, assignments)
+                     if path[0] == "algorithm" and len(path) == 2 and value is not _REMOVE)

@@ -247,7 +247,7 @@ def _read_toml(file: Path, field: str) -> dict[str, Any]:
 def load_sweep(path: str | Path) -> Sweep:
     """Read and check a sweep file: its own keys, the base config, and every field and range it searches
     (each value at the ends of each range must make a valid config, checked by the config schema)."""
-    from decentdp.config import apply_overrides, validate_config
+    from decentdp.config import apply_overrides, overridden_algorithm_keys, validate_config
 
     file = Path(path)
     if not file.is_file():
@@ -283,7 +283,8 @@ def load_sweep(path: str | Path) -> Sweep:
     base_raw = _read_toml(base_file, "sweep.config")
     base = apply_overrides(base_raw, [f"{name}={_toml_value(value)}" for name, value in section.set.items()])
     sweep = Sweep(file, section, space, base)
-    base_config = validate_config(sweep.trial_config({}, section.seeds[0]))
+    base_config = validate_config(sweep.trial_config({}, section.seeds[0]), overridden_algorithm_keys(
+        [f"{name}={_toml_value(value)}" for name, value in section.set.items()]))
     for name, dim in space.items():
         _check_field(name, base_config)
         if dim.integer is False and dim.values is None and _is_integer_field(name, base_config):

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from decentdp.config import ExperimentConfig, apply_overrides, validate_config
+from decentdp.config import ExperimentConfig, apply_overrides, overridden_algorithm_keys, validate_config
 from decentdp.errors import ConfigError
 
 
@@ -71,6 +71,7 @@ def load_audit_config(path: str | Path, overrides: list[str] | None = None) -> t
         raw: dict[str, Any] = tomllib.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError("CONFIG", f"cannot read {file} as TOML: {exc}") from None
+    explicit = overridden_algorithm_keys(overrides or [])
     raw = apply_overrides(raw, overrides or [])
     section = raw.pop("audit", {})
     if not isinstance(section, dict):
@@ -81,4 +82,4 @@ def load_audit_config(path: str | Path, overrides: list[str] | None = None) -> t
         error = exc.errors()[0]
         where = ".".join(str(part) for part in error["loc"])
         raise ConfigError(f"audit.{where}", error["msg"]) from None
-    return validate_config(raw), audit
+    return validate_config(raw, explicit), audit
