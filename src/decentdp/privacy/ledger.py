@@ -381,11 +381,11 @@ class PrivacyLedger:
             self.n_agents, len(RDP_ORDERS))
 
     def reported_epsilon(self) -> tuple[np.ndarray, str]:
-        """Epsilon per agent by the tightest sound accountant (the smaller of PLD and RDP), with its name.
-
-        It never exceeds a budget: budgets are enforced with ``tight`` too (unless a run asked to
-        enforce with ``rdp`` or ``pld`` alone, whose values are never below ``tight``'s)."""
-        return self.epsilon("tight"), "tight"
+        """Epsilon per agent by the run's accountant (``privacy.accountant``: ``tight`` by default, the smaller
+        of PLD and RDP), with its name: the accountant that calibrated sigma and enforces budgets, and that
+        the run's log and metrics use, so one accountant is named throughout and no epsilon exceeds a
+        budget."""
+        return self.epsilon(self.budget_accountant), self.budget_accountant
 
     @property
     def has_receiver_releases(self) -> bool:

@@ -1,10 +1,11 @@
-"""A new user's damaged files, closed pipes and shared results folders: one message naming the file or the
-folder, no traceback, nothing half-written."""
+"""What a new user meets (issue 37): damaged files, closed pipes and shared results folders get one message
+naming the file or the folder, no traceback and nothing half-written; the run names one accountant."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import subprocess
 import sys
@@ -122,3 +123,18 @@ def test_a_run_that_fails_before_writing_leaves_no_folder(tmp_path: Path) -> Non
                           "--no-progress"])
     assert code == EXIT_USER_ERROR and "Traceback" not in err
     assert not out.exists()
+
+
+def test_a_run_names_one_accountant_from_its_log_to_its_summary(tmp_path: Path) -> None:
+    """With privacy.accountant = "rdp" the log said eps(rdp) 4 and then (TIGHT) 3.562, and summary.json said
+    tight: every epsilon a run prints is now by the accountant it was configured with."""
+    config = tmp_path / "rdp.toml"
+    config.write_text(tomli_w.dumps(tiny_config(privacy={"epsilon": 5.0, "delta": 1e-5, "clip": 1.0,
+                                                         "accountant": "rdp"})), encoding="utf-8")
+    code, out, err = _call(["run", str(config), "--out", str(tmp_path / "out"), "--no-progress", "--json"])
+    assert code == 0, err
+    summary = json.loads(out.strip().splitlines()[-1])
+    last_row = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().strip().splitlines()[-1])
+    assert summary["epsilon_accountant"] == last_row["epsilon_accountant"] == "rdp"
+    assert summary["epsilon_max"] == pytest.approx(last_row["epsilon_max"])
+    assert "(RDP," in out and "(TIGHT" not in out and "eps(rdp)" in err
