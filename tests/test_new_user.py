@@ -138,3 +138,23 @@ def test_a_run_names_one_accountant_from_its_log_to_its_summary(tmp_path: Path) 
     assert summary["epsilon_accountant"] == last_row["epsilon_accountant"] == "rdp"
     assert summary["epsilon_max"] == pytest.approx(last_row["epsilon_max"])
     assert "(RDP," in out and "(TIGHT" not in out and "eps(rdp)" in err
+
+
+def _ratings(folder: Path, lines: list[str]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "u.data").write_text("\n".join(lines) + "\n", encoding="latin-1")
+    return folder
+
+
+def test_movielens_files_with_few_users_or_huge_ids_are_refused_before_allocating(tmp_path: Path) -> None:
+    """3 users with 10 neighbours asked ended in a RuntimeError deep in the runner, and a huge user id
+    allocated 7 GiB and died: the first names personalized.neighbours, the second the file and line."""
+    from decentdp.data.movielens import load_movielens
+    from decentdp.errors import DataError
+
+    few = _ratings(tmp_path / "few", [f"{u}\t{i}\t{(u + i) % 5 + 1}\t0" for u in (1, 2, 3) for i in range(1, 9)])
+    with pytest.raises(ConfigError, match="personalized.neighbours.*has 3 user ids"):
+        load_movielens(few, 0, neighbours=10)
+    huge = _ratings(tmp_path / "huge", ["1\t1\t5\t0", "2\t2\t4\t0", "900000\t3\t3\t0"])
+    with pytest.raises(DataError, match=r"u\.data, line 3: ids are used as indices"):
+        load_movielens(huge, 0)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from decentdp.data.personal import PersonalData, holdout_masks, sort_by_owner
-from decentdp.errors import DataError
+from decentdp.errors import ConfigError, DataError
 
 RATINGS_FILE = "u.data"
 _SUBDIRS = ("movielens-100k", "ml-100k")
@@ -113,6 +113,10 @@ def knn_graph(vectors: np.ndarray, k: int) -> np.ndarray:
     return np.maximum(adjacency, adjacency.T)
 
 
+#: The largest dense user x item (or user x user) matrix a ratings file may ask for (ids are indices).
+MAX_DENSE_BYTES = 4 * 2**30
+
+
 def load_movielens(data_dir: str | Path | None, seed: int, *, test_fraction: float = 0.2,
                    validation: bool = False, rank: int = 20, als_reg: float = 0.1, als_iterations: int = 15,
                    neighbours: int = 10) -> PersonalData:
@@ -121,6 +125,15 @@ def load_movielens(data_dir: str | Path | None, seed: int, *, test_fraction: flo
     table = read_ratings(path)
     users, items, ratings = table[:, 0], table[:, 1], table[:, 2].astype(np.float64)
     n_users, n_items = int(users.max()) + 1, int(items.max()) + 1
+    needed = 8 * max(n_users * n_items, n_users * n_users)  # the rating and similarity matrices are dense
+    if needed > MAX_DENSE_BYTES:
+        line = int(np.argmax(users if n_users >= n_items else items)) + 1
+        raise DataError(f"{path}, line {line}: ids are used as indices, and ids up to {n_users} users and "
+                        f"{n_items} items make {needed / 2**30:.3g} GiB of dense matrices (at most "
+                        f"{MAX_DENSE_BYTES / 2**30:.3g}); number the users and items from 1 without large gaps")
+    if neighbours > n_users - 1:
+        raise ConfigError("personalized.neighbours", f"is {neighbours}, but {path} has {n_users} user ids: each user "
+                                                     f"can have at most {n_users - 1} neighbours")
     rng = np.random.default_rng(seed)
     test = holdout_masks(users, test_fraction, rng)
     if validation:  # tune on a fifth of the training ratings; the test ratings are never read
