@@ -158,3 +158,14 @@ def test_movielens_files_with_few_users_or_huge_ids_are_refused_before_allocatin
     huge = _ratings(tmp_path / "huge", ["1\t1\t5\t0", "2\t2\t4\t0", "900000\t3\t3\t0"])
     with pytest.raises(DataError, match=r"u\.data, line 3: ids are used as indices"):
         load_movielens(huge, 0)
+
+
+@pytest.mark.parametrize(("assignment", "field"), [("audit.batch_sizes=[0]", "audit.batch_sizes.0"),
+                                                   ("audit.batch_sizes=[100000000]", "audit.batch_sizes.0"),
+                                                   ("audit.epsilons=[-1.0]", "audit.epsilons.0")])
+def test_an_inversion_attack_refuses_impossible_batches_and_budgets(assignment: str, field: str) -> None:
+    """A batch of 0 ended in a ZeroDivisionError, a huge one tried to allocate 20 TiB, and a negative epsilon
+    was reported as privacy.epsilon: each is refused before anything runs, naming the audit field."""
+    config = Path(__file__).resolve().parents[1] / "experiments" / "audits" / "inversion-mnist.toml"
+    code, _, err = _call(["attack", "inversion", str(config), "--set", assignment])
+    assert code == EXIT_USER_ERROR and field in err and "Traceback" not in err

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from decentdp.config import ExperimentConfig, apply_overrides, overridden_algorithm_keys, validate_config
 from decentdp.errors import ConfigError
+
+#: The largest batch an inversion attack reconstructs: the attack optimises every image of the batch at once.
+MAX_ATTACKED_BATCH = 1024
 
 
 class AuditSection(BaseModel):
@@ -52,9 +55,11 @@ class AuditSection(BaseModel):
                                                              "momentum-difference release (DPDL eq. 19)")
     momentum_round: int = Field(1, ge=1, description="t of the momentum-difference release v^{t+1} - v^t "
                                                      "(momentum steps of algorithm.lr before it)")
-    batch_sizes: list[int] = Field(default_factory=lambda: [1], min_length=1)
-    epsilons: list[float] = Field(default_factory=lambda: [1.0], min_length=1,
-                                  description="private releases attacked besides the non-private one")
+    batch_sizes: list[Annotated[int, Field(ge=1, le=MAX_ATTACKED_BATCH)]] = Field(
+        default_factory=lambda: [1], min_length=1, description="records per attacked batch (each reconstructed)")
+    epsilons: list[Annotated[float, Field(gt=0.0)]] = Field(default_factory=lambda: [1.0], min_length=1,
+                                                            description="private releases attacked besides the "
+                                                                        "non-private one")
     images: int = Field(4, ge=1, description="batches attacked per (batch size, epsilon)")
     iterations: int = Field(300, ge=1)
     attack_lr: float = Field(0.1, gt=0.0)
