@@ -13,9 +13,11 @@ import pytest
 import tomli_w
 
 from decentdp.cli import main
+from decentdp.config import validate_config
 from decentdp.data.partition import hold_out
 from decentdp.errors import ConfigError
-from decentdp.sweep import load_sweep
+from decentdp.run.loop import run_experiment
+from decentdp.sweep import load_sweep, trial_objectives
 
 from conftest import tiny_config
 
@@ -233,3 +235,16 @@ def test_private_selection_releases_a_noisy_best_and_its_epsilon_and_resumes_wit
     assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 2
     error = capsys.readouterr().err
     assert "different definition (private:" in error and "'score_noise': 2.0" in error
+
+
+def test_a_misspelled_objective_is_refused_before_any_trial_trains(tmp_path: Path, capsys) -> None:
+    """Issue 37: a misspelled objective was found only after every trial had trained; it is named when the
+    sweep file is read, with the numbers a trial's summary holds, each of which a real run writes."""
+    path = write_sweep(tmp_path, LR, objective="acuracy_mean")
+    with pytest.raises(ConfigError, match=r"sweep\.objective: 'acuracy_mean' is not a number"):
+        load_sweep(path)
+    assert main(["sweep", str(path), "--out", str(tmp_path / "out")]) == 2 and not (tmp_path / "out").exists()
+    config = validate_config(tiny_config(averaging={"kind": "ema", "decay": 0.9}))
+    summary = run_experiment(config, None, progress=False, log=lambda line: None).summary
+    for key in trial_objectives(config):
+        assert isinstance(summary[key], float | int), key

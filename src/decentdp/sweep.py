@@ -244,6 +244,18 @@ def _read_toml(file: Path, field: str) -> dict[str, Any]:
         raise ConfigError(field, f"cannot read {file} as TOML: {exc}") from None
 
 
+def trial_objectives(config: Any) -> tuple[str, ...]:
+    """The numbers a trial of ``config`` writes in its ``summary.json``, which a sweep may optimise
+    (``tests/test_sweep.py`` checks them against real runs)."""
+    if config.personalized is not None:
+        task = ("rmse_mean", "rmse_min", "rmse_max") if config.personalized.dataset == "movielens-100k" else \
+            ("accuracy_mean", "accuracy_min", "accuracy_max")
+        return (*task, "objective", "epsilon_max", "wall_seconds")
+    averaged = ("last_iterate_accuracy_mean",) if config.averaging.kind != "none" else ()
+    return ("accuracy_mean", "accuracy_min", "accuracy_max", "accuracy_std", "consensus_distance", *averaged,
+            "epsilon_max", "wall_seconds")
+
+
 def load_sweep(path: str | Path) -> Sweep:
     """Read and check a sweep file: its own keys, the base config, and every field and range it searches
     (each value at the ends of each range must make a valid config, checked by the config schema)."""
@@ -296,6 +308,10 @@ def load_sweep(path: str | Path) -> Sweep:
                 raise ConfigError(f"space.{name}", f"the value {value!r} makes an invalid config: "
                                                    f"{str(exc).removeprefix('invalid configuration:').strip()}") \
                     from None
+    objectives = trial_objectives(base_config)
+    if section.objective not in objectives:  # before any trial trains, not after every one has
+        raise ConfigError("sweep.objective", f"{section.objective!r} is not a number in a trial's summary.json; "
+                                             f"one of: {', '.join(objectives)}")
     if section.selection == "private":  # before the grid's own checks: a private grid is refused as such
         _check_private(sweep, base_config)
     if section.method == "grid":
