@@ -115,3 +115,22 @@ def test_momentum_difference_needing_more_records_than_the_set_is_a_config_error
                      audit={"images": 1, "iterations": 1, "release": "momentum-difference", "momentum_round": 10**6})
     assert main(["attack", "inversion", str(config)]) == 2
     assert "audit.momentum_round" in capsys.readouterr().err
+
+
+def test_audit_mia_audits_the_target_it_is_given(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 37: audit.target was ignored by the membership audit (agent 0 always); the canary now sits with the
+    target agent, labelled with its digit, and a target beyond the agents is refused naming audit.target."""
+    from decentdp.audit.mia import membership_data
+    from decentdp.audit.settings import load_audit_config
+    from decentdp.run.build import build_experiment
+
+    config = _config(tmp_path, topology={"agents": 3}, model={"name": "mlp", "options": {"hidden": 16}},
+                     audit={"per_digit": 20, "target": 2})
+    experiment_config, audit = load_audit_config(config)
+    x, y, _ = membership_data(build_experiment(experiment_config), audit.digits, audit.per_digit, audit.target)
+    assert int(y[-1]) == audit.digits[2]
+    assert main(["audit", "mia", str(config), "--models", "60", "--json"]) == 0
+    assert _last_json(capsys.readouterr().out)["models"] == 60
+    wrong = _config(tmp_path, topology={"agents": 3}, audit={"per_digit": 20, "target": 3})
+    assert main(["audit", "mia", str(wrong), "--models", "60"]) == 2
+    assert "audit.target" in capsys.readouterr().err

@@ -2,7 +2,8 @@
 
 D is a small MNIST subset (``per_digit`` training images of each of ``digits``, 300 of 0, 1, 2 in the
 paper), one digit per agent; D' = D + {z}, z a blank image (every pixel at the dataset's background
-value) labelled with the first digit, held by that digit's agent (the target).  Every training
+value) labelled with the target agent's digit (``audit.target``, by default agent 0 and the first
+digit), held by that agent.  Every training
 starts from the same initial parameters, so only batches and noise differ between runs; after
 training, the target agent's loss on z is the attack's score (a low loss says "member").  A
 threshold chosen on the first runs and Clopper-Pearson intervals on the rest give the bound of
@@ -25,9 +26,10 @@ from decentdp.models import classification_loss
 from decentdp.run.build import Experiment
 
 
-def membership_data(experiment: Experiment, digits: list[int], per_digit: int
+def membership_data(experiment: Experiment, digits: list[int], per_digit: int, target: int = 0,
                     ) -> tuple[torch.Tensor, torch.Tensor, list[np.ndarray]]:
-    """The records of D then z, compactly, and each agent's rows (one digit per agent, or all pooled).
+    """The records of D then z (labelled with the target agent's digit), compactly, and each agent's rows
+    (one digit per agent, or all pooled).
 
     The records of each digit are its first ``per_digit`` training images (a public choice)."""
     labels = experiment.dataset.y_train.cpu().numpy()
@@ -42,7 +44,7 @@ def membership_data(experiment: Experiment, digits: list[int], per_digit: int
     x_train = experiment.dataset.x_train
     blank = torch.full_like(x_train[:1], float(x_train.min()))
     x = torch.cat([x_train[rows], blank])
-    y = torch.cat([experiment.dataset.y_train[rows], torch.tensor([digits[0]], device=x.device)])
+    y = torch.cat([experiment.dataset.y_train[rows], torch.tensor([digits[target]], device=x.device)])
     offsets = np.cumsum([0] + [per_digit] * len(digits))
     parts = [np.arange(offsets[a], offsets[a + 1]) for a in range(len(digits))]
     return x, y, [np.concatenate(parts)] if experiment.algorithm.pools_data else parts
@@ -54,11 +56,16 @@ def run_membership_audit(experiment: Experiment, audit: AuditSection) -> AuditOu
     if not experiment.algorithm.pools_data and agents != len(audit.digits):
         raise ConfigError("topology.agents", f"{agents} agents for {len(audit.digits)} digits (audit.digits): "
                                              "the audit gives one digit to each agent")
-    x, y, parts = membership_data(experiment, audit.digits, audit.per_digit)
+    target, holders = audit.target, 1 if experiment.algorithm.pools_data else agents
+    if target >= holders:
+        raise ConfigError("audit.target", f"is {target}, but the audit has {holders} agent(s) (one per digit of "
+                                          "audit.digits, or one pooled agent for central training): use 0 to "
+                                          f"{holders - 1}")
+    x, y, parts = membership_data(experiment, audit.digits, audit.per_digit, target)
     z, label = x[-1:], y[-1:]
 
     def build(member: np.ndarray, seed: int) -> BlockRun:
-        return block_simulation(experiment, x, y, parts, 0, len(x) - 1, member, seed)
+        return block_simulation(experiment, x, y, parts, target, len(x) - 1, member, seed)
 
     def score(run: BlockRun) -> np.ndarray:
         state = run.train()

@@ -40,7 +40,8 @@ class AuditSection(BaseModel):
                               description="classes of D, one per agent (the target holds the first)")
     per_digit: int = Field(100, ge=1, description="records of each class in D (the paper: 300 in all)")
     # -- message audit ----------------------------------------------------------------------------------
-    target: int = Field(0, ge=0, description="the audited agent of each block")
+    target: int = Field(0, ge=0, description="the audited agent of each block (membership: it holds the canary, "
+                                             "labelled with its digit)")
     records: int = Field(8, ge=1, description="records each agent holds besides the canary")
     canary_parameter: str | None = Field(None, description="parameter (as named by the model) holding the "
                                                            "canary's coordinate; default: the flat vector")
