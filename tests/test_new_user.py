@@ -169,3 +169,22 @@ def test_an_inversion_attack_refuses_impossible_batches_and_budgets(assignment: 
     config = Path(__file__).resolve().parents[1] / "experiments" / "audits" / "inversion-mnist.toml"
     code, _, err = _call(["attack", "inversion", str(config), "--set", assignment])
     assert code == EXIT_USER_ERROR and field in err and "Traceback" not in err
+
+
+def test_a_report_over_a_personalized_run_and_a_consensus_run_names_each(finished: tuple[Path, Path],
+                                                                         tmp_path: Path) -> None:
+    """Issue 37: a report over a digits run and a personalized run claimed "dataset = digits" for both (the
+    personalized run's config holds unused defaults), and with --out it crashed on the personalized metrics
+    (KeyError: 'round').  Each run now names its own dataset, so the two are refused as one table, saying
+    why; the personalized run alone is reported, its files written."""
+    demo = Path(__file__).resolve().parents[1] / "experiments" / "personalized" / "demo-synthetic.toml"
+    personal = tmp_path / "personal"
+    assert _call(["run", str(demo), "--out", str(personal)])[0] == 0
+    _, consensus = finished
+    code, _, err = _call(["report", str(consensus), str(personal), "--json"])
+    assert code == EXIT_USER_ERROR and "digits" in err and "synthetic" in err and "Traceback" not in err
+    code, out, err = _call(["report", str(personal), "--out", str(tmp_path / "report"), "--json"])
+    assert code == 0 and "Traceback" not in err, err
+    shared = json.loads(out.strip().splitlines()[-1])["shared"]
+    assert shared["data.dataset"] == "synthetic" and shared["algorithm.name"] == "personalized cd"
+    assert "topology.graph" not in shared and "model.name" not in shared   # defaults that never ran

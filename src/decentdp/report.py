@@ -146,7 +146,14 @@ def read_run(folder: Path) -> Run:
             curve = [json.loads(line) for line in metrics_file.read_text(encoding="utf-8").splitlines() if line]
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise DecentDPError(f"cannot read {metrics_file}: {exc}") from None
-    return Run(folder, flatten(config), summary, curve)
+    fields = flatten(config)
+    personalized = config.get("personalized")
+    if isinstance(personalized, dict):  # its [data], [topology], [model], [algorithm] are unused defaults
+        fields = {key: value for key, value in fields.items()
+                  if key.startswith(("experiment.seed", "experiment.name", "privacy.", "personalized."))}
+        fields["data.dataset"] = personalized.get("dataset")
+        fields["algorithm.name"] = f"personalized {personalized.get('method', 'cd')}"
+    return Run(folder, fields, summary, curve)
 
 
 def results_folders_under(root: Path) -> list[Path]:
@@ -583,13 +590,14 @@ def plot_report(report: Report, out: Path) -> list[Path]:
             ax.fill_between(rounds, [scale * (m - s) for m, s in zip(means, stds, strict=True)],
                             [scale * (m + s) for m, s in zip(means, stds, strict=True)], alpha=0.2,
                             color=line.get_color())
-    ax.set_xlabel("round")
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    if len(report.rows) <= 20:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    written.append(_save(fig, out / f"{report.metric}_vs_round.png"))
+    if ax.lines:  # (personalized runs count ticks, not rounds: they have no such curve)
+        ax.set_xlabel("round")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if len(report.rows) <= 20:
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(_save(fig, out / f"{report.metric}_vs_round.png"))
     plt.close(fig)
 
     if any(math.isfinite(row["epsilon_spent"]) for row in report.rows):
@@ -623,8 +631,8 @@ def plot_report(report: Report, out: Path) -> list[Path]:
 
 def _curve(runs: Sequence[Run], metric: str) -> tuple[list[int], list[float], list[float]]:
     """Mean and std over seeds at the rounds every run evaluated."""
-    per_run = [{int(row["round"]): float(row[metric]) for row in run.curve
-                if isinstance(row.get(metric), (int, float))} for run in runs]
+    per_run = [{int(row["round"]): float(row[metric]) for row in run.curve   # (personalized rows count ticks)
+                if "round" in row and isinstance(row.get(metric), (int, float))} for run in runs]
     rounds = sorted(set.intersection(*(set(values) for values in per_run))) if per_run else []
     means, stds = [], []
     for k in rounds:
