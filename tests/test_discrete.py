@@ -141,3 +141,21 @@ def test_a_cell_on_a_rounding_boundary_resolves_to_either_side_by_its_further_bi
     results = {_resolve(_words(seed), fraction, scale, cell) for seed in range(40)}
     assert results == {-1, 0}
     assert rounded_gaussian(words, np.array([fraction]), np.array([scale]))[0] in (-1, 0)
+
+
+@pytest.mark.parametrize(("relation_factor", "budget_factor"), [(1.0, 1.0), (2.0, 2.0)])
+def test_the_exact_loss_of_a_grid_laplace_release_is_within_its_ledger_event(relation_factor: float,
+                                                                              budget_factor: float) -> None:
+    """The true privacy loss of the released grid point, computed from the discrete Laplace mass itself:
+    max over outputs of log P(o | v) / P(o | v') = sum_j |q_j - q'_j| / t (q = the rounded inputs), for
+    neighbouring sums l1-apart by C (add/remove) or 2C (replace-one).  It must not exceed what the ledger
+    charges, 1 / m (2 / m under replace-one)."""
+    rng = np.random.default_rng(8)
+    for _ in range(300):
+        clip, dim, multiplier = rng.uniform(0.1, 10), int(rng.integers(1, 50)), rng.uniform(0.2, 20)
+        gamma, t = grid_step(clip), grid_scale(multiplier, dim, clip)
+        v = rng.normal(scale=rng.choice([1e-3, 1.0, 1e3]) * clip, size=dim)
+        direction = rng.normal(size=dim)
+        w = v + relation_factor * clip * rng.uniform() * direction / np.abs(direction).sum()
+        exact = np.abs(np.rint(v / gamma) - np.rint(w / gamma)).sum() / t
+        assert exact <= budget_factor / multiplier * (1 + 1e-12)

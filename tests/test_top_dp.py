@@ -349,3 +349,19 @@ def test_top_dp_calibrates_under_replace_one() -> None:
                       privacy={"neighbouring": "replace-one"})
     experiment = build_experiment(validate_config(raw))
     assert all(sigma > 0 for sigma in experiment.setup["noise_multipliers"])
+
+
+def test_the_replay_prices_histories_no_lower_than_dp_accounting() -> None:
+    """The replayed calibration prices each agent's history by RDP at integer orders in closed form; it must
+    never say less than dp_accounting's RDP accountant on the same composed sampled Gaussians."""
+    from decentdp.algorithms.topology_noise import _history_epsilon
+    from decentdp.privacy.accounting import rdp_curve, rdp_epsilon
+    from decentdp.privacy.events import gaussian_event
+
+    rng = np.random.default_rng(9)
+    for _ in range(25):
+        parts = int(rng.integers(1, 4))
+        scale, rate = float(rng.uniform(0.5, 5)), float(rng.choice([1.0, rng.uniform(0.001, 0.5)]))
+        coefficients, counts = rng.uniform(0.3, 1.0, parts), rng.integers(1, 300, parts).astype(float)
+        total = sum(c * rdp_curve(gaussian_event(scale * k, rate)) for k, c in zip(coefficients, counts, strict=True))
+        assert _history_epsilon(scale, coefficients, counts, rate, 1e-5) >= rdp_epsilon(total, 1e-5) - 1e-9

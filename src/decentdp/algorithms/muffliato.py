@@ -27,7 +27,6 @@ vector as if independent and each round separately, is reported as ``paper_epsil
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -40,6 +39,7 @@ from decentdp.algorithms.registry import register
 from decentdp.privacy import network_dp
 from decentdp.privacy.accounting import RDP_ORDERS
 from decentdp.privacy.observer_view import LinearView, ViewBuilder, dense_cost, observer_mu
+from decentdp.results import epsilon_json
 
 #: Work (``dense_cost``'s floating-point operations) the observer-view accountant may spend on a run's
 #: pairwise epsilons, about half a minute at one thread here (N = 16, T = 100, K = 4: 3.9e11 in 30 s,
@@ -199,12 +199,8 @@ class Muffliato(SettingsAlgorithm):
         np.fill_diagonal(paper, 0.0)
         off = epsilons[~np.eye(n, dtype=bool)]
         largest = float(off.max()) if off.size else 0.0
-        return {"epsilon_pairwise_max": None if math.isinf(largest) else largest,
-                "epsilon_pairwise_network": _json_matrix(epsilons),
+        return {"epsilon_pairwise_max": epsilon_json(largest),
+                "epsilon_pairwise_network": epsilon_json(epsilons),
                 "epsilon_pairwise_network_method": note,
-                "paper_epsilon_pairwise_network": _json_matrix(paper)}
+                "paper_epsilon_pairwise_network": epsilon_json(paper)}
 
-
-def _json_matrix(epsilons: np.ndarray) -> list[list[float | None]]:
-    """A matrix of epsilons for JSON (infinite: ``null``)."""
-    return [[None if math.isinf(e) else e for e in row] for row in epsilons.tolist()]

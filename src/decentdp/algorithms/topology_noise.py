@@ -41,6 +41,7 @@ from typing import Any
 import dp_accounting
 import numpy as np
 import torch
+from dp_accounting.rdp import rdp_privacy_accountant
 from pydantic import Field
 
 from decentdp.algorithms.base import Calibrated, Network, NoisePlan
@@ -244,7 +245,7 @@ def _history_epsilon(scale: float, coefficients: np.ndarray, counts: np.ndarray,
     """Epsilon at ``delta`` of ``counts[j]`` Poisson-sampled Gaussian releases of multiplier
     ``scale * coefficients[j]`` at rate ``rate``: RDP at integer orders in closed form (Mironov, Talwar &
     Zhang 2019: ``log sum_k C(a, k) (1 - q)^(a - k) q^k exp((k^2 - k) / (2 sigma^2)) / (a - 1)``), converted
-    as dp_accounting does (Canonne, Kamath & Steinke 2020, Prop. 12)."""
+    by dp_accounting's ``compute_epsilon``."""
     a = INTEGER_ORDERS[:, None].astype(np.float64)
     k = np.arange(INTEGER_ORDERS[-1] + 1, dtype=np.float64)[None, :]
     total = np.zeros(len(INTEGER_ORDERS))
@@ -258,9 +259,7 @@ def _history_epsilon(scale: float, coefficients: np.ndarray, counts: np.ndarray,
         terms = np.where(k <= a, terms, -np.inf)
         peak = terms.max(axis=1)
         total += count * (peak + np.log(np.exp(terms - peak[:, None]).sum(axis=1))) / (INTEGER_ORDERS - 1)
-    orders = INTEGER_ORDERS.astype(np.float64)
-    epsilons = total + np.log1p(-1 / orders) - (math.log(delta) + np.log(orders)) / (orders - 1)
-    return float(max(0.0, epsilons.min()))
+    return float(rdp_privacy_accountant.compute_epsilon(INTEGER_ORDERS, total, delta)[0])
 
 
 #: Distinct precision factors one agent's replayed history is priced with (each round's rounded up to one of

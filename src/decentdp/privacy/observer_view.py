@@ -38,7 +38,7 @@ caller may report the smaller of this and a sound per-release bound (e.g. the se
 which every observer's view is post-processing of).
 
 **Cost.**  One SVD of ``B`` per observer: the view is built explicitly (:class:`ViewBuilder`), so this
-accountant serves small and medium runs (tests, quick starts, the N = 10 tables); :func:`view_cost`
+accountant serves small and medium runs (tests, quick starts, the N = 10 tables); :func:`dense_cost`
 estimates the work so that a caller can fall back to a sound per-release bound beyond a limit.
 """
 
@@ -174,12 +174,6 @@ def dense_cost(observed_rows: Sequence[int], noise_columns: int, data_columns: i
     decide before building a view whether it is affordable."""
     return sum(4.0 * rows * noise_columns * min(rows, noise_columns)
                + 2.0 * rows * data_columns * min(rows, noise_columns) for rows in observed_rows)
-
-
-def view_cost(view: LinearView, observers: Sequence[Collection[int]]) -> float:
-    """:func:`dense_cost` of a built view."""
-    rows = [int(np.isin(view.receivers, list(observer)).sum()) for observer in observers]
-    return dense_cost(rows, len(view.noise_scale), len(view.data_owner))
 
 
 def observer_mu(view: LinearView, observers: Sequence[Collection[int]], relation: str = "add-remove",
