@@ -65,19 +65,21 @@ SCHEDULES = {"top-dp-async": {"kind": "pairing", "offline_probability": 0.3}}
 
 
 class Sources:
-    """The traced coordinates: kind, owner (data) or holder (noise) of each, and its scale."""
+    """The traced coordinates: kind, owner (data) or holder (noise; both ends of an edge secret) of each."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.kind: list[str] = []
         self.agent: list[int] = []
+        self.partner: list[int] = []   # the other end of an edge secret, -1 for an agent's own draw
 
-    def fresh(self, kind: str, agents: list[int]) -> torch.Tensor:
+    def fresh(self, kind: str, agents: list[int], partners: list[int] | None = None) -> torch.Tensor:
         start = len(self.kind)
         if start + len(agents) > self.capacity:
             raise RuntimeError("the harness's capacity is too small for this run")
         self.kind += [kind] * len(agents)
         self.agent += agents
+        self.partner += partners if partners is not None else [-1] * len(agents)
         rows = torch.zeros(len(agents), self.capacity, dtype=torch.float64)
         rows[torch.arange(len(agents)), torch.arange(start, start + len(agents))] = 1.0
         return rows
@@ -98,6 +100,10 @@ class TracingNoiseDraw:
 
     def normal(self, rows: Any, out: torch.Tensor, slots: Any = None, workers: int = 1) -> torch.Tensor:
         return out.copy_(self.sources.fresh("noise", [self.agent_ids[r] for r in rows]))
+
+    def edge_normal(self, edges: Any, dim: int) -> torch.Tensor:
+        """A fresh noise coordinate per edge, held by both its ends (an edge secret)."""
+        return self.sources.fresh("noise", [i for i, _ in edges], [j for _, j in edges])
 
 
 class TracingOracle(DataOracle):
@@ -198,9 +204,10 @@ def exact_epsilon(sources: Sources, log: list[tuple[np.ndarray, torch.Tensor]], 
     rows = [x[np.isin(receivers, observer)] for receivers, x in log
             if x.shape[-1] == sources.capacity]   # (narrower messages carry public values, e.g. batch sizes)
     seen = torch.cat(rows).numpy() if rows else np.zeros((0, sources.capacity))
-    kind, agent = np.array(sources.kind + [""] * (sources.capacity - len(sources.kind))), \
-        np.array(sources.agent + [-1] * (sources.capacity - len(sources.agent)))
-    unknown = (kind == "noise") & ~np.isin(agent, observer)
+    padding = sources.capacity - len(sources.kind)
+    kind, agent = np.array(sources.kind + [""] * padding), np.array(sources.agent + [-1] * padding)
+    partner = np.array(sources.partner + [-1] * padding)
+    unknown = (kind == "noise") & ~np.isin(agent, observer) & ~np.isin(partner, observer)
     a = seen[:, (kind == "data") & (agent == sender)]
     if not a.any():
         return 0.0
@@ -215,13 +222,15 @@ def exact_epsilon(sources: Sources, log: list[tuple[np.ndarray, torch.Tensor]], 
     return gaussian_dp_epsilon(sensitivity * math.sqrt(max(best, 0.0)), DELTA)
 
 
-def reported_epsilons(experiment: Any, rounds: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """Each agent's reported epsilon (the run's budgets hold on it) and, where the algorithm reports one, the
-    pairwise matrix eps(u -> v)."""
-    local = experiment.ledger.reported_epsilon()[0]
+def reported_epsilons(experiment: Any, rounds: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Each agent's epsilon towards every other agent together (the ledger's, or ``epsilon_local`` where the
+    ledger names a narrower observer, as DECOR's pairwise budgets do), towards any single agent (the ledger's)
+    and, where the algorithm reports one, the pairwise matrix eps(u -> v)."""
+    ledger = experiment.ledger.reported_epsilon()[0]
     extras = experiment.algorithm.privacy_extras(experiment.final_state, run_facts(experiment, rounds))
+    everyone = np.array(extras["epsilon_local"], dtype=float) if "epsilon_local" in extras else ledger
     pairwise = extras.get("epsilon_pairwise_network")
-    return local, None if pairwise is None else np.array(pairwise, dtype=float)
+    return everyone, ledger, None if pairwise is None else np.array(pairwise, dtype=float)
 
 
 def library_algorithms() -> set[str]:
@@ -245,14 +254,14 @@ def test_reported_epsilon_is_at_least_every_observers_exact_loss(name: str, n: i
                                                                   choice: int, relation: str) -> None:
     settings = {VARIED[name]: VALUES[VARIED[name]][choice]} if name in VARIED else {}
     experiment, sources, log = traced_run(name, n, 0.7, seed, rounds, settings=settings, relation=relation)
-    local, pairwise = reported_epsilons(experiment, rounds)
+    together, single, pairwise = reported_epsilons(experiment, rounds)
     for sender in range(n):
         others = [v for v in range(n) if v != sender]
         everyone = exact_epsilon(sources, log, others, sender, relation)
-        assert local[sender] >= everyone - 1e-6, (sender, "all others", local[sender], everyone)
+        assert together[sender] >= everyone - 1e-6, (sender, "all others", together[sender], everyone)
         for v in others:
             exact = exact_epsilon(sources, log, [v], sender, relation)
-            assert local[sender] >= exact - 1e-6, (sender, v, local[sender], exact)
+            assert single[sender] >= exact - 1e-6, (sender, v, single[sender], exact)
             if pairwise is not None:
                 assert pairwise[sender, v] >= exact - 1e-6, (sender, v, pairwise[sender, v], exact)
 

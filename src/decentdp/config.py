@@ -243,6 +243,11 @@ class PrivacySection(_Section):
                                                   "never inside the results folder")
     agent_epsilons: list[float] | None = Field(None, min_length=1,
                                                description="per-agent budgets (overrides epsilon)")
+    colluding: list[list[int]] = Field(
+        default_factory=list, description="sets of agents (ids) that pool what they see and know (messages, noise, "
+                                          "edge keys): algorithms priced by the observer-view accountant report "
+                                          "each sender's epsilon towards each set, and correlated-noise ones "
+                                          "calibrate for them too")
 
     @model_validator(mode="before")
     @classmethod
@@ -280,6 +285,16 @@ class PrivacySection(_Section):
     def _all_positive(cls, value: list[float] | None) -> list[float] | None:
         if value is not None and any(math.isnan(v) or v <= 0 for v in value):
             raise ValueError("every per-agent epsilon must be a positive number")
+        return value
+
+    @field_validator("colluding")
+    @classmethod
+    def _sets(cls, value: list[list[int]]) -> list[list[int]]:
+        for index, members in enumerate(value):
+            if not members:
+                raise ValueError(f"set {index} is empty: name the agents that collude")
+            if len(set(members)) != len(members):
+                raise ValueError(f"set {index} names an agent twice: {members}")
         return value
 
     @property
@@ -363,6 +378,12 @@ class ExperimentConfig(_Section):
                 and len(privacy.agent_epsilons) != topo.agents:
             raise _FieldError("privacy.agent_epsilons",
                                f"has {len(privacy.agent_epsilons)} entries but topology.agents = {topo.agents}")
+        for index, members in enumerate(privacy.colluding):
+            unknown = [agent for agent in members if not 0 <= agent < topo.agents]
+            if unknown:
+                raise _FieldError(f"privacy.colluding.{index}",
+                                  f"names agent(s) {unknown}, but the run's agents are 0..{topo.agents - 1} "
+                                  f"(topology.agents = {topo.agents})")
         for key, users in PARAM_USERS.items():
             if getattr(topo, key) is not None and topo.graph not in users and not self.pools_data:
                 raise _FieldError(f"topology.{key}", f"is not used by graph = '{topo.graph}' (only by "

@@ -52,7 +52,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from decentdp.errors import ConfigError
 
 
 class Stream(IntEnum):
@@ -227,8 +232,22 @@ class AgentRandom:
         keys = [None] * len(agents) if slots is None else list(slots)
         seeds = [stream_seed(self.seed, agent, round_index, stream, step, slot)
                  for agent, slot in zip(agents, keys, strict=True)]
+        return self._fill(seeds, out, uniform, workers)
+
+    def edge_normal(self, edges: Sequence[tuple[int, int]], dim: int, round_index: int, step: int = 0,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Standard normal draws of shape ``(len(edges), dim)``, row ``r`` from the secret that the two ends of
+        ``edges[r]`` share (per-edge noise that cancels in pairs: DECOR).  Both ends draw the same row, in
+        any order of the pair and in any process.  Here the secret is the key ``(seed, "e<lo>-<hi>", round,
+        NOISE, step)``: recomputable from the seed like every simulation draw (an edge field never equals
+        an agent id or the round-wide ``*``, so edge streams never meet agent streams)."""
+        seeds = [_key_seed(self.seed, _edge_field(*edge), round_index, Stream.NOISE, step) for edge in edges]
+        return self._fill(seeds, torch.empty(len(edges), dim, dtype=dtype, device=self.device), False, 1)
+
+    def _fill(self, seeds: list[int], out: torch.Tensor, uniform: bool, workers: int) -> torch.Tensor:
+        """Row ``r`` of ``out`` drawn from the 63-bit ``seeds[r]`` (per-row generators or batched Philox)."""
         if self.streams == "batched":
-            return philox_rows(seeds, dim, out, uniform) if seeds else out
+            return philox_rows(seeds, out.shape[1], out, uniform) if seeds else out
 
         def fill(rows: range) -> None:
             generator = torch.Generator(out.device)
@@ -247,6 +266,13 @@ class AgentRandom:
         with ThreadPoolExecutor(groups) as pool:
             list(pool.map(fill, [range(bounds[k], bounds[k + 1]) for k in range(groups)]))
         return out
+
+
+def _edge_field(i: int, j: int) -> str:
+    """The agent field of an edge's keys: the same for ``(i, j)`` and ``(j, i)``."""
+    if i == j:
+        raise ValueError(f"an edge joins two agents, got ({i}, {j})")
+    return f"e{min(i, j)}-{max(i, j)}"
 
 
 SIMULATION_NOTICE = ("privacy.noise = 'simulation': every noise vector and batch is recomputable from "
@@ -323,6 +349,39 @@ def _uniform53(raw: bytes, count: int) -> np.ndarray:
     return (np.frombuffer(raw, dtype=np.uint64, count=count) >> np.uint64(11)) * 2.0**-53
 
 
+def _derive(secret: bytes, info: str) -> bytes:
+    """32 bytes of HKDF-SHA256 of ``secret`` for the purpose ``info`` (keys for distinct purposes never meet)."""
+    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=info.encode()).derive(secret)
+
+
+def agreement_key(agent_key: bytes) -> X25519PrivateKey:
+    """An agent's X25519 key pair, derived from its secret key (so that the key file holds one secret per agent
+    and a resumed run agrees on the same edge keys)."""
+    return X25519PrivateKey.from_private_bytes(_derive(agent_key, "decentdp/x25519"))
+
+
+def public_agreement_keys(keys: AgentKeys) -> dict[int, bytes]:
+    """The raw X25519 public keys of the agents ``keys`` holds: what each agent publishes to its neighbours."""
+    return {agent: agreement_key(keys.key(agent)).public_key().public_bytes(
+        serialization.Encoding.Raw, serialization.PublicFormat.Raw) for agent in keys.agent_ids}
+
+
+def edge_key(own: int, own_key: bytes, peer: int, peer_public: bytes) -> bytes:
+    """The 32-byte secret that agents ``own`` and ``peer`` share: X25519 of one's private key and the other's
+    public key (both ends compute the same value), through HKDF bound to the (unordered) pair."""
+    shared = agreement_key(own_key).exchange(X25519PublicKey.from_public_bytes(peer_public))
+    return _derive(shared, f"decentdp/edge/{_edge_field(own, peer)}")
+
+
+def _hardened_normals(u: np.ndarray, dim: int) -> np.ndarray:
+    """``dim`` normals from ``4 dim`` uniforms: the sum of four Box-Muller normals over two (Holohan & Braghin
+    2021, as in Opacus's secure mode; see :meth:`SecureRandom.normal`)."""
+    radius = np.sqrt(-2.0 * np.log1p(-u[: 2 * dim]))  # 1 - u lies in (0, 1]: the log is finite
+    angle = 2.0 * np.pi * u[2 * dim:]
+    pairs = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])  # 4 dim normals
+    return pairs.reshape(4, dim).sum(axis=0) / 2.0
+
+
 class SecureRandom(AgentRandom):
     """Secure mode: each agent's noise and sampling from its own secret key through ChaCha20.
 
@@ -335,13 +394,54 @@ class SecureRandom(AgentRandom):
     #: Noise is drawn and added in float64, then the released value is rounded once (see :meth:`normal`).
     noise_dtype = torch.float64
 
-    def __init__(self, seed: int, keys: AgentKeys, device: torch.device | str = "cpu") -> None:
+    def __init__(self, seed: int, keys: AgentKeys, device: torch.device | str = "cpu",
+                 public_keys: dict[int, bytes] | None = None) -> None:
         super().__init__(seed, device)
         self.keys = keys
+        if public_keys is not None:  # a shard: the run's published keys, its own agents' secrets
+            self.public_keys = public_keys
+
+    @property
+    def keys(self) -> AgentKeys:
+        """The secret keys of the agents this process holds (replaced when a secure run resumes)."""
+        return self._keys
+
+    @keys.setter
+    def keys(self, keys: AgentKeys) -> None:
+        self._keys = keys
+        #: Every agent's X25519 public key (published; a shard receives all of them with its own secrets).
+        self.public_keys = public_agreement_keys(keys)
+        self._edge_keys: dict[tuple[int, int], bytes] = {}
 
     def for_agents(self, agent_ids: Sequence[int]) -> SecureRandom:
         """The same run's source holding the keys of ``agent_ids`` only (what one shard receives)."""
-        return SecureRandom(self.seed, self.keys.subset(agent_ids), self.device)
+        return SecureRandom(self.seed, self.keys.subset(agent_ids), self.device, self.public_keys)
+
+    def edge_secret(self, i: int, j: int) -> bytes:
+        """The key agents ``i`` and ``j`` share (:func:`edge_key`), computed by whichever end this process holds;
+        kept in memory only, never written."""
+        pair = (min(i, j), max(i, j))
+        if pair not in self._edge_keys:
+            held = [agent for agent in pair if agent in set(self.keys.agent_ids)]
+            if not held:
+                raise KeyError(f"this process holds the key of neither end of edge {pair}")
+            own, peer = held[0], pair[1] if held[0] == pair[0] else pair[0]
+            if peer not in self.public_keys:
+                raise ConfigError("privacy.noise", f"secure mode: agent {own} has no published X25519 key of its "
+                                                   f"neighbour {peer}, so the two cannot agree on their edge key; "
+                                                   "every agent of a secure run must publish one")
+            self._edge_keys[pair] = edge_key(own, self.keys.key(own), peer, self.public_keys[peer])
+        return self._edge_keys[pair]
+
+    def edge_normal(self, edges: Sequence[tuple[int, int]], dim: int, round_index: int, step: int = 0,
+                    dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """Row ``r`` from the ChaCha20 keystream of the key the ends of ``edges[r]`` agreed on by X25519
+        (:meth:`edge_secret`): hardened float64 normals, as :meth:`normal` draws."""
+        out = torch.empty(len(edges), dim, dtype=dtype, device=self.device)
+        for row, (i, j) in enumerate(edges):
+            raw = _keystream(self.edge_secret(i, j), _nonce(round_index, Stream.NOISE, step, None), 32 * dim)
+            out[row].copy_(torch.from_numpy(_hardened_normals(_uniform53(raw, 4 * dim), dim)))
+        return out
 
     def _uniforms(self, agent: int, count: int, round_index: int, stream: Stream, step: int,
                   slot: int | None = None) -> np.ndarray:
@@ -386,12 +486,6 @@ class SecureRandom(AgentRandom):
         per_value = 1 if uniform else 4
         for row, (agent, slot) in enumerate(zip(agents, keys, strict=True)):
             u = self._uniforms(int(agent), per_value * dim, round_index, stream, step, slot)
-            if uniform:
-                values = u
-            else:
-                radius = np.sqrt(-2.0 * np.log1p(-u[: 2 * dim]))  # 1 - u lies in (0, 1]: the log is finite
-                angle = 2.0 * np.pi * u[2 * dim:]
-                pairs = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])  # 4 dim normals
-                values = pairs.reshape(4, dim).sum(axis=0) / 2.0
+            values = u if uniform else _hardened_normals(u, dim)
             out[row].copy_(torch.from_numpy(values))
         return out

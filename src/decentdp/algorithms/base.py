@@ -265,6 +265,7 @@ class NoisePlan:
     neighbours: list[list[int]]   # each agent's neighbours in the run's first graph
     redrawn: bool                 # whether the graph is redrawn during the run (any agent may meet any other)
     public: PublicRun | None = None  # the run's public choices, replayable (None: plan for the worst case)
+    colluding: list[list[int]] = field(default_factory=list)  # privacy.colluding: sets that pool their views
 
 
 @dataclass(frozen=True)
@@ -277,6 +278,7 @@ class Calibrated:
     noise_multipliers: list[float]
     paper_accounting: dict[str, Any]
     details: dict[str, Any] = field(default_factory=dict)  # how our own calibration sized the noise (setup.json)
+    observer: str | None = None  # who the budgets' epsilon names, when not every observer together (privacy.json)
 
 
 @dataclass(frozen=True)
@@ -292,6 +294,9 @@ class RunFacts:
     delta: float
     relation: str                              # privacy.neighbouring
     local_epsilon: np.ndarray                  # each agent's reported epsilon over all its releases (agent view)
+    sample_rates: np.ndarray | None = None     # q_i (None: price every release unsampled, q = 1)
+    colluding: list[list[int]] = field(default_factory=list)  # privacy.colluding
+    accountant: str = "tight"                  # privacy.accountant
 
 
 class AlgorithmSettings(BaseModel):

@@ -58,6 +58,7 @@ class NoiseDraw:
         self.round_index = round_index
         self.release = release
         self._used: set[tuple[int, int | None]] = set()
+        self._used_edges: set[tuple[int, int]] = set()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -78,6 +79,17 @@ class NoiseDraw:
         agents = self._claim(rows, slots)
         return self.rng.normal(agents, out.shape[1], self.round_index, Stream.NOISE, self.release, out=out,
                                workers=workers, slots=slots)
+
+    def edge_normal(self, edges: Sequence[tuple[int, int]], dim: int) -> torch.Tensor:
+        """Standard normal draws ``(len(edges), dim)``, row ``r`` from the secret the two ends of ``edges[r]``
+        (global ids) share, under this release's key (:meth:`~decentdp.rng.AgentRandom.edge_normal`): each
+        edge once per release, so that the two ends add the same draw with opposite signs."""
+        pairs = [(min(i, j), max(i, j)) for i, j in edges]
+        if len(set(pairs)) != len(pairs) or not self._used_edges.isdisjoint(pairs):
+            raise NoiseReuseError(f"edge noise key (round {self.round_index}, release {self.release}) drawn twice: "
+                                  "every release needs fresh noise")
+        self._used_edges.update(pairs)
+        return self.rng.edge_normal(pairs, dim, self.round_index, self.release, dtype=self.dtype)
 
     @property
     def exact(self) -> bool:

@@ -57,17 +57,18 @@ def privacy_statement(private: bool, relation: str, noise: str, private_evaluati
 
 def privacy_report(ledger: PrivacyLedger, delta: float, statement: dict[str, Any],
                    paper_accounting: dict[str, Any] | None = None, extras: dict[str, Any] | None = None,
-                   ) -> dict[str, Any]:
+                   observer: str = AGENT_VIEW) -> dict[str, Any]:
     """``privacy.json``'s content: each agent's epsilon on the view budgets hold on (and by RDP), releases made
     and refused, the ledger, the statement; the per-receiver composition when messages went to single
     receivers (a paper's view, labelled); an algorithm's own results (``extras``, e.g. Muffliato's pairwise
-    network DP) and the paper's own accounting, labelled."""
+    network DP) and the paper's own accounting, labelled; ``observer`` names who the budgets' epsilon is about
+    (every observer together unless the run's mechanism was calibrated for a narrower view, e.g. DECOR's)."""
     epsilons, accountant = ledger.reported_epsilon()
     report: dict[str, Any] = {
         "delta": delta,
         "epsilon": epsilon_json(epsilons),
         "epsilon_accountant": accountant,
-        "epsilon_observer": AGENT_VIEW,
+        "epsilon_observer": observer,
         **statement,
         "releases": ledger.releases().tolist(),
         "refused_releases": ledger.refused.tolist(),

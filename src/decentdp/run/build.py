@@ -153,7 +153,8 @@ def _noise_plan(config: ExperimentConfig, budgets: list[float], rates: list[floa
                      config.privacy.accountant, config.privacy.neighbouring,
                      (1 - schedule.offline_probability) * schedule.participation,
                      [int(d) for d in adjacency.sum(axis=1)],
-                     [np.flatnonzero(row).tolist() for row in adjacency], bool(config.topology.redraw_every), public)
+                     [np.flatnonzero(row).tolist() for row in adjacency], bool(config.topology.redraw_every), public,
+                     config.privacy.colluding)
 
 
 def _plan_memory(config: ExperimentConfig, model: FlatModel, algorithm: Algorithm, data: AgentData,
@@ -296,6 +297,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     setup = {
         **({"paper_accounting": own.paper_accounting} if own is not None else {}),
         **({"calibration_details": own.details} if own is not None and own.details else {}),
+        **({"epsilon_observer": own.observer} if own is not None and own.observer else {}),
         "n_agents": len(parts),
         "parameters": model.dim,
         "agent_sizes": sizes,

@@ -205,7 +205,9 @@ def run_facts(experiment: Experiment, rounds: int) -> RunFacts:
     """What is public about a run that ran ``rounds`` rounds, for its algorithm's own privacy results."""
     return RunFacts(rounds, experiment.graphs.at, experiment.schedule, experiment.noise_multipliers.double().numpy(),
                     experiment.oracle.expected_batch.double().numpy(), experiment.config.privacy.delta,
-                    experiment.config.privacy.neighbouring, experiment.ledger.reported_epsilon()[0])
+                    experiment.config.privacy.neighbouring, experiment.ledger.reported_epsilon()[0],
+                    experiment.sample_rates.double().numpy(), experiment.config.privacy.colluding,
+                    experiment.config.privacy.accountant)
 
 
 def _run_personalized(config: ExperimentConfig, out_dir: str | Path | None, data_dir: str | Path | None,

@@ -25,7 +25,7 @@ from decentdp.algorithms.base import State
 from decentdp.config import PLACEMENT_FIELDS, ExperimentConfig, config_differences, validate_config
 from decentdp.errors import ConfigError
 from decentdp.privacy.network_dp import plot_pairwise
-from decentdp.privacy.report import privacy_report, privacy_statement
+from decentdp.privacy.report import AGENT_VIEW, privacy_report, privacy_statement
 from decentdp.results import (
     CHECKPOINT_FILE,
     CONFIG_FILE,
@@ -259,7 +259,8 @@ class ResultsFolder:
         """``privacy.json``, ``summary.json`` and the plots of a finished run; ``extras`` are the
         algorithm's own privacy results (``Algorithm.privacy_extras``), added to ``privacy.json``."""
         privacy = privacy_report(experiment.ledger, experiment.config.privacy.delta, run_privacy_statement(
-            experiment.config), experiment.setup.get("paper_accounting"), extras)
+            experiment.config), experiment.setup.get("paper_accounting"), extras,
+            experiment.setup.get("epsilon_observer", AGENT_VIEW))
         if (extras or {}).get("epsilon_pairwise_network") is not None:
             plot_pairwise(np.array(extras["epsilon_pairwise_network"], dtype=float), self.path / "pairwise_epsilon.png")
         write_json(self.path / PRIVACY_FILE, privacy)

@@ -1,0 +1,174 @@
+"""Correlated noise from edge secrets (DECOR): keys, cancellation, the observer view it is priced on, the run.
+
+The pairwise epsilon DECOR budgets is that of an observer who sees every message of every round; it is checked
+here against the explicit linear-Gaussian view of that observer (``observer_view.observer_mu``, built
+message by message), where it must be exact, and in ``test_privacy_harness.py`` against a neighbour's real
+multi-round view, where it must be an upper bound.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tests.conftest import tiny_config
+
+from decentdp.algorithms.base import NoisePlan
+from decentdp.algorithms.decor import PAIRWISE_VIEW, Decor, DecorSettings
+from decentdp.config import validate_config
+from decentdp.errors import ConfigError
+from decentdp.privacy.correlated import CorrelatedGaussianMechanism, effective_multipliers, graph_edges
+from decentdp.privacy.mechanisms import NoiseDraw, NoiseReuseError
+from decentdp.privacy.observer_view import ViewBuilder, observer_mu
+from decentdp.rng import AgentKeys, AgentRandom, SecureRandom, Stream
+from decentdp.run.loop import run_experiment
+
+REPO = Path(__file__).resolve().parents[1]
+QUICK_START = REPO / "experiments" / "correlated" / "decor-digits.toml"
+
+
+def test_edge_keys_agree_at_both_ends_and_nowhere_else() -> None:
+    keys = AgentKeys.generate(range(4))
+    run = SecureRandom(0, keys)
+    first, second = run.for_agents([0]), run.for_agents([1])     # two processes, one agent each
+    assert first.edge_secret(0, 1) == second.edge_secret(1, 0)
+    assert len({run.edge_secret(*pair) for pair in [(0, 1), (1, 2), (0, 2), (2, 3)]}) == 4
+    assert torch.equal(first.edge_normal([(0, 1)], 20, 3), second.edge_normal([(1, 0)], 20, 3))
+    assert not torch.equal(first.edge_normal([(0, 1)], 20, 3), first.edge_normal([(0, 1)], 20, 4))
+    assert not torch.equal(run.edge_normal([(0, 1)], 20, 3)[0], run.normal([0], 20, 3, Stream.NOISE)[0])
+    resumed = SecureRandom(0, AgentKeys.generate(range(4)))
+    resumed.keys = keys                                           # a resumed run puts its saved keys back
+    assert resumed.edge_secret(0, 1) == run.edge_secret(0, 1)
+    lonely = SecureRandom(0, keys.subset([0]))                    # no neighbour's published key
+    with pytest.raises(ConfigError, match="privacy.noise"):
+        lonely.edge_secret(0, 1)
+
+
+def test_simulated_edge_streams_are_keyed_by_the_unordered_pair() -> None:
+    rng = AgentRandom(7)
+    a, b = rng.edge_normal([(2, 5)], 30, 1), rng.edge_normal([(5, 2)], 30, 1)
+    assert torch.equal(a, b) and not torch.equal(a, rng.edge_normal([(2, 6)], 30, 1))
+    assert not torch.equal(a[0], rng.normal([2], 30, 1, Stream.NOISE)[0].float())
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_edge_noise_cancels_in_the_sum_of_updates_and_is_drawn_once(secure: bool) -> None:
+    n, dim = 5, 40
+    edges = graph_edges(np.array([(0, 1), (1, 2), (2, 3), (3, 4), (4, 0), (0, 2)]))
+    batches = torch.tensor([10.0, 20.0, 30.0, 40.0, 50.0])
+    mechanism = CorrelatedGaussianMechanism(torch.zeros(n), 1.0, edges, 3.0, batches, torch.ones(n), PAIRWISE_VIEW)
+    rng = SecureRandom(0, AgentKeys.generate(range(n))) if secure else AgentRandom(0)
+    values = torch.zeros(n, dim, dtype=torch.float64)
+    draw = NoiseDraw(rng, range(n), 0, 0)
+    mechanism.perturb(values, torch.arange(n), draw)
+    updates = values / batches.double()[:, None]
+    assert (updates.norm(dim=1) > 1.0).all()                    # every message carries edge noise
+    assert updates.sum(dim=0).abs().max() < 1e-9                 # which cancels in the network's sum
+    with pytest.raises(NoiseReuseError):
+        draw.edge_normal([(0, 1)], dim)
+
+
+def _all_messages_view(n: int, edges: np.ndarray, own: np.ndarray, scale: np.ndarray, tau: float,
+                       rounds: int) -> ViewBuilder:
+    """Every update ``m_i`` of ``rounds`` rounds, message by message, sent to every agent and to an extra agent
+    ``n`` that holds nothing (an external eavesdropper)."""
+    builder = ViewBuilder(n + 1, capacity=rounds * (2 * n + len(edges)))
+    everyone = np.arange(n + 1)
+    for _ in range(rounds):
+        data = builder.data(range(n))
+        noise = builder.noise(own * scale, [{i} for i in range(n)])
+        shared = builder.noise(np.full(len(edges), tau), [{int(i), int(j)} for i, j in edges])
+        updates = scale[:, None] * data + noise
+        for k, (i, j) in enumerate(edges.tolist()):
+            updates[i] += shared[k]
+            updates[j] -= shared[k]
+        for agent in range(n):
+            builder.send(everyone, np.repeat(updates[agent][None], n + 1, axis=0))
+    return builder
+
+
+@pytest.mark.parametrize("relation", ["add-remove", "replace-one"])
+def test_effective_multiplier_is_exact_for_an_observer_of_every_message(relation: str) -> None:
+    rng = np.random.default_rng(3)
+    n, rounds = 6, 3
+    edges = graph_edges(np.array([(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 0), (1, 4)]))
+    own, scale, tau = rng.uniform(0.5, 2.0, n), 1.0 / rng.uniform(5, 20, n), 0.4
+    observers = [[v] for v in range(n)] + [[1, 3], [n]]
+    view = _all_messages_view(n, edges, own, scale, tau, rounds).view()
+    exact = observer_mu(view, observers, relation).mu[:n]
+    sigma_eff = effective_multipliers(scale, own, edges, tau, observers[:-1] + [[]])
+    sensitivity = 2.0 if relation == "replace-one" else 1.0
+    reported = sensitivity * math.sqrt(rounds) / sigma_eff              # rounds compose as independent Gaussians
+    assert np.allclose(reported, exact, rtol=1e-6, equal_nan=True)
+    assert (sigma_eff[:, :n][~np.eye(n, dtype=bool)] > own.repeat(n - 1)).all()  # edge noise always helps here
+
+
+def _plan(neighbours: list[list[int]], colluding: list[list[int]] | None = None, redrawn: bool = False) -> NoisePlan:
+    n = len(neighbours)
+    return NoisePlan([2.0] * n, 1e-5, [0.1] * n, [100] * n, 50, 10, 1.0, "tight", "add-remove", 1.0,
+                     [len(x) for x in neighbours], neighbours, redrawn, None, colluding or [])
+
+
+def test_a_leaf_gets_local_noise_while_well_hidden_agents_need_less() -> None:
+    """A path 0 - 1 - 2 - 3: each end's one neighbour holds its only edge key, so the ends need the local
+    sigma; the middle agents hide behind an edge their observer does not hold."""
+    calibrated = Decor(DecorSettings().build(), 3.0).calibrate(_plan([[1], [0, 2], [1, 3], [2]]))
+    sigmas = np.array(calibrated.noise_multipliers)
+    assert sigmas[0] == pytest.approx(sigmas[3]) and sigmas[1] < 0.8 * sigmas[0]
+    worst = np.array(calibrated.details["effective_multiplier_worst"])
+    assert worst[0] == pytest.approx(sigmas[0], rel=1e-6)        # the leaf: its own noise alone
+    assert calibrated.observer == PAIRWISE_VIEW
+
+
+def test_colluding_sets_need_more_noise() -> None:
+    ring = [[(i - 1) % 6, (i + 1) % 6] for i in range(6)]
+    alone = Decor(DecorSettings().build(), 3.0).calibrate(_plan(ring))
+    pooled = Decor(DecorSettings().build(), 3.0).calibrate(_plan(ring, colluding=[[1, 5]]))
+    assert pooled.noise_multipliers[0] > alone.noise_multipliers[0]   # 1 and 5 hold both of 0's edge keys
+
+
+def test_bad_inputs_name_their_field() -> None:
+    with pytest.raises(ConfigError, match="privacy.colluding.1") as caught:
+        validate_config(tiny_config(algorithm={"name": "decor"}, privacy={"colluding": [[0, 1], [2, 9]]}))
+    assert "names agent(s) [9]" in str(caught.value)
+    with pytest.raises(ConfigError, match="topology.graph"):
+        Decor(DecorSettings().build(), 3.0).calibrate(_plan([[1], [0], []]))
+    with pytest.raises(ConfigError, match="topology.redraw_every"):
+        Decor(DecorSettings().build(), 3.0).calibrate(_plan([[1], [0]], redrawn=True))
+    with pytest.raises(ConfigError, match="privacy.colluding"):
+        validate_config(tiny_config(privacy={"colluding": [[]]}))
+
+
+def test_secure_decor_run_spends_its_pairwise_budget_and_writes_no_edge_key(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("DECENTDP_KEY_DIR", str(tmp_path / "keys"))
+    raw = tiny_config(algorithm={"name": "decor", "correlation": 2.0}, privacy={"noise": "secure", "epsilon": 3.0},
+                      experiment={"rounds": 3, "eval_every": 3})
+    result = run_experiment(validate_config(raw), tmp_path / "run", progress=False, log=lambda _: None)
+    assert result.summary["epsilon_max"] <= 3.0 + 1e-9
+    (key_file,) = (tmp_path / "keys").iterdir()
+    keys = AgentKeys({int(a): bytes.fromhex(k) for a, k in json.loads(key_file.read_text()).items()})
+    secrets = [SecureRandom(0, keys).edge_secret(i, (i + 1) % 4) for i in range(4)]
+    for path in (tmp_path / "run").iterdir():
+        content = path.read_bytes()
+        assert not any(secret in content or secret.hex().encode() in content for secret in secrets), path
+
+
+def test_quick_start_beats_dp_dsgd_at_the_same_budget(tmp_path: Path) -> None:
+    """The digits quick start: within its pairwise budget, its summary names the pairwise epsilon, each agent's
+    local epsilon is larger, and it is more accurate than DP-DSGD from the same config at the same epsilon."""
+    from decentdp.config import load_config
+    decor = run_experiment(load_config(QUICK_START), tmp_path / "decor", progress=False, log=lambda _: None)
+    summary, privacy = decor.summary, json.loads((tmp_path / "decor" / "privacy.json").read_text())
+    budget = load_config(QUICK_START).privacy.epsilon
+    assert summary["epsilon_max"] <= budget + 1e-9 and summary["epsilon_pairwise_max"] <= budget + 1e-9
+    assert privacy["epsilon_observer"] == PAIRWISE_VIEW
+    assert summary["epsilon_local_max"] > 1.5 * budget
+    assert np.nanmax(np.array(privacy["epsilon_pairwise_network"], dtype=float)) <= budget + 1e-9
+    baseline = run_experiment(load_config(QUICK_START, ["algorithm.name=dp-dsgd", "~algorithm.correlation"]),
+                              tmp_path / "dsgd", progress=False, log=lambda _: None)
+    assert baseline.summary["epsilon_max"] <= budget + 1e-9
+    assert summary["accuracy_mean"] > baseline.summary["accuracy_mean"] + 0.03
