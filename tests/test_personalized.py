@@ -257,6 +257,25 @@ def test_warm_start_noise_dwarfs_the_local_models_whatever_lambda():
     assert abs(float(scaled.var()) / dim - 1) < 0.2
 
 
+def test_secure_warm_start_is_an_exact_grid_laplace_release_of_the_l1_sensitivity():
+    """Secure mode's output perturbation: every released coordinate is an integer number of grid steps (no
+    float support gaps, Mironov 2012), the per-coordinate noise is Laplace of scale sqrt(p) Delta_i / eps
+    (mean absolute value = scale, within sampling error), and agents without data are left alone."""
+    from decentdp.privacy.discrete import grid_step
+    from decentdp.rng import AgentKeys, SecureRandom
+
+    dim, clip, epsilon = 5, 1.0, 0.5
+    data = synthetic_linear(300, dim, min_points=10, max_points=100, seed=3)
+    problem = build_problem(data, mu=0.04)
+    local = local_models(problem, clip)
+    released = output_perturbation(problem, local, clip, epsilon, SecureRandom(0, AgentKeys.generate(range(300))))
+    sensitivity = math.sqrt(dim) * clip / (problem.counts.double() * problem.reg)
+    steps = torch.tensor([grid_step(float(s)) for s in sensitivity], dtype=torch.float64)[:, None]
+    assert torch.equal(torch.round(released / steps), released / steps)        # on each agent's grid, exactly
+    scaled = ((released - local) * epsilon / sensitivity[:, None]).abs()
+    assert abs(float(scaled.mean()) - 1) < 0.08                                # 1500 draws of |Laplace(1)|
+
+
 def _config(**personalized) -> dict:
     return {"privacy": {"epsilon": 1.0, "delta": DELTA, "clip": 1.0, "accountant": "pld",
                         "neighbouring": "replace-one"},

@@ -9,15 +9,23 @@
   replace-one; adding b with density proportional to exp(-eps ||b|| / Delta) (norm ~ Gamma(p, Delta/eps),
   uniform direction) is pure eps-DP.  Here Lambda = 2 lambda_i, so Delta_i = C / (m_i lambda_i).
   Approximately minimised objectives weaken this guarantee slightly (as in Chaudhuri et al.'s experiments).
+  In secure mode that float sampler is replaced by an exact one on a grid (Mironov 2012's concern): a
+  discrete Laplace per coordinate (:func:`~decentdp.privacy.discrete.grid_release`) for the l1
+  sensitivity ``sqrt(p) Delta_i >= ||.||_1`` at the same pure ``eps`` (its expected noise norm is about
+  ``sqrt(2)`` times the Gamma mechanism's).
 * The warm start is then :func:`~decentdp.personalized.solver.model_propagation` of the private
   local models: post-processing, no further privacy cost.
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from decentdp.personalized.objective import Problem, agent_grams, data_gradient_sums
+from decentdp.privacy.discrete import grid_release
 from decentdp.rng import AgentRandom, Stream
 
 #: Round of the warm start's noise keys (the setup phase, before any update).
@@ -60,12 +68,31 @@ def output_perturbation(problem: Problem, theta: torch.Tensor, clip: float, epsi
     """``theta`` plus Chaudhuri et al.'s output-perturbation noise (module docstring), keyed per agent at
     :data:`WARM_START_ROUND`; agents without data are returned unchanged (nothing to protect)."""
     n, p = theta.shape
+    sensitivity = clip / (problem.counts.clamp(min=1).double() * problem.reg)
+    if rng.secure:
+        return _grid_output_perturbation(problem, theta, sensitivity, epsilon, rng)
     ids = list(range(n))
     directions = rng.normal(ids, p, WARM_START_ROUND, Stream.NOISE, 0, dtype=torch.float64)
     uniforms = rng.normal(ids, p, WARM_START_ROUND, Stream.NOISE, 1, dtype=torch.float64, uniform=True)
     gamma = -torch.log1p(-uniforms.to(theta.device)).sum(dim=1)  # Gamma(p, 1): a sum of p Exp(1) draws
-    sensitivity = clip / (problem.counts.clamp(min=1).double() * problem.reg)
     norm = gamma * sensitivity / epsilon
     unit = directions.to(theta.device) / torch.linalg.vector_norm(directions, dim=1, keepdim=True).to(theta.device)
     noise = torch.where((problem.counts > 0).unsqueeze(1), unit * norm.unsqueeze(1), 0.0)
     return theta + noise
+
+
+def _grid_output_perturbation(problem: Problem, theta: torch.Tensor, sensitivity: torch.Tensor, epsilon: float,
+                              rng: AgentRandom) -> torch.Tensor:
+    """Secure mode's warm start: each agent's ``theta_i`` released exactly on a grid with discrete Laplace noise
+    for the l1 sensitivity ``sqrt(p) Delta_i`` (pure ``epsilon``-DP, module docstring), from its own key."""
+    n, p = theta.shape
+    out = theta.clone()
+    values = theta.detach().cpu().numpy()
+    for agent in range(n):
+        if int(problem.counts[agent]) == 0:
+            continue
+        words = rng.words(agent, WARM_START_ROUND, Stream.NOISE, 2)
+        released = grid_release(values[agent:agent + 1], math.sqrt(p) * float(sensitivity[agent]),
+                                np.array([1.0 / epsilon]), lambda _: words)
+        out[agent] = torch.from_numpy(released[0]).to(theta.device)
+    return out
