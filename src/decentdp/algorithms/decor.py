@@ -1,5 +1,7 @@
-"""DECOR (Allouah, Koloskova, El Firdoussi, Guerraoui, Jaggi, "The privacy power of correlated noise in
-decentralized learning", ICML 2024, Algorithm 1; authors' code ``elfirdoussilab1/DECOR``).
+"""DECOR (Allouah et al., ICML 2024, Alg. 1): pairwise-cancelling noise from edge secrets, pairwise DP.
+
+Allouah, Koloskova, El Firdoussi, Guerraoui, Jaggi, "The privacy power of correlated noise in decentralized
+learning" (authors' code ``elfirdoussilab1/DECOR``).
 
 Neighbours share secrets (one key per edge, agreed once: X25519 in secure mode) from which they draw the
 same Gaussian vector every round and add it with opposite signs, so the correlated noise cancels in the
