@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tomli_w
 from tests.conftest import tiny_config
@@ -188,3 +189,184 @@ def test_a_report_over_a_personalized_run_and_a_consensus_run_names_each(finishe
     shared = json.loads(out.strip().splitlines()[-1])["shared"]
     assert shared["data.dataset"] == "synthetic" and shared["algorithm.name"] == "personalized cd"
     assert "topology.graph" not in shared and "model.name" not in shared   # defaults that never ran
+
+
+def _mnist_npz(folder: Path, **arrays: np.ndarray) -> Path:
+    """An MNIST-style ``mnist.npz`` of a few random images (the Keras layout), with ``arrays`` replaced."""
+    rng = np.random.default_rng(0)
+    layout = {"x_train": rng.integers(0, 256, (64, 8, 8), dtype=np.uint8), "y_train": np.arange(64) % 10,
+              "x_test": rng.integers(0, 256, (16, 8, 8), dtype=np.uint8), "y_test": np.arange(16) % 10}
+    folder.mkdir(parents=True, exist_ok=True)
+    np.savez(folder / "mnist.npz", **{**layout, **arrays})
+    return folder / "mnist.npz"
+
+
+def _one_hot(labels: np.ndarray) -> np.ndarray:
+    return np.eye(10)[labels]
+
+
+@pytest.mark.parametrize(("arrays", "array", "expected"), [
+    ({"y_train": _one_hot(np.arange(64) % 10)}, "y_train", "y_train.argmax(axis=1)"),
+    ({"y_train": (np.arange(64) % 10) + 0.5}, "y_train", "label 0.5 at index 0 is not a whole"),
+    ({"x_test": np.zeros((0, 8, 8), "uint8"), "y_test": np.zeros(0)}, "x_test",
+     "the test split holds no images"),
+    ({"y_test": np.arange(15) % 10}, "y_test", "expected one label per image, shape (16,)"),
+    ({"x_train": np.zeros((64, 8, 8), "float32")}, "x_train", "expected uint8 images"),
+])
+def test_user_mnist_files_in_other_shapes_are_refused_naming_file_and_array(tmp_path: Path, arrays: dict,
+                                                                           array: str, expected: str) -> None:
+    """Keras-style one-hot labels crashed in models.py with a shape error, fractional labels were truncated
+    to classes in silence, and an empty test split trained, printed "acc nan" and ended in a ValueError: each
+    is refused before training, naming the file and the array, and leaves no results folder."""
+    data = tmp_path / "data"
+    npz = _mnist_npz(data, **arrays)
+    config = tmp_path / "mnist.toml"
+    config.write_text(tomli_w.dumps(tiny_config(data={"dataset": "mnist", "partition": "iid"})), encoding="utf-8")
+    out = tmp_path / "out"
+    code, _, err = _call(["run", str(config), "--out", str(out), "--data-dir", str(data), "--no-progress"])
+    assert code == EXIT_USER_ERROR and "Traceback" not in err
+    assert f"{npz}, array {array}:" in err and expected in err, err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_user_mnist_labels_as_a_column_or_whole_floats_are_read(tmp_path: Path) -> None:
+    """Keras' ``(n, 1)`` label column and floats holding whole classes (3.0) are class indices as they stand."""
+    from decentdp.data.datasets import load_dataset
+
+    labels = np.arange(64) % 10
+    _mnist_npz(tmp_path, y_train=labels[:, None].astype(np.float32))
+    dataset = load_dataset("mnist", tmp_path)
+    assert dataset.y_train.tolist() == labels.tolist() and dataset.input_shape == (1, 8, 8)
+
+
+def _sweep_file(tmp_path: Path) -> Path:
+    """A sweep over the tiny config whose own ``set`` table fixes experiment.rounds = 3."""
+    (tmp_path / "base.toml").write_text(tomli_w.dumps(tiny_config(privacy={"epsilon": 5.0, "accountant": "rdp"})))
+    path = tmp_path / "sweep.toml"
+    path.write_text(tomli_w.dumps({"sweep": {"config": "base.toml", "method": "random", "trials": 3,
+                                             "validation_fraction": 0.2, "set": {"experiment.rounds": 3}}})
+                    + '\n[space]\n"algorithm.lr" = { low = 0.05, high = 0.5, log = true }\n')
+    return path
+
+
+def test_sweep_takes_set_and_trials_from_the_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``decentdp sweep --set`` overrides the base config after the file's set table (the command line wins),
+    and ``--trials`` replaces sweep.trials; both are kept for a resume (sweep.toml's first line says so)."""
+    from decentdp import sweep as sweep_module
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    class Runner:
+        def __init__(self, sweep: sweep_module.Sweep, out: Path) -> None:
+            seen.append(sweep)
+            raise Stop
+
+    monkeypatch.setattr(sweep_module, "SweepRunner", Runner)
+    with pytest.raises(Stop):
+        main(["sweep", str(_sweep_file(tmp_path)), "--out", str(tmp_path / "out"), "--set", "experiment.rounds=2",
+              "--set", "algorithm.batch_size=8", "--trials", "1"])
+    sweep = seen[0]
+    assert sweep.trials == 1 and sweep.base["experiment"]["rounds"] == 2
+    trial = validate_config(sweep.trial_config({"algorithm.lr": 0.1}, 0))
+    assert trial.experiment.rounds == 2 and trial.algorithm.batch_size == 8
+    assert sweep.options == ["--set", "experiment.rounds=2", "--set", "algorithm.batch_size=8", "--trials", "1"]
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--set", "privacy.epsilonn=1"], "--set: with 'privacy.epsilonn=1', the sweep's base config is invalid"),
+    (["--set", "nosuch.key=1"], "--set: with 'nosuch.key=1'"),
+    (["--set", "topology.graph=erdos-renyi"], "--set: with 'topology.graph=erdos-renyi'"),
+    (["--set", "experiment.seed=3"], "--set: experiment.seed is set by the sweep itself"),
+    (["--set", "privacy"], "--set: expected KEY=VALUE"),
+    (["--trials", "0"], "argument --trials: expected a positive integer"),
+])
+def test_a_bad_sweep_option_is_one_error_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                   args: list[str], expected: str) -> None:
+    out = tmp_path / "out"
+    try:
+        code = main(["sweep", str(_sweep_file(tmp_path)), "--out", str(out), *args])
+    except SystemExit as exit_:  # argparse's usage errors
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == EXIT_USER_ERROR and expected in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", [["audit", "messages"], ["audit", "mia"], ["attack", "inversion"]])
+def test_audits_and_attacks_take_threads_as_run_does(command: list[str], monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``--threads N`` is ``--set engine.threads=N`` (winning over it), given to torch before the audit runs;
+    0 is refused as for ``decentdp run``."""
+    import torch
+
+    from decentdp.audit import cli as audit_cli
+
+    config = Path(__file__).resolve().parents[1] / "experiments" / "audits" / "messages-dsgd.toml"
+    seen = []
+
+    def record(*args: object) -> dict:
+        seen.append(torch.get_num_threads())
+        return {}
+
+    monkeypatch.setattr(audit_cli, "_audit" if command[0] == "audit" else "_attack", record)
+    before = torch.get_num_threads()
+    try:
+        assert main([*command, str(config), "--set", "engine.threads=3", "--threads", "2"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [2] and "threads: 2 (engine.threads" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main([*command, str(config), "--threads", "0"])
+    assert info.value.code == EXIT_USER_ERROR and "--threads: expected a positive integer" in capsys.readouterr().err
+
+
+def test_report_epsilon_figure_has_a_title_a_named_series_and_plain_ticks(tmp_path: Path) -> None:
+    """accuracy_mean_vs_epsilon.png had no title, a legend saying "all runs" and ticks such as 2×10⁰."""
+    from decentdp.report import build_report, epsilon_figure, find_runs
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(tomli_w.dumps(tiny_config(privacy={"epsilon": 2.0, "delta": 1e-5, "clip": 1.0,
+                                                         "accountant": "rdp"})), encoding="utf-8")
+    for epsilon in ("2", "3"):
+        code, _, err = _call(["run", str(config), "--out", str(tmp_path / "runs" / epsilon), "--no-progress",
+                              "--set", f"privacy.epsilon={epsilon}"])
+        assert code == 0, err
+    figure = epsilon_figure(build_report(find_runs([tmp_path / "runs"])[0]))
+    figure.canvas.draw()
+    axes = figure.axes[0]
+    assert "against ε spent" in axes.get_title() and "digits" in axes.get_title()
+    assert [text.get_text() for text in axes.get_legend().get_texts()] == ["dp-dsgt"]
+    ticks = [label.get_text() for label in axes.get_xticklabels(which="both") if label.get_text()]
+    assert "2" in ticks and "3" in ticks and all(label.replace(".", "").isdigit() for label in ticks), ticks
+
+
+def test_consensus_figure_starts_at_the_first_positive_distance_with_a_mathtext_label() -> None:
+    """The round-0 distance (the models start equal) stretched the log axis, and the label read θ_i."""
+    from decentdp.results import consensus_figure
+
+    rows = [{"round": r, "consensus_distance": d} for r, d in ((0, 0.0), (10, 0.02), (20, 0.035), (30, 0.03))]
+    figure = consensus_figure(rows, "tiny")
+    figure.canvas.draw()  # parses the mathtext
+    axes = figure.axes[0]
+    assert list(axes.lines[0].get_xdata()) == [10, 20, 30] and axes.get_yscale() == "log"
+    assert axes.get_ylim()[0] > 0.01 and r"$\sqrt{" in axes.get_ylabel() and r"\theta_i" in axes.get_ylabel()
+    assert "θ" not in axes.get_ylabel()
+    flat = consensus_figure([{**row, "consensus_distance": 0.0} for row in rows])  # one pooled model
+    assert flat.axes[0].get_yscale() == "linear" and list(flat.axes[0].lines[0].get_ydata()) == [0.0] * 4
+
+
+def test_personalized_neighbours_beyond_the_users_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """Ten neighbours for three MovieLens users was clamped in silence while setup.json recorded 10: the run
+    is refused naming personalized.neighbours and the users there are, and writes nothing."""
+    data = _ratings(tmp_path / "data", [f"{u}\t{i}\t{(u + i) % 5 + 1}\t0" for u in (1, 2, 3) for i in range(1, 9)])
+    config = tmp_path / "movielens.toml"
+    config.write_text(tomli_w.dumps({"experiment": {"name": "ml", "seed": 0},
+                                     "privacy": {"epsilon": 1.0, "delta": 1e-5, "clip": 1.0},
+                                     "personalized": {"dataset": "movielens-100k", "neighbours": 10}}))
+    out = tmp_path / "out"
+    code, _, err = _call(["run", str(config), "--out", str(out), "--data-dir", str(data)])
+    assert code == EXIT_USER_ERROR and "Traceback" not in err
+    assert "personalized.neighbours: is 10" in err and "has 3 user ids" in err and not out.exists()

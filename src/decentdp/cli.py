@@ -28,6 +28,7 @@ from decentdp import sweep as sweep_command
 from decentdp.audit import cli as audit_command
 from decentdp.errors import ConfigError, DecentDPError
 from decentdp.results import CHECKPOINT_FILE
+from decentdp.util.arguments import add_threads_option, with_threads
 
 EXIT_USER_ERROR = 2
 
@@ -37,16 +38,6 @@ def _float(text: str) -> float:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 # ----------------------------------------------------------------------------- parser
@@ -86,9 +77,7 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config value, e.g. --set privacy.epsilon=1 (repeatable; allowed values: "
                           "`decentdp list`)")
-    run.add_argument("--threads", type=_positive_int, metavar="N",
-                     help="compute threads; shortcut for --set engine.threads=N (default: the cores this "
-                          "process may use)")
+    add_threads_option(run)
     run.add_argument("--data-dir", help="directory holding dataset files (overrides data.data_dir)")
     run.add_argument("--out", help="results folder (default: results/<name>-<timestamp>)")
     run.add_argument("--resume", action="store_true", help="continue the run whose checkpoint is in --out")
@@ -174,10 +163,7 @@ def _eps(value: float | str | None) -> str:
 def _run(args: argparse.Namespace) -> int:
     from decentdp.config import load_config
 
-    overrides = list(args.overrides)
-    if args.threads is not None:
-        overrides.append(f"engine.threads={args.threads}")
-    config = load_config(args.config, overrides)
+    config = load_config(args.config, with_threads(args.overrides, args.threads))
     if args.dry_run:
         import tomli_w
 

@@ -560,72 +560,109 @@ def json_rows(report: Report) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- figures
 
 
-def _label(row: dict[str, Any], names: Sequence[str]) -> str:
+def _label(row: dict[str, Any], names: Sequence[str], group: Group) -> str:
+    """A series' legend entry: its values of ``names``; when no field tells the series apart (one setting),
+    the group's algorithm, which says what ran."""
     titles = _column_names(names)
-    return ", ".join(f"{titles[name]}={_value_text(row[name])}" for name in names) or "all runs"
+    return ", ".join(f"{titles[name]}={_value_text(row[name])}" for name in names) or \
+        str(group.runs[0].fields.get("algorithm.name", "all runs"))
 
 
-def plot_report(report: Report, out: Path) -> list[Path]:
-    """``{metric}_vs_round.png`` (mean over seeds, band ± std) and, when some run is private,
-    ``{metric}_vs_epsilon.png`` (ε spent on a log axis; one series per setting of the other columns;
-    non-private groups as dashed lines)."""
-    import matplotlib
+#: The shared settings a figure's title names, in this order.
+TITLE_FIELDS = ("data.dataset", "model.name", "topology.graph", "topology.agents", "algorithm.name")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def _figure_title(report: Report, what: str) -> str:
+    """``what``, and on a second line the settings every run shares (dataset, model, graph, ...)."""
+    context = ", ".join(f"{SHORT_NAMES.get(name, name)} {_value_text(report.shared[name])}"
+                        for name in TITLE_FIELDS if report.shared.get(name) is not None)
+    return f"{what}\n{context}" if context else what
+
+
+def round_figure(report: Report) -> Any | None:
+    """The metric against round (mean over seeds, band ± std), one line per group; None when no run has
+    rounds (personalized runs count ticks)."""
+    from decentdp.results import pyplot
 
     scale = _scale(report.metric)
-    ylabel = report.metric + (" (%)" if scale == 100 else "")
-    written = []
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
     # Past the colour cycle's ten colours, a line style tells the series apart (colours repeat).
     styles = ("-", "--", ":", "-.")
     for index, (row, group) in enumerate(zip(report.rows, report.groups, strict=True)):
         rounds, means, stds = _curve(group.runs, report.metric)
         if not rounds:
             continue
-        line, = ax.plot(rounds, [scale * m for m in means], label=_label(row, report.labels),
+        line, = ax.plot(rounds, [scale * m for m in means], label=_label(row, report.labels, group),
                         linestyle=styles[index // 10 % len(styles)])
         if len(group.runs) > 1:
             ax.fill_between(rounds, [scale * (m - s) for m, s in zip(means, stds, strict=True)],
                             [scale * (m + s) for m, s in zip(means, stds, strict=True)], alpha=0.2,
                             color=line.get_color())
-    if ax.lines:  # (personalized runs count ticks, not rounds: they have no such curve)
-        ax.set_xlabel("round")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        if len(report.rows) <= 20:
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(_save(fig, out / f"{report.metric}_vs_round.png"))
-    plt.close(fig)
+    if not ax.lines:
+        pyplot().close(fig)
+        return None
+    ax.set_xlabel("round")
+    ax.set_ylabel(_ylabel(report.metric))
+    ax.set_title(_figure_title(report, f"{report.metric} against round"), fontsize=9)
+    ax.grid(alpha=0.3)
+    if len(report.rows) <= 20:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
 
-    if any(math.isfinite(row["epsilon_spent"]) for row in report.rows):
-        others = [name for name in report.labels if not name.startswith("privacy.")]
-        series: dict[str, list[dict[str, Any]]] = {}
-        for row in report.rows:
-            series.setdefault(_label(row, others), []).append(row)
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for name, rows in series.items():
-            private = sorted((row for row in rows if math.isfinite(row["epsilon_spent"])),
-                             key=lambda row: row["epsilon_spent_mean"])
-            line = ax.errorbar([row["epsilon_spent_mean"] for row in private],
-                               [scale * row["mean"] for row in private],
-                               yerr=[scale * (row["std"] or 0.0) for row in private], marker="o", capsize=3,
-                               label=name)
-            for row in rows:
-                if not math.isfinite(row["epsilon_spent"]):
-                    ax.axhline(scale * row["mean"], linestyle="--", color=line[0].get_color(), alpha=0.7)
-        ax.set_xscale("log")
-        ax.set_xlabel("ε spent (largest over agents)")
-        ax.set_ylabel(ylabel)
-        ax.set_title("dashed: non-private", fontsize=8)
-        ax.grid(alpha=0.3)
-        if len(series) <= 20:
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(_save(fig, out / f"{report.metric}_vs_epsilon.png"))
-        plt.close(fig)
+
+def epsilon_figure(report: Report) -> Any | None:
+    """The metric against the ε spent (log axis, plain tick labels), one series per setting of the label
+    fields other than ``privacy.*`` (named by its algorithm when there is one setting), non-private groups as
+    dashed lines; None when no run is private."""
+    from decentdp.results import plain_log_ticks, pyplot
+
+    if not any(math.isfinite(row["epsilon_spent"]) for row in report.rows):
+        return None
+    scale = _scale(report.metric)
+    others = [name for name in report.labels if not name.startswith("privacy.")]
+    series: dict[str, list[dict[str, Any]]] = {}
+    for row, group in zip(report.rows, report.groups, strict=True):
+        series.setdefault(_label(row, others, group), []).append(row)
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
+    for name, rows in series.items():
+        private = sorted((row for row in rows if math.isfinite(row["epsilon_spent"])),
+                         key=lambda row: row["epsilon_spent_mean"])
+        line = ax.errorbar([row["epsilon_spent_mean"] for row in private],
+                           [scale * row["mean"] for row in private],
+                           yerr=[scale * (row["std"] or 0.0) for row in private], marker="o", capsize=3,
+                           label=name)
+        for row in rows:
+            if not math.isfinite(row["epsilon_spent"]):
+                ax.axhline(scale * row["mean"], linestyle="--", color=line[0].get_color(), alpha=0.7)
+    ax.set_xscale("log")
+    plain_log_ticks(ax.xaxis)
+    ax.set_xlabel("ε spent (largest over agents)")
+    ax.set_ylabel(_ylabel(report.metric))
+    dashed = "; dashed: non-private" if any(not math.isfinite(row["epsilon_spent"]) for row in report.rows) else ""
+    ax.set_title(_figure_title(report, f"{report.metric} against ε spent{dashed}"), fontsize=9)
+    ax.grid(alpha=0.3)
+    if len(series) <= 20:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def _ylabel(metric: str) -> str:
+    return metric + (" (%)" if _scale(metric) == 100 else "")
+
+
+def plot_report(report: Report, out: Path) -> list[Path]:
+    """``{metric}_vs_round.png`` (:func:`round_figure`) and, when some run is private,
+    ``{metric}_vs_epsilon.png`` (:func:`epsilon_figure`)."""
+    from decentdp.results import pyplot
+
+    written = []
+    for suffix, make in (("round", round_figure), ("epsilon", epsilon_figure)):
+        fig = make(report)
+        if fig is not None:
+            written.append(_save(fig, out / f"{report.metric}_vs_{suffix}.png"))
+            pyplot().close(fig)
     return written
 
 

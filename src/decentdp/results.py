@@ -112,17 +112,50 @@ def provenance(seed: int) -> dict[str, Any]:
     }
 
 
-def plot_metrics(rows: Sequence[dict[str, Any]], out_dir: Path, title: str = "") -> list[Path]:
-    """PNG plots of accuracy (mean with min-max band) and consensus distance against round, titled with
-    ``title`` (the run's name, algorithm and epsilon)."""
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend (figures are written, never shown)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plain_log_ticks(axis: Any) -> None:
+    """Label the ticks of a log-scaled ``axis`` as plain numbers (``2``, ``0.5``, ``100``) instead of
+    matplotlib's ``2×10⁰``.  The same ticks carry labels as by default (every decade; the others only when
+    the axis spans too little for a decade to show, which is when ``2×10⁰`` appeared): a
+    :class:`~matplotlib.ticker.LogFormatter` still chooses them, and only their text changes."""
+    from matplotlib.ticker import Formatter, LogFormatter
+
+    class PlainLogFormatter(Formatter):
+        def __init__(self) -> None:
+            self.chooser = LogFormatter(labelOnlyBase=False)
+
+        def set_axis(self, axis: Any) -> None:
+            super().set_axis(axis)
+            self.chooser.set_axis(axis)
+
+        def set_locs(self, locs: Any) -> None:
+            super().set_locs(locs)
+            self.chooser.set_locs(locs)
+
+        def __call__(self, x: float, pos: int | None = None) -> str:
+            return f"{x:g}" if self.chooser(x, pos) else ""
+
+    axis.set_major_formatter(PlainLogFormatter())
+    axis.set_minor_formatter(PlainLogFormatter())
+
+
+#: The y label of ``consensus.png``, in mathtext: the root mean square distance of the models to their mean.
+CONSENSUS_LABEL = r"consensus distance  $\sqrt{\mathrm{mean}_i\ \|\theta_i - \bar\theta\|^2}$"
+
+
+def accuracy_figure(rows: Sequence[dict[str, Any]], title: str = "") -> Any:
+    """Test accuracy against round: the mean over agents, with the min-max band."""
+    fig, ax = pyplot().subplots(figsize=(6, 4))
     rounds = [row["round"] for row in rows]
-    written = []
-    fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(rounds, [row["accuracy_mean"] for row in rows], label="mean over agents")
     ax.fill_between(rounds, [row["accuracy_min"] for row in rows], [row["accuracy_max"] for row in rows],
                     alpha=0.25, label="min-max over agents")
@@ -132,19 +165,41 @@ def plot_metrics(rows: Sequence[dict[str, Any]], out_dir: Path, title: str = "")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    written.append(_save(fig, out_dir / "accuracy.png"))
-    plt.close(fig)
+    return fig
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(rounds, [max(row["consensus_distance"], 1e-12) for row in rows])
-    ax.set_yscale("log")
+
+def consensus_figure(rows: Sequence[dict[str, Any]], title: str = "") -> Any:
+    """Consensus distance against round on a log axis, from the first evaluation where it is positive: the
+    models start equal, and a 0 (drawn at some floor) would stretch the axis over decades nothing reaches.
+    A run whose models always agree (one pooled model) gets a flat line at 0 on a linear axis and a note."""
+    fig, ax = pyplot().subplots(figsize=(6, 4))
+    positive = [(row["round"], row["consensus_distance"]) for row in rows
+                if isinstance(row.get("consensus_distance"), (int, float)) and row["consensus_distance"] > 0]
+    if positive:
+        ax.plot([r for r, _ in positive], [d for _, d in positive])
+        ax.set_yscale("log")
+        plain_log_ticks(ax.yaxis)
+    else:  # a linear axis, at 0 over the rounds evaluated
+        ax.plot([row["round"] for row in rows], [0.0] * len(rows))
+        ax.text(0.5, 0.5, "0 at every evaluation: the models are equal", ha="center", va="center",
+                transform=ax.transAxes)
     ax.set_xlabel("round")
-    ax.set_ylabel("consensus distance  sqrt(mean ||θ_i − θ̄||²)")
+    ax.set_ylabel(CONSENSUS_LABEL)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    written.append(_save(fig, out_dir / "consensus.png"))
-    plt.close(fig)
+    return fig
+
+
+def plot_metrics(rows: Sequence[dict[str, Any]], out_dir: Path, title: str = "") -> list[Path]:
+    """``accuracy.png`` and ``consensus.png`` (:func:`accuracy_figure`, :func:`consensus_figure`), titled with
+    ``title`` (the run's name, algorithm and epsilon)."""
+    plt = pyplot()
+    written = []
+    for name, make in (("accuracy.png", accuracy_figure), ("consensus.png", consensus_figure)):
+        fig = make(rows, title)
+        written.append(_save(fig, out_dir / name))
+        plt.close(fig)
     return written
 
 

@@ -26,6 +26,9 @@ A sweep file::
     "algorithm.batch_size" = { values = [128, 256, 512] }
     "privacy.clip" = { low = 1.0, high = 10.0, step = 1.0 }
 
+On the command line, ``--set section.key=value`` (repeatable, as for ``decentdp run``) overrides the base
+config after the file's ``set`` table, so the command line wins, and ``--trials N`` replaces ``trials``.
+
 Each trial is a results folder ``OUT/trials/trial-NNNN[/seed-S]`` that ``decentdp report`` reads. A
 killed sweep restarted with the same command continues: finished trials are kept, the trials that were
 running resume from their checkpoints, and a changed sweep file is refused (naming what changed).
@@ -51,12 +54,13 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import sys
 import threading
 import time
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -68,6 +72,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from decentdp.errors import ConfigError, DecentDPError
 from decentdp.results import CHECKPOINT_FILE, write_atomic
+from decentdp.util.arguments import positive_int
 
 if TYPE_CHECKING:
     from decentdp.privacy.selection import TrialCount
@@ -180,6 +185,7 @@ class Sweep:
     space: dict[str, Dimension]
     base: dict[str, Any] = field(repr=False)
     data_dir: str | None = None  # where the trials read data (--data-dir); not part of the sweep's definition
+    options: list[str] = field(default_factory=list)  # --set and --trials as given: what a resume repeats
 
     @property
     def private(self) -> PrivateSelection | None:
@@ -256,10 +262,14 @@ def trial_objectives(config: Any) -> tuple[str, ...]:
             "epsilon_max", "wall_seconds")
 
 
-def load_sweep(path: str | Path) -> Sweep:
+def load_sweep(path: str | Path, overrides: Sequence[str] = (), trials: int | None = None) -> Sweep:
     """Read and check a sweep file: its own keys, the base config, and every field and range it searches
-    (each value at the ends of each range must make a valid config, checked by the config schema)."""
-    from decentdp.config import apply_overrides, overridden_algorithm_keys, validate_config
+    (each value at the ends of each range must make a valid config, checked by the config schema).
+
+    ``overrides`` are the command line's ``--set section.key=value``, applied to the base config after the
+    file's ``set`` table (the command line wins); ``trials`` is ``--trials``, replacing ``sweep.trials``.
+    Errors they cause name ``--set`` / ``--trials``."""
+    from decentdp.config import apply_overrides, overridden_algorithm_keys, parse_override, validate_config
 
     file = Path(path)
     if not file.is_file():
@@ -289,14 +299,44 @@ def load_sweep(path: str | Path) -> Sweep:
         if name in _RESERVED:
             where = "space" if name in space else "sweep.set"
             raise ConfigError(f"{where}.{name}", f"is set by the sweep itself ({_RESERVED[name]}); remove it here")
+    for assignment in overrides:
+        name = ".".join(parse_override(assignment)[0])
+        if name in _RESERVED:
+            raise ConfigError("--set", f"{name} is set by the sweep itself ({_RESERVED[name]}); leave it out")
+    options = [part for assignment in overrides for part in ("--set", assignment)]
+    if trials is not None:
+        if trials < 1:
+            raise ConfigError("--trials", f"must be a positive integer, got {trials}")
+        if section.selection == "private":
+            raise ConfigError("--trials", "private selection draws the number of trials at random (mean "
+                                          "sweep.private.mean_trials); leave --trials out")
+        section = section.model_copy(update={"trials": trials})
+        options += ["--trials", str(trials)]
     base_file = (file.parent / section.config).resolve()
     if not base_file.is_file():
         raise ConfigError("sweep.config", f"no such config file: {base_file}")
     base_raw = _read_toml(base_file, "sweep.config")
-    base = apply_overrides(base_raw, [f"{name}={_toml_value(value)}" for name, value in section.set.items()])
-    sweep = Sweep(file, section, space, base)
-    base_config = validate_config(sweep.trial_config({}, section.seeds[0]), overridden_algorithm_keys(
-        [f"{name}={_toml_value(value)}" for name, value in section.set.items()]))
+    own = [f"{name}={_toml_value(value)}" for name, value in section.set.items()]  # the file's set table
+    assignments = [*own, *overrides]
+    base = apply_overrides(base_raw, assignments)
+    sweep = Sweep(file, section, space, base, options=options)
+    try:
+        base_config = validate_config(sweep.trial_config({}, section.seeds[0]), overridden_algorithm_keys(assignments))
+    except ConfigError as exc:
+        # Name --set when an override is at fault: one that sets the field, or, when none does, all of them if
+        # the file's config is valid without them (e.g. --set topology.graph=erdos-renyi with no topology.p).
+        culprits = [a for a in overrides if _touches(".".join(parse_override(a)[0]), exc.field)]
+        if not culprits and overrides:
+            without = Sweep(file, section, space, apply_overrides(base_raw, own))
+            try:
+                validate_config(without.trial_config({}, section.seeds[0]), overridden_algorithm_keys(own))
+                culprits = list(overrides)
+            except ConfigError:
+                pass  # the file's own config is invalid: its error stands
+        if not culprits:
+            raise
+        raise ConfigError("--set", f"with {', '.join(map(repr, culprits))}, the sweep's base config is invalid: "
+                                   f"{exc.field}: {exc.message}") from None
     for name, dim in space.items():
         _check_field(name, base_config)
         if dim.integer is False and dim.values is None and _is_integer_field(name, base_config):
@@ -325,6 +365,12 @@ def load_sweep(path: str | Path) -> Sweep:
             raise ConfigError("sweep.private", "is used only with selection = 'private'")
         _ = sweep.trials  # trials is required unless the grid bounds it
     return sweep
+
+
+def _touches(key: str, field: str) -> bool:
+    """Whether an override of dotted ``key`` can be what a validation error on ``field`` is about: the same
+    field, one inside it, or its section (``foo.bar`` on an unknown section ``foo``)."""
+    return key == field or key.startswith(f"{field}.") or field.startswith(f"{key}.")
 
 
 def _check_private(sweep: Sweep, base_config: Any) -> None:
@@ -489,7 +535,9 @@ class SweepRunner:
             "grid": lambda: _grid_sampler(optuna, {n: d.grid() for n, d in sweep.space.items()}, seed),
             "random": lambda: optuna.samplers.RandomSampler(seed=seed),
             "tpe": lambda: optuna.samplers.TPESampler(seed=seed)}[sweep.section.method]()
-        write_atomic(out / "sweep.toml", sweep.path.read_text(encoding="utf-8"))
+        repeat = f"# decentdp sweep was given {shlex.join(sweep.options)}: repeat them with this file\n" \
+            if sweep.options else ""
+        write_atomic(out / "sweep.toml", repeat + sweep.path.read_text(encoding="utf-8"))
 
     def _private_trials(self) -> int:
         """K of a private selection: drawn with OS randomness when the study is created, kept in the study so
@@ -718,7 +766,7 @@ def _describe_change(key: str, old: Any, new: Any) -> str:
         fields = sorted(name for name in old.keys() | new.keys() if old.get(name) != new.get(name))
         return f"search space changed in {', '.join(fields)}"
     if key == "base_config":
-        return "the base config (or its set = {...} overrides) changed"
+        return "the base config (or its set = {...} or --set overrides) changed"
     return f"{key}: {old!r} -> {new!r}"
 
 
@@ -783,6 +831,10 @@ def add_parser(commands: Any) -> None:
     sweep.add_argument("--out", type=Path, metavar="DIR",
                        help="sweep folder: study.db, trials/, best.toml (default: results/sweeps/<file name>)")
     sweep.add_argument("--data-dir", help="directory holding dataset files (overrides data.data_dir)")
+    sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a value of the base config, e.g. --set experiment.rounds=50 (repeatable; "
+                            "applied after the sweep file's set = {...}, so it wins)")
+    sweep.add_argument("--trials", type=positive_int, metavar="N", help="trials to run (overrides sweep.trials)")
     sweep.add_argument("--workers", type=int, metavar="N", help="processes at once (overrides sweep.workers)")
     sweep.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     sweep.add_argument("--json", action="store_true", help="print the best trials as one JSON line at the end")
@@ -794,7 +846,7 @@ def run(args: argparse.Namespace) -> int:
         import optuna  # noqa: F401
     except ImportError:
         raise DecentDPError("decentdp sweep needs Optuna: pip install 'decentdp[sweep]'") from None
-    sweep = load_sweep(args.sweep_file)
+    sweep = load_sweep(args.sweep_file, args.overrides, args.trials)
     sweep.data_dir = args.data_dir
     if args.workers is not None:
         if args.workers < 1:
@@ -809,7 +861,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         best = runner.run(progress=not args.no_progress, log=lambda line: print(line, file=sys.stderr))
     except KeyboardInterrupt:
-        print(f"decentdp: interrupted; resume with: decentdp sweep {args.sweep_file} --out {out}", file=sys.stderr)
+        again = shlex.join([str(args.sweep_file), "--out", str(out), *sweep.options,
+                            *(["--data-dir", args.data_dir] if args.data_dir else [])])
+        print(f"decentdp: interrupted; resume with: decentdp sweep {again}", file=sys.stderr)
         return 130
     if sweep.private is not None:
         selection = runner.selection()

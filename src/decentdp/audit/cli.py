@@ -12,11 +12,13 @@ import csv
 import json
 import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from decentdp.errors import ConfigError
+from decentdp.util.arguments import add_threads_option, with_threads
 
 _AUDIT_DESCRIPTION = """\
 Lower-bound a config's epsilon by attack.  The config is an experiment config (as for `decentdp run`)
@@ -36,6 +38,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
                                                          "(examples: experiments/audits/)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set privacy.epsilon=4 or --set audit.chunk=500")
+    add_threads_option(parser)
     parser.add_argument("--data-dir", help="directory holding dataset files (overrides data.data_dir)")
     parser.add_argument("--out", help="results folder to write (must be new or empty)")
     parser.add_argument("--json", action="store_true", help="end with the summary as one JSON line")
@@ -103,12 +106,14 @@ def _jsonable(summary: dict[str, Any]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """Handler of ``decentdp audit`` and ``decentdp attack``."""
     from decentdp.audit.settings import load_audit_config
+    from decentdp.util.threads import apply_threads
 
     out = _out_folder(args.out)
     overrides = list(args.overrides)
     if getattr(args, "models", None) is not None:
         overrides.append(f"audit.models={args.models}")
-    config, audit = load_audit_config(args.config, overrides)
+    config, audit = load_audit_config(args.config, with_threads(overrides, args.threads))
+    print(apply_threads(config.engine.threads).describe(), file=sys.stderr)  # as decentdp run does
     if args.command == "attack":
         summary = _attack(config, audit, args.data_dir, out)
     else:

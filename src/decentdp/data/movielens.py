@@ -100,13 +100,17 @@ def als_features(users: np.ndarray, items: np.ndarray, ratings: np.ndarray, n_us
 
 
 def knn_graph(vectors: np.ndarray, k: int) -> np.ndarray:
-    """Symmetric 0/1 weights: W_ij = 1 when j is among the ``k`` most cosine-similar rows to i, or i to j."""
+    """Symmetric 0/1 weights: W_ij = 1 when j is among the ``k`` most cosine-similar rows to i, or i to j.
+
+    ``k`` must be below the number of rows: a larger one is refused, not clamped, so that the graph is the one
+    ``personalized.neighbours`` (recorded in ``setup.json``) describes (:func:`load_movielens` names the field)."""
+    n = len(vectors)
+    if not 1 <= k <= n - 1:
+        raise ValueError(f"k = {k} nearest neighbours of {n} rows: k must lie in 1..{n - 1}")
     norms = np.linalg.norm(vectors, axis=1, keepdims=True)
     unit = vectors / np.where(norms > 0, norms, 1.0)
     similarity = unit @ unit.T
     np.fill_diagonal(similarity, -np.inf)
-    n = len(vectors)
-    k = min(k, n - 1)
     nearest = np.argpartition(-similarity, k - 1, axis=1)[:, :k]
     adjacency = np.zeros((n, n))
     adjacency[np.repeat(np.arange(n), k), nearest.ravel()] = 1.0
