@@ -30,7 +30,7 @@ from decentdp.errors import ConfigError
 from decentdp.personalized.settings import PersonalizedSection
 from decentdp.topology import PARAM_USERS
 
-DatasetName = Literal["digits", "mnist", "fashion-mnist", "cifar10", "cifar100"]
+DatasetName = Literal["digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "a9a"]
 PartitionName = Literal["iid", "overlap", "dirichlet", "unequal", "pathological"]
 GraphName = Literal["complete", "ring", "star", "path", "grid", "torus", "erdos-renyi", "geometric", "fiedler",
                     "complete-bipartite", "k-regular", "two-star", "tree", "partial-mesh"]

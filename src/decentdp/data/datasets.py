@@ -22,9 +22,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from decentdp.data.libsvm import A9A_SOURCE, load_a9a
 from decentdp.errors import ConfigError, DataError
 
-DATASETS: tuple[str, ...] = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100")
+DATASETS: tuple[str, ...] = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "a9a")
 
 # Per-channel (mean, std) of the training pixels scaled to [0, 1]; the values every paper normalizes with.
 _MNIST_STATS = ((0.1307,), (0.3081,))
@@ -39,6 +40,7 @@ _SOURCES = {
     "fashion-mnist": "https://github.com/zalandoresearch/fashion-mnist (the four IDX files in data/fashion/)",
     "cifar10": "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
     "cifar100": "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
+    "a9a": A9A_SOURCE,
 }
 
 # IDX files of (Fashion-)MNIST: split -> (images file, labels file).
@@ -123,10 +125,14 @@ def load_dataset(name: str, data_dir: str | Path | None = None, *, image_size: i
     * ``mnist`` / ``fashion-mnist``: ``mnist.npz`` / ``fashion-mnist.npz`` (keys ``x_train``, ``y_train``,
       ``x_test``, ``y_test``) or the four IDX files (``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
       ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``, each optionally ``.gz``), in ``data_dir`` or in
-      ``data_dir/mnist`` (resp. ``data_dir/fashion-mnist``).
+      ``data_dir/mnist`` (resp. ``data_dir/fashion-mnist``).  An npz file's images are uint8 ``(n, H, W)``, the
+      same size in both splits, neither split empty; its labels one whole class index per image, ``(n,)`` or
+      ``(n, 1)``, of an integer or float type (one-hot rows and fractional labels are refused, naming the array).
     * ``cifar10`` / ``cifar100``: the official python versions, either extracted (``cifar-10-batches-py/``,
       ``cifar-100-python/``) or as tarballs (``cifar-10-python.tar.gz``, ``cifar-100-python.tar.gz``) in
       ``data_dir``. CIFAR-100 uses the 100 fine labels.
+    * ``a9a``: LIBSVM's ``a9a`` and ``a9a.t`` (or the DECOR authors' ``a9a.txt``, ``a9a_t.txt``) in ``data_dir`` or
+      ``data_dir/a9a``, checked by SHA-256 (:mod:`decentdp.data.libsvm`); 123 binary features as ``(1, 1, 123)``.
     """
     if name not in DATASETS:
         raise ConfigError("data.dataset", f"unknown dataset {name!r}; expected one of {', '.join(DATASETS)}")
@@ -140,6 +146,10 @@ def load_dataset(name: str, data_dir: str | Path | None = None, *, image_size: i
         directory = _require_dir(name, data_dir)
         if name in ("mnist", "fashion-mnist"):
             dataset = _load_mnist_like(name, directory)
+        elif name == "a9a":
+            x_train, y_train, x_test, y_test = load_a9a(directory)
+            dataset = Dataset(name="a9a", x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test,
+                              num_classes=2)
         else:
             dataset = _load_cifar(name, directory)
 
@@ -179,11 +189,25 @@ def _normalize(images: np.ndarray, stats: tuple[tuple[float, ...], tuple[float, 
 
 
 def _labels(labels: Any, num_classes: int, source: str) -> torch.Tensor:
-    """Convert labels to int64, checking they are in ``[0, num_classes)`` so a wrong file fails early."""
-    y = np.asarray(labels).astype(np.int64).reshape(-1)
-    if y.size and (y.min() < 0 or y.max() >= num_classes):
-        raise DataError(f"{source}: labels outside [0, {num_classes}) (found {y.min()}..{y.max()})")
-    return torch.from_numpy(y)
+    """Whole class indices in ``[0, num_classes)`` as int64, so that a wrong file fails before training.
+
+    Labels of an integer type, or floats holding whole numbers (``3.0``), are accepted, one per image
+    (shape ``(n,)``, or Keras' column ``(n, 1)``); a fractional label is refused, never truncated.
+    """
+    y = np.asarray(labels).reshape(-1)
+    if y.dtype.kind not in "iuf":
+        raise DataError(f"{source}: labels must be numbers (class indices 0..{num_classes - 1}), got dtype {y.dtype}")
+    if y.dtype.kind == "f":
+        bad = np.flatnonzero(~np.isfinite(y) | (y != np.round(y)))
+        if len(bad):
+            raise DataError(f"{source}: label {float(y[bad[0]])!r} at index {bad[0]} is not a whole class index "
+                            f"({len(bad)} such label(s)); labels are classes 0..{num_classes - 1}, and a fractional "
+                            "one is refused rather than truncated")
+    outside = np.flatnonzero((y < 0) | (y >= num_classes))
+    if len(outside):
+        raise DataError(f"{source}: labels outside [0, {num_classes}) (found {y.min():g}..{y.max():g}; the first "
+                        f"at index {outside[0]})")
+    return torch.from_numpy(y.astype(np.int64))
 
 
 def _resize(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -226,7 +250,9 @@ def _load_digits() -> Dataset:
 def _load_mnist_like(name: str, data_dir: Path) -> Dataset:
     """Read (Fashion-)MNIST from an npz file or the four IDX files, whichever is found first.
 
-    Looks in ``data_dir`` then ``data_dir/<name>``; within a directory the npz file wins.
+    Looks in ``data_dir`` then ``data_dir/<name>``; within a directory the npz file wins.  Shapes and
+    dtypes are checked (an npz file's from its headers, before its arrays are read), then the labels'
+    values, all before the images are converted to float32, and every error names the file and array.
     """
     stats = _MNIST_STATS if name == "mnist" else _FASHION_STATS
     looked_for: list[str] = []
@@ -234,15 +260,18 @@ def _load_mnist_like(name: str, data_dir: Path) -> Dataset:
         npz = directory / f"{name}.npz"
         looked_for.append(str(npz))
         if npz.is_file():
-            arrays = _read_npz(npz)
+            sources = {key: f"{npz}, array {key}" for key in _NPZ_KEYS}
+            arrays = _read_npz(npz, sources)
             break
         idx_paths = _find_idx_files(directory)
         looked_for.append(f"{directory}/{{{_IDX_NAMES}}}[.gz]")
         if idx_paths is not None:
-            arrays: dict[str, np.ndarray] = {}
+            arrays, sources = {}, {}
             for split, (images, labels) in idx_paths.items():
                 arrays[f"x_{split}"] = _read_idx(images, _IDX_MAGIC_IMAGES)
                 arrays[f"y_{split}"] = _read_idx(labels, _IDX_MAGIC_LABELS)
+                sources[f"x_{split}"], sources[f"y_{split}"] = str(images), str(labels)
+            _check_layout({key: (array.shape, array.dtype) for key, array in arrays.items()}, sources)
             break
     else:
         raise DataError(
@@ -250,35 +279,80 @@ def _load_mnist_like(name: str, data_dir: Path) -> Dataset:
             f"Get it from {_SOURCES[name]}"
         )
 
-    for split in ("train", "test"):
-        x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
-        if x.dtype != np.uint8 or x.ndim != 3 or len(x) != len(y):
-            raise DataError(f"{name} {split} split: expected uint8 images (n, H, W) and n labels, "
-                            f"got {x.dtype} {x.shape} and {y.shape}")
+    y_train = _labels(arrays["y_train"], 10, sources["y_train"])
+    y_test = _labels(arrays["y_test"], 10, sources["y_test"])
     return Dataset(
         name=name,
         x_train=_normalize(arrays["x_train"][:, None], stats),
-        y_train=_labels(arrays["y_train"], 10, f"{name} train labels"),
+        y_train=y_train,
         x_test=_normalize(arrays["x_test"][:, None], stats),
-        y_test=_labels(arrays["y_test"], 10, f"{name} test labels"),
+        y_test=y_test,
         num_classes=10,
     )
 
 
-def _read_npz(path: Path) -> dict[str, np.ndarray]:
-    """Read the four uint8 arrays of an MNIST-style npz file (the Keras layout)."""
-    keys = ("x_train", "y_train", "x_test", "y_test")
+_NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
+_Layout = tuple[tuple[int, ...], np.dtype]
+
+
+def _check_layout(layout: dict[str, _Layout], sources: dict[str, str]) -> None:
+    """Refuse arrays (given by shape and dtype, ``layout[key]``) that are not MNIST-like, naming the file and
+    array (``sources[key]``): uint8 images ``(n, H, W)`` with ``n >= 1`` (an empty test split would train and
+    then report no accuracy) and the train split's image size, and one numeric label per image, ``(n,)`` or
+    ``(n, 1)`` (one-hot rows are refused with the conversion to use)."""
+    for split in ("train", "test"):
+        (shape, dtype), (label_shape, label_dtype) = layout[f"x_{split}"], layout[f"y_{split}"]
+        images, labels = sources[f"x_{split}"], sources[f"y_{split}"]
+        if dtype != np.uint8 or len(shape) != 3 or min(shape[1:], default=0) < 1:
+            raise DataError(f"{images}: expected uint8 images of shape (n, H, W) with pixels 0..255, got "
+                            f"{dtype} {shape}")
+        n = shape[0]
+        if n == 0:
+            raise DataError(f"{images}: the {split} split holds no images; decentdp needs {split} images "
+                            f"({'to measure accuracy' if split == 'test' else 'to train on'})")
+        if split == "test" and shape[1:] != layout["x_train"][0][1:]:
+            raise DataError(f"{images}: test images are {shape[1]}x{shape[2]} but training images "
+                            f"{layout['x_train'][0][1]}x{layout['x_train'][0][2]}; both splits need one size")
+        if len(label_shape) == 2 and label_shape[1] > 1:
+            key = f"y_{split}"
+            raise DataError(f"{labels}: labels of shape {label_shape} hold {label_shape[1]} values per image (one-hot "
+                            f"rows?); decentdp reads one class index per image, shape ({label_shape[0]},): save "
+                            f"{key}.argmax(axis=1) instead")
+        if len(label_shape) not in (1, 2) or label_shape[0] != n:
+            raise DataError(f"{labels}: expected one label per image, shape ({n},), got {label_shape}")
+        if label_dtype.kind not in "iuf":
+            raise DataError(f"{labels}: labels must be numbers (class indices), got dtype {label_dtype}")
+
+
+def _read_npz(path: Path, sources: dict[str, str]) -> dict[str, np.ndarray]:
+    """Read the four arrays of an MNIST-style npz file (the Keras layout), checking their shapes and dtypes
+    from the arrays' headers before any array is read (:func:`_check_layout`)."""
     try:
         npz = np.load(path, allow_pickle=False)
         if not isinstance(npz, np.lib.npyio.NpzFile):
-            raise DataError(f"{path}: expected an npz archive with keys {list(keys)}, found a single array")
+            raise DataError(f"{path}: expected an npz archive with keys {list(_NPZ_KEYS)}, found a single array")
         with npz:
-            missing = [k for k in keys if k not in npz.files]
+            missing = [k for k in _NPZ_KEYS if k not in npz.files]
             if missing:
-                raise DataError(f"{path}: missing arrays {missing}; expected keys {list(keys)}")
-            return {k: npz[k] for k in keys}
+                raise DataError(f"{path}: missing arrays {missing}; expected keys {list(_NPZ_KEYS)}")
+            _check_layout(_npz_layout(path), sources)
+            return {k: npz[k] for k in _NPZ_KEYS}
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
         raise DataError(f"{path}: not a readable npz file ({exc})") from exc
+
+
+def _npz_layout(path: Path) -> dict[str, _Layout]:
+    """Shape and dtype of each of the four arrays of an npz file, from their ``.npy`` headers alone."""
+    layout = {}
+    with zipfile.ZipFile(path) as archive:
+        for key in _NPZ_KEYS:
+            with archive.open(f"{key}.npy") as member:
+                version = np.lib.format.read_magic(member)
+                read = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                    np.lib.format.read_array_header_2_0
+                shape, _, dtype = read(member)
+            layout[key] = (shape, dtype)
+    return layout
 
 
 def _find_idx_files(directory: Path) -> dict[str, tuple[Path, Path]] | None:
@@ -384,7 +458,7 @@ def _load_cifar(name: str, data_dir: Path) -> Dataset:
         )
 
     def split(names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        xs, ys = [], []
+        xs, ys, sources = [], [], []
         for member in names:
             data, source = blobs[member]
             batch = _unpickle(data, source)
@@ -392,13 +466,16 @@ def _load_cifar(name: str, data_dir: Path) -> Dataset:
                 raise DataError(f"{source}: missing key b'data' or {label_key!r}")
             x = np.asarray(batch[b"data"], dtype=np.uint8)
             y = np.asarray(batch[label_key])
-            if x.ndim != 2 or x.shape[1] != 3 * 32 * 32 or len(x) != len(y):
+            if x.ndim != 2 or x.shape[1] != 3 * 32 * 32 or y.ndim != 1 or len(x) != len(y):
                 raise DataError(f"{source}: expected data (n, 3072) and n labels, got {x.shape}, {y.shape}")
             xs.append(x)
-            ys.append(y)
+            ys.append(_labels(y, num_classes, f"{source}, {label_key.decode()}"))
+            sources.append(source)
+        if not sum(len(x) for x in xs):  # an empty test split would train and then report no accuracy
+            raise DataError(f"{', '.join(sources)}: holds no images; decentdp needs images in every split")
         # Each row holds the R, G and B planes of a 32x32 image in turn: a plain reshape gives NCHW.
         images = np.concatenate(xs).reshape(-1, 3, 32, 32)
-        return _normalize(images, stats), _labels(np.concatenate(ys), num_classes, f"{name} labels")
+        return _normalize(images, stats), torch.cat(ys)
 
     x_train, y_train = split(train_members)
     x_test, y_test = split((test_member,))
