@@ -34,7 +34,7 @@ MIXINGS = ("metropolis-hastings", "average", "max-degree")
 MODELS = ("convnet", "mlp", "lenet5", "cifar-cnn", "resnet9", "linear", "logistic")
 SECTIONS = ("algorithm, augmentation, averaging, data, engine, experiment, model, personalized, privacy, schedule, "
             "topology")
-PRIVACY_KEYS = "accountant, agent_epsilons, clip, delta, epsilon, key_dir, neighbouring, noise"
+PRIVACY_KEYS = "accountant, agent_epsilons, clip, colluding, delta, epsilon, key_dir, neighbouring, noise"
 # The common keys and those of the default algorithm (dp-dsgt, whose only own setting is weight_decay).
 ALGORITHM_KEYS = ("batch_size", "lr", "lr_final", "lr_schedule", "name", "weight_decay")
 

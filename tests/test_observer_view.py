@@ -8,6 +8,7 @@ accountant claims exactness (``M`` without negative entries)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -25,7 +26,7 @@ from decentdp.algorithms.base import RunFacts
 from decentdp.algorithms.muffliato import Muffliato, MuffliatoSettings
 from decentdp.config import validate_config
 from decentdp.privacy import network_dp
-from decentdp.privacy.accounting import gaussian_dp_epsilon
+from decentdp.privacy.accounting import RDP_ORDERS, gaussian_dp_epsilon
 from decentdp.privacy.observer_view import LinearView, ViewBuilder, observer_mu
 from decentdp.run.loop import run_experiment
 from decentdp.runtime.network import SimulatedNetwork
@@ -301,3 +302,18 @@ def test_muffliato_prices_every_node_with_its_own_sigma() -> None:
     assert loss.mu[0, 3] ** 2 == pytest.approx(_exact_mu2(a, b)[0], rel=1e-5)
     a, b = _muffliato_view(w, 2, 2, 4.0, 3, 0)
     assert loss.mu[0, 3] ** 2 > 4 * _exact_mu2(a, b)[0]
+
+
+def test_muffliato_reports_each_colluding_set_at_least_as_high_as_its_members() -> None:
+    """privacy.colluding: a set pools its members' messages and noise, so what it learns of a sender is at
+    least what each member learns alone; its members' own rows are not priced (null)."""
+    network = SimulatedNetwork(build_topology("ring", 6))
+    facts = dataclasses.replace(_facts(network, 2, 3.0, "add-remove"), colluding=[[1, 5]])
+    rdp = torch.zeros(6, 6, len(RDP_ORDERS), dtype=torch.float64)
+    extras = Muffliato(MuffliatoSettings(gossip_steps=2)).privacy_extras({"pairwise_rdp": rdp}, facts)
+    single = np.array(extras["epsilon_pairwise_network"], dtype=float)
+    (pooled,) = extras["epsilon_colluding"]
+    assert pooled["agents"] == [1, 5] and pooled["epsilon"][1] is None and pooled["epsilon"][5] is None
+    for sender in (0, 2, 3, 4):
+        assert pooled["epsilon"][sender] >= max(single[sender, 1], single[sender, 5]) - 1e-9
+    assert pooled["epsilon"][0] > max(single[0, 1], single[0, 5]) + 1e-3   # 0's two neighbours together

@@ -3,6 +3,7 @@ configs, or a setting renamed in the library, fails here rather than in a user's
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,13 @@ EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
 
 
 def _kind(path: Path) -> str:
-    """How a shipped TOML is read: a run, an audit, a sweep, or a table of paper values (``paper*.toml``)."""
+    """How a shipped TOML is read: a run, an audit, a sweep (a ``[sweep]`` table, e.g. ``experiments/sweeps/``
+    or a study's ``tuning/`` folder), or a table of paper values (``paper*.toml``)."""
     if path.name.startswith("paper"):
         return "paper values"
-    return {"audits": "audit", "sweeps": "sweep"}.get(path.relative_to(EXPERIMENTS).parts[0], "run")
+    if "sweep" in tomllib.loads(path.read_text()):
+        return "sweep"
+    return "audit" if path.relative_to(EXPERIMENTS).parts[0] == "audits" else "run"
 
 
 CONFIGS = sorted(path for path in EXPERIMENTS.rglob("*.toml") if _kind(path) != "paper values")

@@ -179,8 +179,9 @@ class Muffliato(SettingsAlgorithm):
         labelled ``paper_``."""
         local = np.asarray(facts.local_epsilon, dtype=float)
         n = len(local)
-        observers = [[agent] for agent in range(n)]
-        network, note = np.full((n, n), np.inf), "the observer-view accountant over every message of the run"
+        observers = [[agent] for agent in range(n)] + [list(members) for members in facts.colluding]
+        network, note = np.full((n, len(observers)), np.inf), \
+            "the observer-view accountant over every message of the run"
         if self.settings.update_clip is not None:
             note = "not linear (algorithm.update_clip clips the noisy update): each sender's local epsilon"
         elif (facts.noise_multipliers > 0).all():
@@ -192,15 +193,20 @@ class Muffliato(SettingsAlgorithm):
                 note = (f"not computed: the run's explicit view needs {cost:.2g} floating-point operations and "
                         f"{memory / 2**30:.3g} GiB, beyond {VIEW_BUDGET_FLOPS:.2g} and "
                         f"{VIEW_BUDGET_BYTES / 2**30:.3g} GiB; each sender's local epsilon")
-        epsilons = np.minimum(network, local[:, None])
+        capped = np.minimum(network, local[:, None])
+        epsilons = capped[:, :n].copy()
         np.fill_diagonal(epsilons, 0.0)
         paper = np.minimum(network_dp.pairwise_epsilon(state["pairwise_rdp"].cpu().numpy(), facts.delta),
                            local[:, None])
         np.fill_diagonal(paper, 0.0)
         off = epsilons[~np.eye(n, dtype=bool)]
         largest = float(off.max()) if off.size else 0.0
-        return {"epsilon_pairwise_max": epsilon_json(largest),
-                "epsilon_pairwise_network": epsilon_json(epsilons),
-                "epsilon_pairwise_network_method": note,
-                "paper_epsilon_pairwise_network": epsilon_json(paper)}
+        extras = {"epsilon_pairwise_max": epsilon_json(largest),
+                  "epsilon_pairwise_network": epsilon_json(epsilons),
+                  "epsilon_pairwise_network_method": note,
+                  "paper_epsilon_pairwise_network": epsilon_json(paper)}
+        if facts.colluding:  # privacy.colluding: each set's view, members' own rows not priced (nan)
+            extras["epsilon_colluding"] = [{"agents": list(members), "epsilon": epsilon_json(capped[:, n + k])}
+                                           for k, members in enumerate(facts.colluding)]
+        return extras
 

@@ -93,6 +93,6 @@ def _grid_output_perturbation(problem: Problem, theta: torch.Tensor, sensitivity
             continue
         words = rng.words(agent, WARM_START_ROUND, Stream.NOISE, 2)
         released = grid_release(values[agent:agent + 1], math.sqrt(p) * float(sensitivity[agent]),
-                                np.array([1.0 / epsilon]), lambda _: words)
+                                np.array([1.0 / epsilon]), lambda _, stream=words: stream)
         out[agent] = torch.from_numpy(released[0]).to(theta.device)
     return out
