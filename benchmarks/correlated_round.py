@@ -16,8 +16,18 @@ from __future__ import annotations
 import json
 
 import torch
-from _common import (DEFAULT_DATA_DIR, EngineRunner, ExperimentFactory, interleaved_arguments, machine_info,
-                     print_machine, print_table, summarize, time_interleaved)
+
+from _common import (
+    DEFAULT_DATA_DIR,
+    EngineRunner,
+    ExperimentFactory,
+    interleaved_arguments,
+    machine_info,
+    print_machine,
+    print_table,
+    summarize,
+    time_interleaved,
+)
 
 GRAPHS = {"ring": {"graph": "ring"}, "erdos-renyi": {"graph": "erdos-renyi", "p": 0.3}}
 

@@ -21,6 +21,7 @@ from decentdp.algorithms.base import NoisePlan
 from decentdp.algorithms.decor import PAIRWISE_VIEW, Decor, DecorSettings
 from decentdp.config import validate_config
 from decentdp.errors import ConfigError
+from decentdp.privacy.accounting import calibrate_noise_multiplier
 from decentdp.privacy.correlated import CorrelatedGaussianMechanism, effective_multipliers, graph_edges
 from decentdp.privacy.mechanisms import NoiseDraw, NoiseReuseError
 from decentdp.privacy.observer_view import ViewBuilder, observer_mu
@@ -172,3 +173,14 @@ def test_quick_start_beats_dp_dsgd_at_the_same_budget(tmp_path: Path) -> None:
                               tmp_path / "dsgd", progress=False, log=lambda _: None)
     assert baseline.summary["epsilon_max"] <= budget + 1e-9
     assert summary["accuracy_mean"] > baseline.summary["accuracy_mean"] + 0.03
+
+
+def test_a_local_epsilon_cap_raises_the_noise_of_well_hidden_agents_only() -> None:
+    plan = _plan([[1], [0, 2], [1, 3], [2]])
+    free = np.array(Decor(DecorSettings().build(), 3.0).calibrate(plan).noise_multipliers)
+    capped = Decor(DecorSettings().build(), 3.0, local_epsilon=4.0).calibrate(plan)
+    sigmas = np.array(capped.noise_multipliers)
+    floor = calibrate_noise_multiplier(4.0, 1e-5, 0.1, 50, 1, "tight", relation="add-remove")
+    assert (sigmas >= floor - 1e-6).all() and (sigmas >= free - 1e-6).all()
+    assert sigmas[0] == pytest.approx(free[0]) and sigmas[1] > free[1]            # the leaf already had more
+    assert (np.array(capped.details["effective_multiplier_worst"]) >= sigmas * (1 - 1e-9)).all()

@@ -12,7 +12,8 @@ budgets are ours: pairwise epsilon 1, 3 and 10 at delta = 1e-5 for the decentral
 DP-DSGD and Muffliato the ledger's epsilon, which bounds every observer), the same per-record epsilon
 for central DP-SGD on the pooled data.  Learning rates: the authors' tuned values where they exist
 (DECOR ring 1.0; LDP 1.0; CDP 5.0 at their clip 1), scaled to our update (the clipped *sum* over the
-expected batch); three seeds per cell.
+expected batch); three seeds per cell.  Central DP-SGD draws the agents' expected batches together (16 x 64 =
+1024 records a round from the pooled data): the same records per round as the network, one model.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "dp-dsgd": {"name": "dp-dsgd", "lr": 0.5},
     "muffliato": {"name": "muffliato", "lr": 0.5},
     "decor": {"name": "decor", "lr": 0.5, "correlation": 3.0},
-    "central-dpsgd": {"name": "central-dpsgd", "lr": 1.0},
+    "central-dpsgd": {"name": "central-dpsgd", "lr": 1.0, "batch_size": 1024},
 }
 
 

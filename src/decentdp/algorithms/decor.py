@@ -23,8 +23,10 @@ bound for one that sees less).  Calibration picks each ``sigma_i`` so that its w
 meets its budget (an agent hidden by many edges needs less own noise than a leaf, whose one neighbour holds
 its only edge key), and the ledger charges that observer's event, so budgets are enforced on it.  The
 agent's local epsilon (``epsilon_local``: all its neighbours colluding, only its own noise left) is larger and
-reported beside it; so is the external eavesdropper's (no secret held) and the paper's own bound for it
-(``paper_epsilon_secldp``, its Algorithm 2: RDP per iteration, no amplification by sampling).
+reported beside it; ``algorithm.local_epsilon`` caps it (a well-hidden agent's own noise is otherwise small,
+its local epsilon large: hundreds on an Erdos-Renyi graph at pairwise 1).  So are the external
+eavesdropper's (no secret held) and the paper's own bound for it (``paper_epsilon_secldp``, its Algorithm 2:
+RDP per iteration, no amplification by sampling).
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ class DecorSettings(OptimizerSettings):
     correlation: float = Field(3.0, ge=0.0, description="rho: std of each edge's shared noise over the agents' "
                                                         "own noise std (the paper's sigma_cor / sigma_cdp at equal "
                                                         "batches)")
+    local_epsilon: float | None = Field(None, gt=0.0, description="cap on each agent's local epsilon (all its "
+                                                                  "neighbours colluding): its own sigma is at least "
+                                                                  "the one this budget needs (none: no cap)")
 
 
 @register
@@ -78,13 +83,14 @@ class Decor(OptimizerAlgorithm):
     name: ClassVar[str] = "decor"
     Settings = DecorSettings
 
-    def __init__(self, optimizer: Optimizer, correlation: float) -> None:
+    def __init__(self, optimizer: Optimizer, correlation: float, local_epsilon: float | None = None) -> None:
         super().__init__(optimizer)
         self.correlation = correlation
+        self.local_epsilon = local_epsilon
 
     @classmethod
     def from_settings(cls, settings: DecorSettings) -> Decor:
-        return cls(settings.build(), settings.correlation)
+        return cls(settings.build(), settings.correlation, settings.local_epsilon)
 
     def calibrate(self, plan: NoisePlan) -> Calibrated:
         """Each agent's own ``sigma_i`` (:meth:`noise_for`): its worst observer view stays within its budget over
@@ -106,6 +112,10 @@ class Decor(OptimizerAlgorithm):
                                                       relation=plan.relation)
                            for budget, rate in zip(plan.budgets, plan.sample_rates, strict=True)])
         sigmas = self.noise_for(needed, batches, edges, observers)
+        if self.local_epsilon is not None:  # more own noise only raises every observer's multiplier
+            floor = [calibrate_noise_multiplier(self.local_epsilon, plan.delta, rate, plan.rounds, 1, plan.accountant,
+                                                relation=plan.relation) for rate in plan.sample_rates]
+            sigmas = round_up_to_float32(torch.from_numpy(np.maximum(sigmas, floor))).double().numpy()
         events = np.nextafter(self.worst_multipliers(sigmas, batches, edges, observers), 0.0)  # (not above the truth)
         edge_scale = self.edge_scale(sigmas, batches)
         eavesdropper = effective_multipliers(1.0 / batches, sigmas, edges, edge_scale, [[]])[:, 0]
