@@ -21,8 +21,8 @@ import numpy as np
 
 from _machine import cpu_model
 from decentdp.algorithms.base import RunFacts
-from decentdp.algorithms.muffliato import VIEW_BUDGET_BYTES, VIEW_BUDGET_FLOPS, Muffliato, MuffliatoSettings
-from decentdp.privacy.observer_view import dense_cost, observer_mu
+from decentdp.algorithms.muffliato import Muffliato, MuffliatoSettings
+from decentdp.privacy.observer_view import VIEW_BUDGET_BYTES, VIEW_BUDGET_FLOPS, dense_cost, observer_mu
 from decentdp.runtime.network import SimulatedNetwork
 from decentdp.topology import build_topology
 

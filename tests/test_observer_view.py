@@ -273,7 +273,7 @@ def test_a_run_measured_on_private_records_says_so(tmp_path) -> None:
 def test_a_view_beyond_the_budget_reports_the_local_epsilon_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     """A run too large for the explicit view reports each sender's local epsilon for every observer (sound:
     every view is post-processing of the sender's releases), and names the reason; nothing is built."""
-    from decentdp.algorithms import muffliato as module
+    from decentdp.privacy import observer_view as module
 
     monkeypatch.setattr(module, "VIEW_BUDGET_FLOPS", 0.0)
     monkeypatch.setattr(Muffliato, "linear_view", lambda self, facts: pytest.fail("the view was built"))

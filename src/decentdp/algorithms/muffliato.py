@@ -38,16 +38,8 @@ from decentdp.algorithms.base import AlgorithmSettings, Network, RoundContext, R
 from decentdp.algorithms.registry import register
 from decentdp.privacy import network_dp
 from decentdp.privacy.accounting import RDP_ORDERS
-from decentdp.privacy.observer_view import LinearView, ViewBuilder, dense_cost, observer_mu
+from decentdp.privacy.observer_view import LinearView, ViewBuilder, priced_view
 from decentdp.results import epsilon_json
-
-#: Work (``dense_cost``'s floating-point operations) the observer-view accountant may spend on a run's
-#: pairwise epsilons, about half a minute at one thread here (N = 16, T = 100, K = 4: 3.9e11 in 30 s,
-#: ``benchmarks/observer_view.py``), and the memory its explicit view may take; a larger run reports each
-#: sender's local epsilon for every observer instead (sound: every view is post-processing of the
-#: sender's releases), and says so.
-VIEW_BUDGET_FLOPS = 4e11
-VIEW_BUDGET_BYTES = 2**31
 
 
 class MuffliatoSettings(AlgorithmSettings):
@@ -173,27 +165,21 @@ class Muffliato(SettingsAlgorithm):
         return builder.view()
 
     def privacy_extras(self, state: State, facts: RunFacts) -> dict[str, Any]:
-        """eps_{u->v}: the observer-view accountant's, capped by u's local epsilon (both sound; the local one
-        is amplified by sampling, the network one is not), or the local epsilon alone when the view is
-        beyond :data:`VIEW_BUDGET_FLOPS` or not linear (a post-processing clip); and the authors' bound,
-        labelled ``paper_``."""
+        """eps_{u->v} (and towards each ``privacy.colluding`` set): the observer-view accountant's, capped by u's
+        local epsilon (:func:`~decentdp.privacy.observer_view.priced_view`), or the local epsilon alone when
+        the view is too large or not linear (a post-processing clip); and the authors' bound, labelled
+        ``paper_``."""
         local = np.asarray(facts.local_epsilon, dtype=float)
         n = len(local)
         observers = [[agent] for agent in range(n)] + [list(members) for members in facts.colluding]
-        network, note = np.full((n, len(observers)), np.inf), \
-            "the observer-view accountant over every message of the run"
+        capped = np.repeat(local[:, None], len(observers), axis=1)
         if self.settings.update_clip is not None:
             note = "not linear (algorithm.update_clip clips the noisy update): each sender's local epsilon"
-        elif (facts.noise_multipliers > 0).all():
-            received, noise, data = self.view_size(facts)
-            cost, memory = dense_cost(received, noise, data), 8.0 * sum(received) * (noise + data)
-            if cost <= VIEW_BUDGET_FLOPS and memory <= VIEW_BUDGET_BYTES:
-                network = observer_mu(self.linear_view(facts), observers, facts.relation).epsilon(facts.delta)
-            else:
-                note = (f"not computed: the run's explicit view needs {cost:.2g} floating-point operations and "
-                        f"{memory / 2**30:.3g} GiB, beyond {VIEW_BUDGET_FLOPS:.2g} and "
-                        f"{VIEW_BUDGET_BYTES / 2**30:.3g} GiB; each sender's local epsilon")
-        capped = np.minimum(network, local[:, None])
+        elif not (facts.noise_multipliers > 0).all():
+            note = "an agent adds no noise: each sender's local epsilon"
+        else:
+            capped, note = priced_view(local, self.view_size(facts), lambda: self.linear_view(facts), observers,
+                                       facts.relation, facts.delta)
         epsilons = capped[:, :n].copy()
         np.fill_diagonal(epsilons, 0.0)
         paper = np.minimum(network_dp.pairwise_epsilon(state["pairwise_rdp"].cpu().numpy(), facts.delta),

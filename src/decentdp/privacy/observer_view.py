@@ -44,12 +44,20 @@ estimates the work so that a caller can fall back to a sound per-release bound b
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from decentdp.privacy.accounting import gaussian_dp_epsilon
+
+#: Work (:func:`dense_cost`'s floating-point operations) :func:`priced_view` may spend on a run's pairwise
+#: epsilons, about half a minute at one thread here (N = 16, T = 100, K = 4: 3.9e11 in 30 s,
+#: ``benchmarks/observer_view.py``), and the memory its explicit view may take; a larger run reports each
+#: sender's local epsilon for every observer instead (sound: every view is post-processing of the sender's
+#: releases), and says so.
+VIEW_BUDGET_FLOPS = 4e11
+VIEW_BUDGET_BYTES = 2**31
 
 #: Relative size below which a singular value of the noise map counts as zero (no noise in that direction).
 RANK_TOLERANCE = 1e-10
@@ -220,3 +228,23 @@ def _sender_mu(a: np.ndarray, basis: np.ndarray, singular: np.ndarray) -> tuple[
     m = whitened.T @ whitened
     bound = min(float(np.abs(m).sum()), m.shape[0] * float(np.linalg.eigvalsh(m)[-1]))
     return float(np.sqrt(max(bound, 0.0))), float(np.sqrt(max(float(m.sum()), 0.0)))
+
+
+def priced_view(local: np.ndarray, size: tuple[Sequence[int], int, int], build: Callable[[], LinearView],
+                observers: Sequence[Collection[int]], relation: str, delta: float) -> tuple[np.ndarray, str]:
+    """Each sender's epsilon (rows) towards each observer (columns): the accountant's over the run's explicit
+    view (``build()``; ``size`` = messages each agent receives, noise draws, data terms) capped by the sender's
+    ``local`` epsilon (both sound: the local one is amplified by sampling, the view's is not), or the local
+    epsilon alone when the view is beyond :data:`VIEW_BUDGET_FLOPS` / :data:`VIEW_BUDGET_BYTES`; and a note
+    saying which (``epsilon_pairwise_network_method``)."""
+    received, noise, data = size
+    cost, memory = dense_cost(received, noise, data), 8.0 * sum(received) * (noise + data)
+    network = np.full((len(local), len(observers)), np.inf)
+    note = "the observer-view accountant over every message of the run"
+    if cost <= VIEW_BUDGET_FLOPS and memory <= VIEW_BUDGET_BYTES:
+        network = observer_mu(build(), observers, relation).epsilon(delta)
+    else:
+        note = (f"not computed: the run's explicit view needs {cost:.2g} floating-point operations and "
+                f"{memory / 2**30:.3g} GiB, beyond {VIEW_BUDGET_FLOPS:.2g} and {VIEW_BUDGET_BYTES / 2**30:.3g} GiB; "
+                "each sender's local epsilon")
+    return np.minimum(network, np.asarray(local, dtype=float)[:, None]), note

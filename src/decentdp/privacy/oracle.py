@@ -44,6 +44,9 @@ from decentdp.util.profiling import NO_TIMER, PhaseTimer
 SETUP_ROUND = -1
 """The round index of a run's setup phase (e.g. a private warm start), before round 0."""
 
+MESSAGE_NOISE = 1 << 20
+"""First key index of :meth:`DataOracle.message_noise` draws, beyond any round's count of releases."""
+
 
 @dataclass(frozen=True)
 class BatchKey:
@@ -334,6 +337,13 @@ class DataOracle:
                 self._event_cache.clear()
             cached = self._event_cache[key] = (mechanism, ids)
         return cached[1]
+
+    def message_noise(self, index: int = 0) -> NoiseDraw:
+        """Single-use keys for noise an algorithm adds to its messages that no agent's data term carries (e.g.
+        Zip-DL's zero-sum noise): drawn from each agent's own stream under keys no release uses
+        (``MESSAGE_NOISE + index``), priced by the algorithm's own observer view, never by the ledger (it
+        protects nobody from every neighbour together, whose pooled messages cancel it)."""
+        return NoiseDraw(self.rng, self._host_ids, self.round_index, MESSAGE_NOISE + index)
 
     # -- the common case -----------------------------------------------------------------------------------
     def gradient(self, params: torch.Tensor) -> torch.Tensor:
