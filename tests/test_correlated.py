@@ -184,3 +184,42 @@ def test_a_local_epsilon_cap_raises_the_noise_of_well_hidden_agents_only() -> No
     assert (sigmas >= floor - 1e-6).all() and (sigmas >= free - 1e-6).all()
     assert sigmas[0] == pytest.approx(free[0]) and sigmas[1] > free[1]            # the leaf already had more
     assert (np.array(capped.details["effective_multiplier_worst"]) >= sigmas * (1 - 1e-9)).all()
+
+
+def test_zero_sum_noise_sums_to_zero_in_what_the_receivers_weigh() -> None:
+    from decentdp.algorithms.zip_dl import zero_sum
+
+    rng = torch.Generator().manual_seed(0)
+    sender = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
+    weights = torch.tensor([0.2, 0.3, 0.5, 0.6, 0.4, 0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    noise = zero_sum(torch.randn(9, 7, generator=rng, dtype=torch.float64), weights, sender, 3)
+    totals = torch.zeros(3, 7, dtype=torch.float64).index_add_(0, sender, noise * weights[:, None])
+    assert totals.abs().max() < 1e-12 and noise.abs().min() > 0
+
+
+def test_zip_dl_noise_leaves_the_network_average_alone() -> None:
+    """One round from the same state and batches with and without zero-sum noise: every model moves, the
+    average over agents does not (Metropolis-Hastings weights are doubly stochastic)."""
+    from decentdp.run.build import build_experiment
+
+    def one_round(noise: float) -> torch.Tensor:
+        raw = tiny_config(algorithm={"name": "zip-dl", "zero_sum_noise": noise}, privacy={"epsilon": "inf"},
+                          topology={"graph": "erdos-renyi", "agents": 6, "p": 0.6, "mixing": "metropolis-hastings"})
+        experiment = build_experiment(validate_config(raw))
+        state = experiment.initial_state()
+        return experiment.simulator.run(state, 0, 1, lambda done, current: True)["params"]
+
+    plain, noisy = one_round(0.0), one_round(5.0)
+    assert (noisy - plain).norm(dim=1).min() > 1e-3
+    assert torch.allclose(noisy.mean(dim=0), plain.mean(dim=0), atol=1e-5)
+
+
+def test_zip_dl_quick_start_prices_each_neighbours_view_within_the_local_budget(tmp_path: Path) -> None:
+    from decentdp.config import load_config
+    config = REPO / "experiments" / "correlated" / "zip-dl-digits.toml"
+    result = run_experiment(load_config(config), tmp_path / "zip", progress=False, log=lambda _: None)
+    privacy = json.loads((tmp_path / "zip" / "privacy.json").read_text())
+    pairwise = np.array(privacy["epsilon_pairwise_network"], dtype=float)
+    assert privacy["epsilon_pairwise_network_method"] == "the observer-view accountant over every message of the run"
+    assert result.summary["epsilon_max"] <= 4.0 + 1e-9 and result.summary["epsilon_pairwise_max"] <= 4.0 + 1e-9
+    assert pairwise[0, 8] < 0.8 * pairwise[0, 1]        # the antipodal agent of the ring learns less

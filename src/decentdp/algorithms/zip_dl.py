@@ -1,0 +1,172 @@
+"""Zip-DL (Biswas, Frey, Gaudel, Kermarrec, Lerévérend, Pires, Sharma, Taïani, PoPETs 2025): zero-sum noise.
+
+Each round every agent takes its local step, then sends each neighbour its model plus a noise vector of its
+own, drawn so that the noise it spreads over one gossip round sums to zero in the receivers' average
+(authors' ``ZeroSumSharing`` in ``decentralizepy``)::
+
+    x_i^{t+1/2} = x_i^t - eta g_i                              (the configured optimizer's step on the oracle's g_i)
+    m_{i->j}    = x_i^{t+1/2} + n_{i->j},   j in N(i) and j = i (its own copy)
+    sum_j w_ji n_{i->j} = 0                                    (zero sum, weighted by what each receiver gives i)
+    x_j^{t+1}   = sum_i w_ji m_{i->j}
+
+``n_{i->.}`` is ``sigma_z eta C / L_i`` (the unit of the step's own noise) times i.i.d. normals projected onto the hyperplane ``w_{.i}^T n = 0``
+(``algorithm.zero_sum_noise = sigma_z``).  The authors subtract the plain mean (an unweighted zero sum),
+which cancels in the network's average only when every receiver weighs its neighbours alike; the
+weighted projection cancels exactly for any doubly-stochastic W (Metropolis-Hastings), and the two agree
+on regular graphs with uniform weights.
+
+**Privacy.**  The zero-sum noise protects a message from the one neighbour that receives it; all of an
+agent's neighbours together cancel it.  So budgets hold, as for every algorithm, on the ledger's agent
+view of the oracle's own noise (``privacy.epsilon``: the local epsilon); a non-private run
+(``epsilon = 'inf'``) carries the zero-sum noise alone and promises nothing against all neighbours.  What
+one neighbour, or a ``privacy.colluding`` set, learns of each sender is priced by the observer-view
+accountant over every message of the run (each draw held by its sender, the run's relation), capped by the
+local epsilon: ``epsilon_pairwise_network`` / ``epsilon_pairwise_max``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from decentdp.algorithms.base import Network, RoundContext, RunFacts, State, once_per_graph, prefixed, unprefixed
+from decentdp.algorithms.optim import Optimizer, OptimizerAlgorithm, OptimizerSettings
+from decentdp.algorithms.registry import register
+from decentdp.privacy.observer_view import LinearView, ViewBuilder, priced_view
+from decentdp.results import epsilon_json
+
+
+class ZipDLSettings(OptimizerSettings):
+    """Zip-DL's settings: the local optimizer's, and the zero-sum noise's size."""
+
+    zero_sum_noise: float = Field(1.0, ge=0.0, description="sigma_z: std of the i.i.d. draws projected to a zero "
+                                                           "sum, in units of eta C / L_i (the step's own noise "
+                                                           "unit, so that it compares with sigma)")
+
+
+def zero_sum(draws: torch.Tensor, weights: torch.Tensor, sender: torch.Tensor, n_agents: int) -> torch.Tensor:
+    """``draws`` (one row per message: ``sender[r]``'s, weighted ``weights[r]`` by its receiver) projected, per
+    sender, onto the hyperplane ``sum_r weights[r] n_r = 0``: ``n = g - w (w^T g) / (w^T w)``."""
+    weighted = torch.zeros(n_agents, draws.shape[1], dtype=draws.dtype, device=draws.device)
+    weighted.index_add_(0, sender, draws * weights[:, None])
+    norms = torch.zeros(n_agents, dtype=draws.dtype, device=draws.device).index_add_(0, sender, weights ** 2)
+    return draws - weights[:, None] * (weighted / norms[:, None])[sender]
+
+
+@register
+class ZipDL(OptimizerAlgorithm):
+    """Decentralized SGD whose gossip messages carry per-receiver noise that sums to zero."""
+
+    name: ClassVar[str] = "zip-dl"
+    Settings = ZipDLSettings
+
+    def __init__(self, optimizer: Optimizer, zero_sum_noise: float) -> None:
+        super().__init__(optimizer)
+        self.zero_sum_noise = zero_sum_noise
+
+    @classmethod
+    def from_settings(cls, settings: ZipDLSettings) -> ZipDL:
+        return cls(settings.build(), settings.zero_sum_noise)
+
+    @property
+    def round_temporaries(self) -> int:
+        return 4  # the update, the half step, and the per-edge messages (about two more rows per agent)
+
+    def round(self, state: State, ctx: RoundContext) -> State:
+        net, oracle = ctx.network, ctx.oracle
+        grad = oracle.gradient(state["params"])
+        half, opt = self.optimizer.step(state["params"], grad, unprefixed("opt", state), ctx.lr, inplace=False)
+        local = torch.arange(net.n_agents, device=half.device)
+        senders = torch.cat([net.rows(net.out_edges[:, 0]), local])            # out-edges, then own copies
+        out_weights, self_weights = once_per_graph(net, "zip-dl weights", lambda: self._weights(net))
+        weights = torch.cat([out_weights, self_weights])
+        draw = oracle.message_noise()
+        g = torch.empty(len(senders), half.shape[1], dtype=draw.dtype, device=half.device)
+        slots = [*net.out_edges[:, 1].tolist(), *[-1] * net.n_agents]          # keyed by receiver (-1: own copy)
+        draw.normal(senders.cpu().tolist(), g, slots)
+        scale = self.zero_sum_noise * ctx.lr * oracle.clip_norm / oracle.expected_batch.to(half.device).double()
+        noise = zero_sum(g.double(), weights, senders, net.n_agents) * scale[senders, None]
+        messages = half[senders] + noise.to(half.dtype)
+        received = net.exchange(messages[: len(net.out_edges)])                 # m_{i->j} over the graph
+        mixed = net.aggregate(received, net.in_weights.to(half.dtype))
+        own = messages[len(net.out_edges):] * self_weights.to(half.dtype)[:, None]
+        return {"params": mixed + own, **prefixed("opt", opt)}
+
+    @staticmethod
+    def _weights(net: Network) -> tuple[torch.Tensor, torch.Tensor]:
+        """``w_ji`` of each out-edge ``(i, j)`` (the weight its receiver gives the sender) and each local agent's
+        ``w_ii``, float64 on the network's device, from the public graph."""
+        graph = net.public_graph()
+        lookup = {(src, dst): float(w) for (src, dst), w in zip(graph.edges.tolist(), graph.weights, strict=True)}
+        device = net.in_weights.device
+        out = torch.tensor([lookup[(src, dst)] for src, dst in net.out_edges.tolist()], dtype=torch.float64,
+                           device=device)
+        own = torch.from_numpy(graph.self_weights[net.agent_ids.cpu().numpy()]).to(device)
+        return out, own
+
+    def _rounds(self, facts: RunFacts) -> Iterator[tuple[int, np.ndarray]]:
+        """Each round's index and dense W (public), computed once per graph."""
+        current: Network | None = None
+        for k in range(facts.rounds):
+            network = facts.network(k)
+            if network is not current:
+                current, w = network, network.public_graph().dense_mixing()
+            yield k, w
+
+    def view_size(self, facts: RunFacts) -> tuple[list[int], int, int]:
+        """The messages each agent receives, the noise draws and the data terms of :meth:`linear_view`."""
+        n = len(facts.noise_multipliers)
+        received, draws = np.zeros(n, dtype=np.int64), 0
+        for _, w in self._rounds(facts):
+            links = (w > 0) & ~np.eye(n, dtype=bool)
+            received += links.sum(axis=1)
+            draws += n + int(links.sum()) + n
+        return received.tolist(), draws, n * facts.rounds
+
+    def linear_view(self, facts: RunFacts) -> LinearView:
+        """Every round unrolled over sources (plain SGD): ``x_i + sigma_i xi_i`` over ``L_i`` (the oracle's
+        release), the half step, each message ``m_{i->j}`` with its zero-sum draw (held by its sender alone),
+        the aggregation.  The initial model is public."""
+        n = len(facts.noise_multipliers)
+        received, draws, data = self.view_size(facts)
+        builder = ViewBuilder(n, capacity=draws + data)
+        own = [{agent} for agent in range(n)]
+        theta = builder.zeros(n)
+        for k, w in self._rounds(facts):
+            receiver, sender = np.nonzero((w > 0) & ~np.eye(n, dtype=bool))        # sender's message to receiver
+            scale = facts.lr(k) / facts.expected_batches
+            update = builder.data(range(n)) + facts.noise_multipliers[:, None] * builder.noise(np.ones(n), own)
+            half = theta - scale[:, None] * update
+            senders = np.concatenate([sender, np.arange(n)])
+            receivers = np.concatenate([receiver, np.arange(n)])
+            weights = w[receivers, senders]
+            g = builder.noise(np.ones(len(senders)), [{int(s)} for s in senders])
+            noise = zero_sum(torch.from_numpy(g), torch.from_numpy(weights), torch.from_numpy(senders), n).numpy()
+            messages = half[senders] + (self.zero_sum_noise * scale)[senders, None] * noise
+            builder.send(receiver, messages[: len(sender)])
+            theta = np.zeros_like(theta)
+            np.add.at(theta, receivers, weights[:, None] * messages)
+        return builder.view()
+
+    def privacy_extras(self, state: State, facts: RunFacts) -> dict[str, Any]:
+        """What one neighbour (or a ``privacy.colluding`` set) learns of each sender, by the observer-view
+        accountant over every message, capped by the sender's local epsilon."""
+        local = np.asarray(facts.local_epsilon, dtype=float)
+        n = len(local)
+        observers = [[agent] for agent in range(n)] + [list(members) for members in facts.colluding]
+        capped, note = priced_view(local, self.view_size(facts), lambda: self.linear_view(facts), observers,
+                                   facts.relation, facts.delta)
+        epsilons = capped[:, :n].copy()
+        np.fill_diagonal(epsilons, 0.0)
+        off = epsilons[~np.eye(n, dtype=bool)]
+        extras: dict[str, Any] = {"epsilon_pairwise_max": epsilon_json(float(off.max()) if off.size else 0.0),
+                                  "epsilon_pairwise_network": epsilon_json(epsilons),
+                                  "epsilon_pairwise_network_method": note}
+        if facts.colluding:
+            extras["epsilon_colluding"] = [{"agents": list(members), "epsilon": epsilon_json(capped[:, n + k])}
+                                           for k, members in enumerate(facts.colluding)]
+        return extras
