@@ -9,11 +9,11 @@ own, drawn so that the noise it spreads over one gossip round sums to zero in th
     sum_j w_ji n_{i->j} = 0                                    (zero sum, weighted by what each receiver gives i)
     x_j^{t+1}   = sum_i w_ji m_{i->j}
 
-``n_{i->.}`` is ``sigma_z eta C / L_i`` (the unit of the step's own noise) times i.i.d. normals projected onto the hyperplane ``w_{.i}^T n = 0``
-(``algorithm.zero_sum_noise = sigma_z``).  The authors subtract the plain mean (an unweighted zero sum),
-which cancels in the network's average only when every receiver weighs its neighbours alike; the
-weighted projection cancels exactly for any doubly-stochastic W (Metropolis-Hastings), and the two agree
-on regular graphs with uniform weights.
+``n_{i->.}`` is ``sigma_z eta C / L_i`` (the unit of the step's own noise) times i.i.d. normals projected onto
+the hyperplane ``w_{.i}^T n = 0`` (``algorithm.zero_sum_noise = sigma_z``).  The authors subtract the plain
+mean (an unweighted zero sum), which cancels in the network's average only when every receiver weighs its
+neighbours alike; the weighted projection cancels exactly for any doubly-stochastic W (Metropolis-Hastings),
+and the two agree on regular graphs with uniform weights.
 
 **Privacy.**  The zero-sum noise protects a message from the one neighbour that receives it; all of an
 agent's neighbours together cancel it.  So budgets hold, as for every algorithm, on the ledger's agent
