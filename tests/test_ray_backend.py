@@ -8,6 +8,7 @@ port (see ``docs/distributed.md``); no test names another address.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -99,7 +100,8 @@ def test_the_demo_on_ray_matches_the_simulator(local_ray, simulated_demo, tmp_pa
 
 def test_a_killed_worker_restarts_from_the_last_checkpoint(local_ray) -> None:
     """SIGKILL one worker after round 6 (last checkpoint: round 4): the run replays rounds 5-6 on fresh
-    workers and ends as an uninterrupted run, every release counted once."""
+    workers and ends as an uninterrupted run, every release counted once; the loss is announced in one line
+    of ours."""
     from decentdp.runtime.ray_backend import distribute
 
     config = _demo("experiment.rounds=10", "experiment.eval_every=4", "engine.backend=ray", "engine.workers=2",
@@ -108,7 +110,8 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint(local_ray) -> None:
     expected = reference.simulator.run(reference.simulator.setup(reference.initial_state()), 0, 10,
                                        lambda done, state: True)
     experiment = build_experiment(config)
-    distribute(experiment)
+    lines: list[str] = []
+    distribute(experiment, lines.append)
     engine = experiment.simulator
     killed: list[int] = []
 
@@ -120,6 +123,8 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint(local_ray) -> None:
 
     state = engine.run(engine.setup(experiment.initial_state()), 0, 10, after_round)
     assert killed and engine.restarts == 1
+    assert lines == ["Ray worker(s) 1 lost after round 6; replaying from the round-4 checkpoint on new workers "
+                     "(restart 1 of at most 3)"]
     for key, value in expected.items():
         assert float((state[key] - value).abs().max()) <= 1e-5, key
     ledger = experiment.ledger

@@ -99,7 +99,7 @@ def _run(config: ExperimentConfig, folder: ResultsFolder | None, data_dir: str |
     experiment = build_experiment(config, data_dir)
     if config.engine.backend == "ray":  # agents sharded over Ray worker processes (the optional `ray` extra)
         from decentdp.runtime.ray_backend import distribute
-        distribute(experiment)
+        distribute(experiment, log)
 
     state = experiment.initial_state()
     metrics: list[dict[str, Any]] = []

@@ -382,8 +382,15 @@ class _RemoteScheduler:
 class RaySimulator:
     """The simulator's interface (``setup``, ``run``, ``schedule``, ``scheduler``) over Ray workers."""
 
-    def __init__(self, experiment: Any, ray: Any, owns_ray: bool, workers: int, local: bool = True) -> None:
+    def __init__(self, experiment: Any, ray: Any, owns_ray: bool, workers: int, local: bool = True,
+                 log: Callable[[str], None] | None = None) -> None:
         self.experiment = experiment
+        #: Where a lost worker is announced, in one line of our own (the run's log; stderr by default).
+        self.log = log or (lambda line: print(line, file=sys.stderr))
+        #: Calls left waiting when a worker failed: collected after the restart, so that Ray never prints
+        #: their errors (a peer's transport trace) as unhandled.
+        self._abandoned: list[Any] = []
+        self.lost: list[int] = []  # the workers found lost by the last check (announced by the recovery)
         self.ray = ray
         self.owns_ray = owns_ray
         self.local = local  # every worker on this machine
@@ -443,12 +450,26 @@ class RaySimulator:
     def _wait(self, futures: list[Any], timeout: float = PEER_TIMEOUT + 60) -> list[Any]:
         """Every result, failing as soon as one worker fails (its error is raised, not a peer's timeout)."""
         pending = list(futures)
-        while pending:
-            ready, pending = self.ray.wait(pending, num_returns=1, timeout=timeout)
-            if not ready:
-                raise TimeoutError(f"no worker finished within {timeout:g} s")
-            self.ray.get(ready[0])
+        try:
+            while pending:
+                ready, pending = self.ray.wait(pending, num_returns=1, timeout=timeout)
+                if not ready:
+                    raise TimeoutError(f"no worker finished within {timeout:g} s")
+                self.ray.get(ready[0])
+        except BaseException:
+            self._abandoned.extend(pending)
+            raise
         return self.ray.get(futures)
+
+    def _settle_abandoned(self) -> None:
+        """Collect (and drop) the results of calls abandoned when a worker failed: their workers are gone or
+        restarted, and an error Ray never handed out is printed as a traceback that reads as a crash."""
+        for future in self._abandoned:
+            try:
+                self.ray.get(future, timeout=PEER_TIMEOUT)
+            except Exception:  # the failure this recovery handles (a lost peer, a broken connection)
+                pass
+        self._abandoned.clear()
 
     def _rows(self) -> list[slice]:
         return [slice(lo, hi) for lo, hi in zip(self.bounds[:-1], self.bounds[1:], strict=True)]
@@ -517,12 +538,15 @@ class RaySimulator:
                 self._recover(round_index)
 
     def _worker_lost(self) -> bool:
-        """Whether a worker process is gone (or too stuck to answer within a minute)."""
-        try:
-            self.ray.get([worker.pid.remote() for worker in self.workers], timeout=60)
-        except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
-            return True
-        return False
+        """Whether a worker process is gone (or too stuck to answer within a minute); the lost ones are kept
+        in :attr:`lost` for the announcement."""
+        self.lost = []
+        for index, call in enumerate([worker.pid.remote() for worker in self.workers]):
+            try:
+                self.ray.get(call, timeout=60)
+            except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
+                self.lost.append(index)
+        return bool(self.lost)
 
     def _recover(self, round_index: int) -> None:
         self.restarts += 1
@@ -533,7 +557,11 @@ class RaySimulator:
         if snapshot is None:
             self.close()
             raise RuntimeError("a Ray worker was lost before the run's first checkpoint; start it again")
+        self.log(f"Ray worker(s) {', '.join(map(str, self.lost))} lost after round {round_index}; replaying "
+                 f"from the round-{snapshot.round_index} checkpoint on new workers "
+                 f"(restart {self.restarts} of at most {MAX_RESTARTS})")
         self._stop_workers()
+        self._settle_abandoned()
         self._start_workers()
         self._load(snapshot)
         for replayed in range(snapshot.round_index, round_index):
@@ -604,9 +632,10 @@ class RaySimulator:
         return final
 
 
-def distribute(experiment: Any) -> None:
+def distribute(experiment: Any, log: Callable[[str], None] | None = None) -> None:
     """Shard ``experiment`` over ``engine.workers`` Ray workers (replacing its simulator), checking the
-    engine settings before anything is written."""
+    engine settings before anything is written; ``log`` receives the engine's own announcements (a lost
+    worker)."""
     engine = experiment.config.engine
     agents = experiment.data.n_agents
     if engine.workers > agents:
@@ -614,7 +643,7 @@ def distribute(experiment: Any) -> None:
                                             "at least one agent")
     ray, owns = connect(engine.address, engine.workers)
     try:
-        experiment.simulator = RaySimulator(experiment, ray, owns, engine.workers, local=not engine.address)
+        experiment.simulator = RaySimulator(experiment, ray, owns, engine.workers, local=not engine.address, log=log)
     except BaseException:
         if owns and ray.is_initialized():
             ray.shutdown()
