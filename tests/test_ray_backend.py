@@ -8,7 +8,6 @@ port (see ``docs/distributed.md``); no test names another address.
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import json
 import os
