@@ -223,3 +223,22 @@ def test_zip_dl_quick_start_prices_each_neighbours_view_within_the_local_budget(
     assert privacy["epsilon_pairwise_network_method"] == "the observer-view accountant over every message of the run"
     assert result.summary["epsilon_max"] <= 4.0 + 1e-9 and result.summary["epsilon_pairwise_max"] <= 4.0 + 1e-9
     assert pairwise[0, 8] < 0.8 * pairwise[0, 1]        # the antipodal agent of the ring learns less
+
+
+def test_many_distinct_multipliers_are_priced_on_a_grid_never_below_their_exact_epsilon() -> None:
+    """``epsilon_upper_bounds`` prices up to PRICED_MULTIPLIERS distinct values exactly and more at the grid
+    point below each: every entry at least its own accountant's epsilon, and close to it (the grid is fine)."""
+    from decentdp.privacy.accounting import epsilon_spent
+    from decentdp.privacy.correlated import PRICED_MULTIPLIERS, epsilon_upper_bounds
+
+    rng = np.random.default_rng(4)
+    multipliers = rng.uniform(2.0, 6.0, size=(12, 10))
+    multipliers[0, 0], multipliers[1, 1], multipliers[2, 2] = np.nan, 0.0, np.inf
+    rates = np.array([0.05] * 6 + [0.1] * 6)
+    assert len(np.unique(multipliers[:6])) > PRICED_MULTIPLIERS
+    priced = epsilon_upper_bounds(multipliers, rates, 20, 1e-5, "rdp", "add-remove")
+    assert np.isnan(priced[0, 0]) and priced[1, 1] == np.inf and priced[2, 2] == 0.0
+    for (row, column), sigma in np.ndenumerate(multipliers):
+        if np.isfinite(sigma) and sigma > 0:
+            exact = epsilon_spent(float(sigma), 1e-5, float(rates[row]), 20, 1, "rdp", "add-remove")
+            assert exact - 1e-9 <= priced[row, column] <= 1.1 * exact

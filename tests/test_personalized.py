@@ -276,6 +276,26 @@ def test_secure_warm_start_is_an_exact_grid_laplace_release_of_the_l1_sensitivit
     assert abs(float(scaled.mean()) - 1) < 0.08                                # 1500 draws of |Laplace(1)|
 
 
+def test_the_secure_warm_starts_exact_loss_stays_within_its_epsilon():
+    """Brute force over the discrete Laplace mass of the grid release: for two local models l2-apart by the
+    output-perturbation sensitivity Delta (the minimisers of neighbouring datasets), the largest log-ratio of
+    any output's probability is sum_j |q_j - q'_j| / t (q: the rounded inputs, t: the noise scale in grid
+    steps); it must not exceed the warm start's epsilon, including for the l1-worst direction (all
+    coordinates equal)."""
+    from decentdp.privacy.discrete import grid_scale, grid_step
+
+    rng = np.random.default_rng(2)
+    for _ in range(300):
+        dim, delta, epsilon = int(rng.integers(1, 40)), rng.uniform(1e-3, 10.0), rng.uniform(0.01, 2.0)
+        l1 = math.sqrt(dim) * delta                         # the sensitivity the release is built for
+        gamma, t = grid_step(l1), grid_scale(1.0 / epsilon, dim, l1)
+        theta = rng.normal(scale=rng.choice([1e-2, 1.0, 1e2]) * delta, size=dim)
+        direction = np.ones(dim) if rng.uniform() < 0.5 else rng.normal(size=dim)
+        other = theta + delta * rng.uniform() * direction / np.linalg.norm(direction)
+        exact = np.abs(np.rint(theta / gamma) - np.rint(other / gamma)).sum() / t
+        assert exact <= epsilon * (1 + 1e-12)
+
+
 def _config(**personalized) -> dict:
     return {"privacy": {"epsilon": 1.0, "delta": DELTA, "clip": 1.0, "accountant": "pld",
                         "neighbouring": "replace-one"},

@@ -60,6 +60,9 @@ LINEAR_SETTINGS: dict[str, dict[str, Any]] = {
     "local": {"optimizer": "sgd"},
 }
 
+#: Algorithms that report each ``privacy.colluding`` set's epsilon (``epsilon_colluding``).
+REPORTS_COLLUDING = {"decor", "muffliato", "zip-dl"}
+
 #: Agents go offline and re-pair with earlier partners (TOP-DP's Alg. 2: the issue's item 3(B)).
 SCHEDULES = {"top-dp-async": {"kind": "pairing", "offline_probability": 0.3}}
 
@@ -167,13 +170,15 @@ VALUES = {"alpha": [0.25, 0.5, 0.75], "gossip_steps": [1, 2, 4]}
 
 def traced_run(name: str, n: int, p: float, seed: int, rounds: int, epsilon: float = 2.0, graph: str = "erdos-renyi",
                settings: dict[str, Any] | None = None, relation: str = "add-remove",
+               colluding: list[list[int]] | None = None,
                ) -> tuple[Any, Sources, list[tuple[np.ndarray, torch.Tensor]]]:
     """Run ``rounds`` rounds of algorithm ``name`` with full batches on a random graph (or ``graph``), traced."""
     raw = tiny_config(experiment={"rounds": rounds, "eval_every": rounds, "seed": seed},
                       topology={"graph": graph, "agents": n, **({"p": p} if graph == "erdos-renyi" else {})},
                       algorithm={"name": name, "batch_size": 10_000, "lr": 0.3, **LINEAR_SETTINGS.get(name, {}),
                                  **(settings or {})},
-                      privacy={"epsilon": epsilon, "delta": DELTA, "clip": 1.0, "neighbouring": relation},
+                      privacy={"epsilon": epsilon, "delta": DELTA, "clip": 1.0, "neighbouring": relation,
+                               "colluding": colluding or []},
                       **({"schedule": SCHEDULES[name]} if name in SCHEDULES else {}))
     experiment = build_experiment(validate_config(raw))
     sources = Sources(capacity=64 * n * (rounds + 1))
@@ -222,15 +227,18 @@ def exact_epsilon(sources: Sources, log: list[tuple[np.ndarray, torch.Tensor]], 
     return gaussian_dp_epsilon(sensitivity * math.sqrt(max(best, 0.0)), DELTA)
 
 
-def reported_epsilons(experiment: Any, rounds: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def reported_epsilons(experiment: Any, rounds: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None,
+                                                             list[np.ndarray]]:
     """Each agent's epsilon towards every other agent together (the ledger's, or ``epsilon_local`` where the
-    ledger names a narrower observer, as DECOR's pairwise budgets do), towards any single agent (the ledger's)
-    and, where the algorithm reports one, the pairwise matrix eps(u -> v)."""
+    ledger names a narrower observer, as DECOR's pairwise budgets do), towards any single agent or
+    ``privacy.colluding`` set (the ledger's), where the algorithm reports them the pairwise matrix eps(u -> v)
+    and each colluding set's column (``nan`` for its members)."""
     ledger = experiment.ledger.reported_epsilon()[0]
     extras = experiment.algorithm.privacy_extras(experiment.final_state, run_facts(experiment, rounds))
     everyone = np.array(extras["epsilon_local"], dtype=float) if "epsilon_local" in extras else ledger
     pairwise = extras.get("epsilon_pairwise_network")
-    return everyone, ledger, None if pairwise is None else np.array(pairwise, dtype=float)
+    sets = [np.array(entry["epsilon"], dtype=float) for entry in extras.get("epsilon_colluding", [])]
+    return everyone, ledger, None if pairwise is None else np.array(pairwise, dtype=float), sets
 
 
 def library_algorithms() -> set[str]:
@@ -253,8 +261,16 @@ TRACED = sorted(library_algorithms() - set(NOT_TRACED))
 def test_reported_epsilon_is_at_least_every_observers_exact_loss(name: str, n: int, seed: int, rounds: int,
                                                                   choice: int, relation: str) -> None:
     settings = {VARIED[name]: VALUES[VARIED[name]][choice]} if name in VARIED else {}
-    experiment, sources, log = traced_run(name, n, 0.7, seed, rounds, settings=settings, relation=relation)
-    together, single, pairwise = reported_epsilons(experiment, rounds)
+    colluding = [0, n - 1]   # a named colluding set: its pooled view must stay below what is reported for it
+    experiment, sources, log = traced_run(name, n, 0.7, seed, rounds, settings=settings, relation=relation,
+                                          colluding=[colluding])
+    together, single, pairwise, sets = reported_epsilons(experiment, rounds)
+    assert len(sets) == (name in REPORTS_COLLUDING)
+    for sender in range(1, n - 1):
+        exact = exact_epsilon(sources, log, colluding, sender, relation)
+        assert single[sender] >= exact - 1e-6, (sender, "the colluding set", single[sender], exact)
+        for reported in sets:
+            assert reported[sender] >= exact - 1e-6, (sender, "epsilon_colluding", reported[sender], exact)
     for sender in range(n):
         others = [v for v in range(n) if v != sender]
         everyone = exact_epsilon(sources, log, others, sender, relation)

@@ -540,13 +540,18 @@ class RaySimulator:
     def _worker_lost(self) -> bool:
         """Whether a worker process is gone (or too stuck to answer within a minute); the lost ones are kept
         in :attr:`lost` for the announcement."""
-        self.lost = []
-        for index, call in enumerate([worker.pid.remote() for worker in self.workers]):
-            try:
-                self.ray.get(call, timeout=60)
-            except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
-                self.lost.append(index)
+        calls = [worker.pid.remote() for worker in self.workers]
+        answered, _ = self.ray.wait(calls, num_returns=len(calls), timeout=60)  # one minute for all of them
+        self.lost = [index for index, call in enumerate(calls) if call not in answered or self._failed(call)]
         return bool(self.lost)
+
+    def _failed(self, call: Any) -> bool:
+        """Whether a finished call failed because its worker is gone (its error collected, so never reprinted)."""
+        try:
+            self.ray.get(call)
+        except self.ray.exceptions.RayActorError:
+            return True
+        return False
 
     def _recover(self, round_index: int) -> None:
         self.restarts += 1
