@@ -273,10 +273,11 @@ def test_a_run_measured_on_private_records_says_so(tmp_path) -> None:
 def test_a_view_beyond_the_budget_reports_the_local_epsilon_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     """A run too large for the explicit view reports each sender's local epsilon for every observer (sound:
     every view is post-processing of the sender's releases), and names the reason; nothing is built."""
-    from decentdp.privacy import observer_view as module
+    from decentdp.privacy import observer_pricing as module
 
     monkeypatch.setattr(module, "VIEW_BUDGET_FLOPS", 0.0)
-    monkeypatch.setattr(Muffliato, "linear_view", lambda self, facts: pytest.fail("the view was built"))
+    monkeypatch.setattr(module, "RECURSIVE_BUDGET_FLOPS", 0.0)
+    monkeypatch.setattr(module.ViewRecipe, "dense", lambda self: pytest.fail("the view was built"))
     network = SimulatedNetwork(build_topology("ring", 8))
     facts = _facts(network, 2, 3.0, "add-remove")
     reported, _ = _pairwise(Muffliato(MuffliatoSettings(gossip_steps=3)), network, facts)

@@ -16,13 +16,14 @@ with sigma the agents' median noise multiplier, at least 1/2 so that a non-priva
 
 **Accounting.**  Budgets hold on the ledger's per-agent (local-DP) view, which bounds every observer:
 whatever a node sees is post-processing of the senders' releases.  What one node ``v`` learns of ``u``
-is priced by the observer-view accountant (:mod:`decentdp.privacy.observer_view`) over the run's whole
-view: every gossip message of every round, each agent's own sigma, the run's neighbouring relation,
-and what ``v`` knows (its own injections); reported as ``epsilon_pairwise_network`` (row ``u``,
-column ``v``; never above ``u``'s local epsilon) and ``epsilon_pairwise_max``.  A direct neighbour
-receives ``u``'s noisy injection itself, so its epsilon is the local one.  The authors' bound
-(``contrib``, :mod:`decentdp.privacy.network_dp`), which composes messages that share one noise
-vector as if independent and each round separately, is reported as ``paper_epsilon_pairwise_network``.
+is priced by the observer-view accountant (:mod:`decentdp.privacy.observer_pricing`: over the explicit
+view, or round by round for a long run) over the run's whole view: every gossip message of every round,
+each agent's own sigma, the run's neighbouring relation, and what ``v`` knows (its own injections);
+reported as ``epsilon_pairwise_network`` (row ``u``, column ``v``; never above ``u``'s local epsilon)
+and ``epsilon_pairwise_max``.  A direct neighbour receives ``u``'s noisy injection itself, so its
+epsilon is the local one.  The authors' bound (``contrib``, :mod:`decentdp.privacy.network_dp`), which
+composes messages that share one noise vector as if independent and each round separately, is reported
+as ``paper_epsilon_pairwise_network``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from decentdp.algorithms.base import AlgorithmSettings, Network, RoundContext, R
 from decentdp.algorithms.registry import register
 from decentdp.privacy import network_dp
 from decentdp.privacy.accounting import RDP_ORDERS
-from decentdp.privacy.observer_view import LinearView, ViewBuilder, priced_view
+from decentdp.privacy.observer_pricing import Builder, ViewRecipe, priced_view
+from decentdp.privacy.observer_view import LinearView
 from decentdp.results import epsilon_json
 
 
@@ -134,24 +136,30 @@ class Muffliato(SettingsAlgorithm):
                 current, values = network, (w, *self.gossip(w, facts.noise_multipliers, n))
             yield values
 
-    def view_size(self, facts: RunFacts) -> tuple[list[int], int, int]:
-        """Without building it: the messages each agent receives over the run, the noise draws and the data
-        terms of :meth:`linear_view` (for :func:`~decentdp.privacy.observer_view.dense_cost`)."""
+    def view_recipe(self, facts: RunFacts) -> ViewRecipe:
+        """The run's view for the observer-view accountant (:mod:`decentdp.privacy.observer_pricing`): its
+        sizes, counted without building it, and :meth:`unroll`."""
         n = len(facts.noise_multipliers)
         received = np.zeros(n, dtype=np.int64)
         for w, _, steps in self._rounds(facts):
             received += steps * ((w > 0) & ~np.eye(n, dtype=bool)).sum(axis=1)
-        return received.tolist(), n * facts.rounds, n * facts.rounds
+        return ViewRecipe(received.tolist(), n * facts.rounds, n * facts.rounds, state_size=n, round_sources=2 * n,
+                          unroll=lambda builder: self.unroll(builder, facts))
 
     def linear_view(self, facts: RunFacts) -> LinearView:
-        """Steps 1-4 of every round unrolled over sources (:class:`ViewBuilder`): each agent's injection
+        """The whole run as one explicit :class:`~decentdp.privacy.observer_view.LinearView`."""
+        return self.view_recipe(facts).dense().view()
+
+    def unroll(self, builder: Builder, facts: RunFacts) -> None:
+        """Steps 1-4 of every round unrolled over sources: each agent's injection
         ``theta_v - (eta / L_v)(x_v + sigma_v xi_v)`` (its noise known to itself alone), then every gossip
-        message ``y^t_w`` (``t < K``) that ``w`` sends to each neighbour.  The initial model is public."""
+        message ``y^t_w`` (``t < K``) that ``w`` sends to each neighbour.  The initial model is public; the
+        models are the state carried between rounds."""
         n = len(facts.noise_multipliers)
-        builder = ViewBuilder(n, capacity=2 * n * facts.rounds)
         own = [{agent} for agent in range(n)]
         theta = builder.zeros(n)
         for k, (w, gamma, steps) in enumerate(self._rounds(facts)):
+            theta = builder.carry(theta)
             receiver, sender = np.nonzero((w > 0) & ~np.eye(n, dtype=bool))   # v mixes w's value: w sends to v
             scale = facts.lr(k) / facts.expected_batches
             noisy = builder.data(range(n)) + facts.noise_multipliers[:, None] * builder.noise(np.ones(n), own)
@@ -162,11 +170,10 @@ class Muffliato(SettingsAlgorithm):
                 builder.send(receiver, current[sender])
                 previous, current = current, gamma * (w @ current) + (1 - gamma) * previous
             theta = current
-        return builder.view()
 
     def privacy_extras(self, state: State, facts: RunFacts) -> dict[str, Any]:
         """eps_{u->v} (and towards each ``privacy.colluding`` set): the observer-view accountant's, capped by u's
-        local epsilon (:func:`~decentdp.privacy.observer_view.priced_view`), or the local epsilon alone when
+        local epsilon (:func:`~decentdp.privacy.observer_pricing.priced_view`), or the local epsilon alone when
         the view is too large or not linear (a post-processing clip); and the authors' bound, labelled
         ``paper_``."""
         local = np.asarray(facts.local_epsilon, dtype=float)
@@ -178,8 +185,7 @@ class Muffliato(SettingsAlgorithm):
         elif not (facts.noise_multipliers > 0).all():
             note = "an agent adds no noise: each sender's local epsilon"
         else:
-            capped, note = priced_view(local, self.view_size(facts), lambda: self.linear_view(facts), observers,
-                                       facts.relation, facts.delta)
+            capped, note = priced_view(local, self.view_recipe(facts), observers, facts.relation, facts.delta)
         epsilons = capped[:, :n].copy()
         np.fill_diagonal(epsilons, 0.0)
         paper = np.minimum(network_dp.pairwise_epsilon(state["pairwise_rdp"].cpu().numpy(), facts.delta),

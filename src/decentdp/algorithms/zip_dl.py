@@ -36,7 +36,8 @@ from pydantic import Field
 from decentdp.algorithms.base import Network, RoundContext, RunFacts, State, once_per_graph, prefixed, unprefixed
 from decentdp.algorithms.optim import Optimizer, OptimizerAlgorithm, OptimizerSettings
 from decentdp.algorithms.registry import register
-from decentdp.privacy.observer_view import LinearView, ViewBuilder, priced_view
+from decentdp.privacy.observer_pricing import Builder, ViewRecipe, priced_view
+from decentdp.privacy.observer_view import LinearView
 from decentdp.results import epsilon_json
 
 
@@ -117,26 +118,32 @@ class ZipDL(OptimizerAlgorithm):
                 current, w = network, network.public_graph().dense_mixing()
             yield k, w
 
-    def view_size(self, facts: RunFacts) -> tuple[list[int], int, int]:
-        """The messages each agent receives, the noise draws and the data terms of :meth:`linear_view`."""
+    def view_recipe(self, facts: RunFacts) -> ViewRecipe:
+        """The run's view for the observer-view accountant (:mod:`decentdp.privacy.observer_pricing`): its
+        sizes, counted without building it, and :meth:`unroll`."""
         n = len(facts.noise_multipliers)
-        received, draws = np.zeros(n, dtype=np.int64), 0
+        received, draws, widest = np.zeros(n, dtype=np.int64), 0, 0
         for _, w in self._rounds(facts):
             links = (w > 0) & ~np.eye(n, dtype=bool)
             received += links.sum(axis=1)
             draws += n + int(links.sum()) + n
-        return received.tolist(), draws, n * facts.rounds
+            widest = max(widest, 3 * n + int(links.sum()))
+        return ViewRecipe(received.tolist(), draws, n * facts.rounds, state_size=n, round_sources=widest,
+                          unroll=lambda builder: self.unroll(builder, facts))
 
     def linear_view(self, facts: RunFacts) -> LinearView:
+        """The whole run as one explicit :class:`~decentdp.privacy.observer_view.LinearView`."""
+        return self.view_recipe(facts).dense().view()
+
+    def unroll(self, builder: Builder, facts: RunFacts) -> None:
         """Every round unrolled over sources (plain SGD): ``x_i + sigma_i xi_i`` over ``L_i`` (the oracle's
         release), the half step, each message ``m_{i->j}`` with its zero-sum draw (held by its sender alone),
-        the aggregation.  The initial model is public."""
+        the aggregation.  The initial model is public; the models are the state carried between rounds."""
         n = len(facts.noise_multipliers)
-        received, draws, data = self.view_size(facts)
-        builder = ViewBuilder(n, capacity=draws + data)
         own = [{agent} for agent in range(n)]
         theta = builder.zeros(n)
         for k, w in self._rounds(facts):
+            theta = builder.carry(theta)
             receiver, sender = np.nonzero((w > 0) & ~np.eye(n, dtype=bool))        # sender's message to receiver
             scale = facts.lr(k) / facts.expected_batches
             update = builder.data(range(n)) + facts.noise_multipliers[:, None] * builder.noise(np.ones(n), own)
@@ -150,7 +157,6 @@ class ZipDL(OptimizerAlgorithm):
             builder.send(receiver, messages[: len(sender)])
             theta = np.zeros_like(theta)
             np.add.at(theta, receivers, weights[:, None] * messages)
-        return builder.view()
 
     def privacy_extras(self, state: State, facts: RunFacts) -> dict[str, Any]:
         """What one neighbour (or a ``privacy.colluding`` set) learns of each sender, by the observer-view
@@ -158,8 +164,7 @@ class ZipDL(OptimizerAlgorithm):
         local = np.asarray(facts.local_epsilon, dtype=float)
         n = len(local)
         observers = [[agent] for agent in range(n)] + [list(members) for members in facts.colluding]
-        capped, note = priced_view(local, self.view_size(facts), lambda: self.linear_view(facts), observers,
-                                   facts.relation, facts.delta)
+        capped, note = priced_view(local, self.view_recipe(facts), observers, facts.relation, facts.delta)
         epsilons = capped[:, :n].copy()
         np.fill_diagonal(epsilons, 0.0)
         off = epsilons[~np.eye(n, dtype=bool)]

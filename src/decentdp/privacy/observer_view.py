@@ -39,25 +39,18 @@ which every observer's view is post-processing of).
 
 **Cost.**  One SVD of ``B`` per observer: the view is built explicitly (:class:`ViewBuilder`), so this
 accountant serves small and medium runs (tests, quick starts, the N = 10 tables); :func:`dense_cost`
-estimates the work so that a caller can fall back to a sound per-release bound beyond a limit.
+estimates the work before anything is built.  Longer runs are priced round by round by the recursive form
+(:mod:`decentdp.privacy.observer_filter`); :mod:`decentdp.privacy.observer_pricing` chooses.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from decentdp.privacy.accounting import gaussian_dp_epsilon
-
-#: Work (:func:`dense_cost`'s floating-point operations) :func:`priced_view` may spend on a run's pairwise
-#: epsilons, about half a minute at one thread here (N = 16, T = 100, K = 4: 3.9e11 in 30 s,
-#: ``benchmarks/observer_view.py``), and the memory its explicit view may take; a larger run reports each
-#: sender's local epsilon for every observer instead (sound: every view is post-processing of the sender's
-#: releases), and says so.
-VIEW_BUDGET_FLOPS = 4e11
-VIEW_BUDGET_BYTES = 2**31
 
 #: Relative size below which a singular value of the noise map counts as zero (no noise in that direction).
 RANK_TOLERANCE = 1e-10
@@ -89,16 +82,19 @@ class ViewBuilder:
     An *expression* is a row of coefficients over every source created so far (``capacity`` columns,
     an upper bound the caller gives): :meth:`noise` and :meth:`data` return fresh sources as unit
     rows, algorithms combine rows with ordinary numpy arithmetic (stacked agent rows, as their rounds
-    combine tensors) and :meth:`send` records what each receiver sees."""
+    combine tensors) and :meth:`send` records what each receiver sees.  The first ``reserved`` columns
+    are not sources: the recursive builder of :mod:`decentdp.privacy.observer_filter` keeps one round's
+    carried state there."""
 
-    def __init__(self, n_agents: int, capacity: int) -> None:
+    def __init__(self, n_agents: int, capacity: int, reserved: int = 0) -> None:
         self.n_agents = n_agents
-        self.capacity = capacity
-        self._used = 0
-        self._is_noise = np.zeros(capacity, dtype=bool)
-        self._scale = np.zeros(capacity)
-        self._holders = np.zeros((capacity, n_agents), dtype=bool)
-        self._owner = np.full(capacity, -1, dtype=np.int64)
+        self.reserved = reserved
+        self.capacity = reserved + capacity
+        self._used = reserved
+        self._is_noise = np.zeros(self.capacity, dtype=bool)
+        self._scale = np.zeros(self.capacity)
+        self._holders = np.zeros((self.capacity, n_agents), dtype=bool)
+        self._owner = np.full(self.capacity, -1, dtype=np.int64)
         self._messages: list[np.ndarray] = []
         self._receivers: list[np.ndarray] = []
 
@@ -136,6 +132,12 @@ class ViewBuilder:
         rows[np.arange(len(columns)), columns] = 1.0
         return rows
 
+    def carry(self, state: np.ndarray) -> np.ndarray:
+        """The state an algorithm carries into its next round: unchanged here, where every source keeps its
+        own column for the whole run (the recursive builder of :mod:`decentdp.privacy.observer_filter`
+        starts a new round's basis instead)."""
+        return state
+
     def send(self, receivers: Sequence[int] | np.ndarray, expressions: np.ndarray) -> None:
         """Record that agent ``receivers[i]`` receives the message ``expressions[i]``."""
         receivers = np.asarray(receivers, dtype=np.int64)
@@ -143,14 +145,29 @@ class ViewBuilder:
             self._messages.append(np.asarray(expressions, dtype=np.float64).reshape(len(receivers), -1))
             self._receivers.append(receivers)
 
-    def view(self) -> LinearView:
-        """The messages recorded so far, as one :class:`LinearView`."""
-        used = np.arange(self._used)
-        noise, data = used[self._is_noise[used]], used[~self._is_noise[used]]
+    def messages(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every message recorded so far: ``(receivers, expressions)``."""
         messages = np.concatenate(self._messages) if self._messages else np.zeros((0, self.capacity))
         receivers = np.concatenate(self._receivers) if self._receivers else np.zeros(0, dtype=np.int64)
-        return LinearView(self.n_agents, self._scale[noise], self._holders[noise], self._owner[data], receivers,
-                          messages[:, noise], messages[:, data])
+        return receivers, messages
+
+    def split(self, expressions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``expressions``' coefficients on the reserved columns, on the noise draws and on the data terms."""
+        used = np.arange(self.reserved, self._used)
+        noise, data = used[self._is_noise[used]], used[~self._is_noise[used]]
+        return expressions[:, :self.reserved], expressions[:, noise], expressions[:, data]
+
+    def sources(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The noise draws' scales and holders, and the data terms' owners, in :meth:`split`'s order."""
+        used = np.arange(self.reserved, self._used)
+        noise, data = used[self._is_noise[used]], used[~self._is_noise[used]]
+        return self._scale[noise], self._holders[noise], self._owner[data]
+
+    def view(self) -> LinearView:
+        """The messages recorded so far, as one :class:`LinearView`."""
+        receivers, messages = self.messages()
+        _, noise, data = self.split(messages)
+        return LinearView(self.n_agents, *self.sources(), receivers, noise, data)
 
 
 @dataclass(frozen=True)
@@ -229,22 +246,3 @@ def _sender_mu(a: np.ndarray, basis: np.ndarray, singular: np.ndarray) -> tuple[
     bound = min(float(np.abs(m).sum()), m.shape[0] * float(np.linalg.eigvalsh(m)[-1]))
     return float(np.sqrt(max(bound, 0.0))), float(np.sqrt(max(float(m.sum()), 0.0)))
 
-
-def priced_view(local: np.ndarray, size: tuple[Sequence[int], int, int], build: Callable[[], LinearView],
-                observers: Sequence[Collection[int]], relation: str, delta: float) -> tuple[np.ndarray, str]:
-    """Each sender's epsilon (rows) towards each observer (columns): the accountant's over the run's explicit
-    view (``build()``; ``size`` = messages each agent receives, noise draws, data terms) capped by the sender's
-    ``local`` epsilon (both sound: the local one is amplified by sampling, the view's is not), or the local
-    epsilon alone when the view is beyond :data:`VIEW_BUDGET_FLOPS` / :data:`VIEW_BUDGET_BYTES`; and a note
-    saying which (``epsilon_pairwise_network_method``)."""
-    received, noise, data = size
-    cost, memory = dense_cost(received, noise, data), 8.0 * sum(received) * (noise + data)
-    network = np.full((len(local), len(observers)), np.inf)
-    note = "the observer-view accountant over every message of the run"
-    if cost <= VIEW_BUDGET_FLOPS and memory <= VIEW_BUDGET_BYTES:
-        network = observer_mu(build(), observers, relation).epsilon(delta)
-    else:
-        note = (f"not computed: the run's explicit view needs {cost:.2g} floating-point operations and "
-                f"{memory / 2**30:.3g} GiB, beyond {VIEW_BUDGET_FLOPS:.2g} and {VIEW_BUDGET_BYTES / 2**30:.3g} GiB; "
-                "each sender's local epsilon")
-    return np.minimum(network, np.asarray(local, dtype=float)[:, None]), note
