@@ -216,8 +216,33 @@ class EngineSection(_Section):
                                          "127.0.0.1), 'auto' or 'host:port' attaches to a running cluster")
 
 
-#: Fields that say where a run computes, not what it computes: a run may resume with other values.
-PLACEMENT_FIELDS = ("engine.backend", "engine.workers", "engine.address")
+class TrackingSection(_Section):
+    """Where a run also logs, besides its results folder (:mod:`decentdp.run.tracking`; the ``tracking`` extra):
+    its config as parameters, its metrics at every evaluation, each agent's epsilon spent, its files."""
+
+    backend: Literal["none", "tensorboard", "mlflow"] = "none"
+    log_dir: str | None = Field(None, min_length=1, description="TensorBoard: the log directory (default: "
+                                                                "tensorboard/ in the results folder, else "
+                                                                "runs/<experiment.name>)")
+    uri: str | None = Field(None, min_length=1, description="MLflow: the tracking URI, e.g. a server's "
+                                                            "http://127.0.0.1:5000 (default: the local store "
+                                                            "sqlite:///mlflow.db in the current directory)")
+    experiment: str = Field("decentdp", min_length=1, description="MLflow: the experiment runs are logged under")
+    parent_run: str | None = Field(None, min_length=1, description="MLflow: the run this one nests under (set by "
+                                                                   "decentdp sweep for its trials)")
+
+    @model_validator(mode="after")
+    def _fields_of_the_backend(self) -> TrackingSection:
+        for field, backend in (("log_dir", "tensorboard"), ("uri", "mlflow"), ("parent_run", "mlflow")):
+            if getattr(self, field) is not None and self.backend != backend:
+                raise _FieldError(f"tracking.{field}", f"is a setting of backend = \"{backend}\", not of "
+                                                       f"\"{self.backend}\"")
+        return self
+
+
+#: Fields that say where a run computes or logs, not what it computes: a run may resume with other values.
+PLACEMENT_FIELDS = ("engine.backend", "engine.workers", "engine.address", "tracking.backend", "tracking.log_dir",
+                    "tracking.uri", "tracking.experiment", "tracking.parent_run")
 
 
 class PrivacySection(_Section):
@@ -331,6 +356,7 @@ class ExperimentConfig(_Section):
     averaging: AveragingSection = Field(default_factory=AveragingSection)
     augmentation: AugmentationSection = Field(default_factory=AugmentationSection)
     engine: EngineSection = Field(default_factory=EngineSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
     personalized: PersonalizedSection | None = Field(
         None, description="Bellet et al.'s personalized models (decentdp.personalized): when present, the run uses "
                           "this section, [privacy], [experiment] seed/eval_every and data.data_dir only")
@@ -358,6 +384,10 @@ class ExperimentConfig(_Section):
             if self.augmentation.kind != "none":
                 raise _FieldError("augmentation.kind", "personalized runs do not augment records; remove "
                                                        "[augmentation]")
+            if self.tracking.backend != "none":
+                raise _FieldError("tracking.backend", "personalized runs are not logged to a tracker (they finish "
+                                                      "in seconds; their results folder has every figure): remove "
+                                                      "[tracking]")
             return self
         if algo.lr_schedule != "constant" and algo.lr_final is None:
             raise _FieldError("algorithm.lr_final", f"is required by lr_schedule = '{algo.lr_schedule}'")
@@ -458,8 +488,9 @@ def _describe(error: dict[str, Any]) -> tuple[str, str]:
     return field, f"{message} (got {given!r})" if given is not None and not isinstance(given, dict) else message
 
 
-def config_differences(old: ExperimentConfig, new: ExperimentConfig) -> list[str]:
-    """The dotted fields whose resolved values differ between two configs, e.g. ``['experiment.rounds']``."""
+def flat_fields(config: ExperimentConfig) -> dict[str, Any]:
+    """The resolved config as dotted fields, e.g. ``{'experiment.rounds': 100, ...}`` (a model's ``options``
+    table stays one value)."""
     def flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key, value in data.items():
@@ -469,7 +500,12 @@ def config_differences(old: ExperimentConfig, new: ExperimentConfig) -> list[str
                 out[f"{prefix}{key}"] = value
         return out
 
-    before, after = flat(old.to_toml_dict()), flat(new.to_toml_dict())
+    return flat(config.to_toml_dict())
+
+
+def config_differences(old: ExperimentConfig, new: ExperimentConfig) -> list[str]:
+    """The dotted fields whose resolved values differ between two configs, e.g. ``['experiment.rounds']``."""
+    before, after = flat_fields(old), flat_fields(new)
     return sorted(key for key in before.keys() | after.keys() if before.get(key) != after.get(key))
 
 

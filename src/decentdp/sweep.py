@@ -211,7 +211,9 @@ class Sweep:
                 "direction": self.section.direction, "seeds": self.section.seeds,
                 "validation_fraction": self.section.validation_fraction, "sampler_seed": self.section.sampler_seed,
                 "space": {name: dim.model_dump(exclude_defaults=True) for name, dim in sorted(self.space.items())},
-                "base_config": hashlib.sha256(json.dumps(self.base, sort_keys=True, default=str).encode()).hexdigest(),
+                "base_config": hashlib.sha256(json.dumps({key: value for key, value in self.base.items()
+                                                          if key != "tracking"},  # where it logs, not what
+                                                         sort_keys=True, default=str).encode()).hexdigest(),
                 **({"private": self.private.model_dump()} if self.private is not None else {})}
 
     def trial_config(self, params: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -488,6 +490,16 @@ def run_trial(raw_configs: list[dict[str, Any]], folders: list[str], objective: 
     return {"value": sum(values) / len(values)}
 
 
+def _nested(raw: dict[str, Any], tracking: tuple[Any, str] | None) -> dict[str, Any]:
+    """A trial's raw config, logged as a child of the sweep's MLflow run (to the same store) when there is one."""
+    if tracking is None:
+        return raw
+    base, parent = tracking
+    from decentdp.run.tracking import resolved_uri
+
+    return {**raw, "tracking": {**raw.get("tracking", {}), "parent_run": parent, "uri": resolved_uri(base.tracking)}}
+
+
 def _grid_sampler(optuna: Any, grid: dict[str, list[Any]], seed: int) -> Any:
     """Optuna's ``GridSampler`` over ``grid``, without its automatic stop.
 
@@ -600,6 +612,8 @@ class SweepRunner:
                    file=sys.stderr)
         running: dict[Future[dict[str, Any]], Any] = {}
         context = get_context("spawn")  # fresh interpreters: no inherited torch threads or locks
+        tracking = self._open_tracking()
+        status = "FAILED"
         try:
             with ProcessPoolExecutor(max_workers=section.workers, mp_context=context) as pool:
                 while done + len(running) < total or running:
@@ -608,7 +622,8 @@ class SweepRunner:
                         folder = Path(trial.user_attrs.get("folder") or _trial_folder(self.out, trial.number))
                         trial.set_user_attr("folder", str(folder))
                         folders = [str(path) for path in self.seed_folders(folder)]
-                        configs = [self.sweep.trial_config(trial.params, s) for s in section.seeds]
+                        configs = [_nested(self.sweep.trial_config(trial.params, s), tracking)
+                                   for s in section.seeds]
                         running[pool.submit(run_trial, configs, folders, section.objective, os.getpid())] = trial
                     finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
                     for future in finished:
@@ -628,9 +643,30 @@ class SweepRunner:
                         if best:
                             bar.set_postfix_str(f"best {section.objective} {best[0].value:.4f} "
                                                 f"(trial {best[0].number})")
+            status = "FINISHED"
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
         finally:
             bar.close()
+            if tracking is not None:
+                from decentdp.run.tracking import finish_sweep_run
+
+                best = self._best(1)
+                finish_sweep_run(tracking[0], tracking[1], {section.objective: best[0].value} if best else {},
+                                 status)
         return self._best(section.top)
+
+    def _open_tracking(self) -> tuple[Any, str] | None:
+        """``(base config, run id)`` of the sweep's own MLflow run, its trials' parent, when the base config
+        tracks to MLflow (:func:`~decentdp.run.tracking.open_sweep_run`); else None."""
+        from decentdp.config import validate_config
+        from decentdp.run.tracking import open_sweep_run
+
+        base = validate_config(self.sweep.trial_config({}, self.sweep.section.seeds[0]))
+        run = open_sweep_run(base, self.out.name, self.out,
+                             {name: dim.model_dump(exclude_defaults=True) for name, dim in self.sweep.space.items()})
+        return None if run is None else (base, run)
 
     def _noisy_score(self, trial: Any) -> float:
         """The score a private selection releases for a finished trial: its mean over agents (and seeds) of

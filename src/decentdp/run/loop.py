@@ -26,6 +26,7 @@ from decentdp.results import epsilon_json
 from decentdp.rng import SIMULATION_NOTICE
 from decentdp.run.build import Experiment, build_experiment
 from decentdp.run.record import ResultsFolder, summary
+from decentdp.run.tracking import Tracker, open_tracker
 from decentdp.runtime.averaging import AVERAGE, evaluated_parameters
 from decentdp.util.allocator import retain_freed_memory
 from decentdp.util.profiling import NO_TIMER, PhaseTimer, TimedNetwork, format_report, operator_table
@@ -101,6 +102,24 @@ def _run(config: ExperimentConfig, folder: ResultsFolder | None, data_dir: str |
         from decentdp.runtime.ray_backend import distribute
         distribute(experiment, log)
 
+    path = folder.path if folder is not None else None
+    tracker = open_tracker(config, path, resume=checkpoint is not None)
+    try:
+        outcome = _train(experiment, folder, checkpoint, stop_after, progress, log, profile, diagnostics, threads,
+                         tracker)
+    except BaseException as error:
+        tracker.finish({}, path, "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
+        raise
+    tracker.finish(outcome.summary, path, "FINISHED" if outcome.summary["finished"] else "KILLED")
+    return outcome
+
+
+def _train(experiment: Experiment, folder: ResultsFolder | None, checkpoint: dict[str, Any] | None,
+           stop_after: int | None, progress: bool, log: Callable[[str], None] | None, profile: bool,
+           diagnostics: bool, threads: ThreadChoice, tracker: Tracker) -> RunResult:
+    """The rounds of a built run, from its start or its checkpoint, and the record of their results (in the
+    results folder, if any, and the tracker)."""
+    config = experiment.config
     state = experiment.initial_state()
     metrics: list[dict[str, Any]] = []
     start, elapsed = 0, 0.0
@@ -145,13 +164,15 @@ def _run(config: ExperimentConfig, folder: ResultsFolder | None, data_dir: str |
             if AVERAGE in current:  # the last iterates too, so that the average's gain is measured in every run
                 evaluation["last_iterate_accuracy_mean"] = \
                     experiment.evaluator(current["params"]).summary()["accuracy_mean"]
+        spent = experiment.ledger.epsilon(config.privacy.accountant)   # each agent's, so far
         row = {"round": done, "lr": experiment.simulator.schedule(max(done - 1, 0)), **evaluation,
-               "epsilon_max": epsilon_json(float(experiment.ledger.epsilon(config.privacy.accountant).max())),
+               "epsilon_max": epsilon_json(float(spent.max())),
                "epsilon_accountant": config.privacy.accountant,
                "wall_seconds": elapsed + time.perf_counter() - clock}
         if diagnostics:  # computed from raw data, not released privately: only when asked, and labelled
             row["diagnostics"] = {"clipped_fraction": experiment.oracle.last_clipped_fraction}
         metrics.append(row)
+        tracker.log(row, spent)
         emit(f"round {done:>5}/{rounds}  acc {row['accuracy_mean']:.4f} "
              f"(min {row['accuracy_min']:.4f}, max {row['accuracy_max']:.4f})  "
              f"consensus {row['consensus_distance']:.3g}  eps({row['epsilon_accountant']}) "
