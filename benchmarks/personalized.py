@@ -19,7 +19,7 @@ import torch
 from decentdp.config import load_config
 from decentdp.personalized.runner import build_run, evaluate
 from decentdp.personalized.solver import PrivateUpdates, coordinate_descent
-from decentdp.run.build import random_source
+from decentdp.rng import agent_random
 
 CONFIG = "experiments/personalized/movielens-eps1.toml"
 
@@ -36,9 +36,9 @@ def main() -> None:
         run = build_run(config, args.data_dir)
         built, built_cpu = time.perf_counter(), time.process_time()
         problem, privacy = run.problem, config.privacy
-        private = PrivateUpdates(run.noise, privacy.clip, run.ledger, random_source(config, problem.n_agents,
-                                                                                     problem.x.device),
-                                 problem.counts > 0)
+        rng = agent_random(config.experiment.seed, privacy.noise == "secure", config.engine.noise_streams,
+                           problem.n_agents, problem.x.device)
+        private = PrivateUpdates(run.noise, privacy.clip, run.ledger, rng, problem.counts > 0)
         theta = torch.zeros(problem.n_agents, problem.dim, dtype=torch.float64)
         coordinate_descent(problem, theta, run.plan, private=private,
                            stopped=torch.zeros(problem.n_agents, dtype=torch.bool))

@@ -17,13 +17,13 @@ from decentdp.algorithms.dp_dinno import DPDiNNO, disagreement_map
 from decentdp.algorithms.dp_dsgd import DPDSGD
 from decentdp.algorithms.dp_dsgt import DPDSGT
 from decentdp.algorithms.optim import SGD, Adam, OptimizerAlgorithm
+from decentdp.algorithms.schedules import Schedule
 from decentdp.config import validate_config
 from decentdp.errors import ConfigError
 from decentdp.rng import AgentRandom, Stream
 from decentdp.run.build import build_experiment
 from decentdp.run.loop import run_experiment
 from decentdp.runtime.network import SimulatedNetwork
-from decentdp.runtime.schedules import Schedule
 from decentdp.topology import build_topology
 from decentdp.util.profiling import PhaseTimer, TimedNetwork
 

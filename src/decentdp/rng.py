@@ -489,3 +489,14 @@ class SecureRandom(AgentRandom):
             values = u if uniform else _hardened_normals(u, dim)
             out[row].copy_(torch.from_numpy(values))
         return out
+
+
+def agent_random(seed: int, secure: bool, streams: str, n_agents: int, device: torch.device) -> AgentRandom:
+    """A run's randomness: reproducible from ``seed`` (simulation mode), or per-agent secret keys fresh from
+    the OS (``secure``; a resume puts the run's saved keys back).  ``streams`` (``engine.noise_streams``):
+    ``auto`` is one vectorised draw on an accelerator, one re-seeded generator per row on a CPU."""
+    if secure:
+        return SecureRandom(seed, AgentKeys.generate(range(n_agents)), device=device)
+    if streams == "auto":
+        streams = "batched" if device.type == "cuda" else "per-row"
+    return AgentRandom(seed, device=device, streams=streams)

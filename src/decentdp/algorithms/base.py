@@ -36,7 +36,7 @@ from decentdp.privacy.oracle import SETUP_ROUND, DataOracle
 from decentdp.rng import AgentRandom, Stream
 
 if TYPE_CHECKING:
-    from decentdp.runtime.schedules import Schedule
+    from decentdp.algorithms.schedules import Schedule
     from decentdp.topology import Topology
 
 State = dict[str, torch.Tensor]

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from decentdp.algorithms.base import NoisePlan, PublicGraph, State
+from decentdp.algorithms.schedules import Schedule
 from decentdp.audit.bounds import audit_bound, split_sizes
 from decentdp.config import ExperimentConfig
 from decentdp.errors import ConfigError
@@ -46,7 +47,6 @@ from decentdp.rng import AgentRandom, Stream, round_stream_seed
 from decentdp.run.build import Experiment, _calibrate, build_experiment, planned_releases
 from decentdp.runtime.network import GraphSequence, SimulatedNetwork, topology_graph
 from decentdp.runtime.scheduler import Scheduler
-from decentdp.runtime.schedules import Schedule
 from decentdp.runtime.simulator import Simulator
 from decentdp.topology import Topology
 

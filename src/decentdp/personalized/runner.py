@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from decentdp.config import ExperimentConfig
+from decentdp.config.personalized import PersonalizedSection
 from decentdp.data.movielens import load_movielens
 from decentdp.data.personal import PersonalData
 from decentdp.data.synthetic_linear import synthetic_linear
@@ -30,11 +31,11 @@ from decentdp.personalized.local import local_models, output_perturbation
 from decentdp.personalized.objective import Problem, build_problem, objective
 from decentdp.personalized.privacy import UpdateNoise, calibrate_updates, kairouz_epsilon, optimal_profile
 from decentdp.personalized.schedule import WakeupPlan, plan_wakeups, poisson_ticks
-from decentdp.personalized.settings import PersonalizedSection
 from decentdp.personalized.solver import PrivateUpdates, coordinate_descent, model_propagation
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.privacy.report import privacy_statement
 from decentdp.results import epsilon_json, provenance, write_json, write_jsonl, write_toml
+from decentdp.rng import agent_random
 
 
 def load_personal_data(settings: PersonalizedSection, data_dir: str | Path | None, seed: int) -> PersonalData:
@@ -306,6 +307,5 @@ def _warnings(config: ExperimentConfig) -> list[str]:
 
 def _rng(config: ExperimentConfig, n_agents: int, device: torch.device) -> Any:
     """The run's keyed randomness (simulation or secure), as every other run builds it."""
-    from decentdp.run.build import random_source
-
-    return random_source(config, n_agents, device)
+    return agent_random(config.experiment.seed, config.privacy.noise == "secure", config.engine.noise_streams,
+                        n_agents, device)

@@ -25,6 +25,7 @@ import torch
 
 from decentdp.algorithms import algorithm_class
 from decentdp.algorithms.base import Algorithm, NoisePlan, PublicRun, State
+from decentdp.algorithms.schedules import Schedule
 from decentdp.config import ExperimentConfig
 from decentdp.data.augment import Augmentation
 from decentdp.data.datasets import Dataset, load_dataset
@@ -40,12 +41,11 @@ from decentdp.privacy.mechanisms import GaussianMechanism, round_up_to_float32
 from decentdp.privacy.oracle import DataOracle
 from decentdp.privacy.report import PRIVATE_EVALUATION_NOTICE
 from decentdp.privacy.sampling import AgentData, PoissonSampler
-from decentdp.rng import AgentKeys, AgentRandom, SecureRandom, Stream, round_stream_seed
+from decentdp.rng import Stream, agent_random, round_stream_seed
 from decentdp.runtime.averaging import IterateAverage
 from decentdp.runtime.evaluation import Evaluator, evaluation_chunk
 from decentdp.runtime.network import GraphSequence, SimulatedNetwork
 from decentdp.runtime.scheduler import Scheduler
-from decentdp.runtime.schedules import Schedule
 from decentdp.runtime.simulator import Simulator
 from decentdp.topology import Topology, build_topology
 from decentdp.util.device import resolve_device
@@ -101,18 +101,6 @@ def _agent_budgets(config: ExperimentConfig, n_agents: int) -> list[float]:
         return [min(budgets)]
     return budgets if config.privacy.agent_epsilons is not None else budgets * n_agents
 
-
-
-def random_source(config: ExperimentConfig, n_agents: int, device: torch.device) -> AgentRandom:
-    """The run's randomness: reproducible from the seed (``privacy.noise = 'simulation'``), or per-agent
-    secret keys fresh from the OS (``'secure'``; a resume puts the run's saved keys back)."""
-    seed = config.experiment.seed
-    if config.privacy.noise == "secure":
-        return SecureRandom(seed, AgentKeys.generate(range(n_agents)), device=device)
-    streams = config.engine.noise_streams
-    if streams == "auto":  # one vectorised draw on an accelerator; one re-seeded generator per row on a CPU
-        streams = "batched" if device.type == "cuda" else "per-row"
-    return AgentRandom(seed, device=device, streams=streams)
 
 
 def _calibrate(budgets: list[float], rates: list[float], config: ExperimentConfig, releases: int,
@@ -253,7 +241,8 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     budgets = _agent_budgets(config, len(parts))
     planned = planned_releases(config, algorithm)
     sums = _sums_per_batch(config, algorithm, topology)
-    rng = random_source(config, len(parts), device)
+    rng = agent_random(config.experiment.seed, config.privacy.noise == "secure", config.engine.noise_streams,
+                       len(parts), device)
     replay: list[GraphSequence] = []  # a sequence of its own (the run's keeps its first network), built if asked
 
     def replayed_network(round_index: int) -> SimulatedNetwork:

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import torch
 
 from decentdp.algorithms.base import Algorithm, RoundContext, RoundPlan, State
+from decentdp.algorithms.schedules import Schedule
 from decentdp.privacy.oracle import SETUP_ROUND, DataOracle
 from decentdp.rng import AgentRandom
 from decentdp.runtime.averaging import AVERAGE, IterateAverage
 from decentdp.runtime.network import GraphSequence
 from decentdp.runtime.scheduler import Scheduler
-from decentdp.runtime.schedules import Schedule
 from decentdp.util.profiling import NO_TIMER, PhaseTimer
 
 RoundHook = Callable[[int, State], bool]

@@ -26,8 +26,8 @@ from pydantic import (
 
 from decentdp.algorithms import algorithm_class, algorithm_names
 from decentdp.algorithms.base import AlgorithmSettings
+from decentdp.config.personalized import PersonalizedSection
 from decentdp.errors import ConfigError
-from decentdp.personalized.settings import PersonalizedSection
 from decentdp.topology import PARAM_USERS
 
 DatasetName = Literal["digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "a9a"]

@@ -1,0 +1,21 @@
+"""Experiment configuration: TOML files validated by a pydantic schema (:mod:`decentdp.config.schema`), with
+Bellet et al.'s ``[personalized]`` section beside it (:mod:`decentdp.config.personalized`)."""
+
+from decentdp.config.personalized import PersonalizedSection
+from decentdp.config.schema import (
+    GRAPH_REQUIRES,
+    PLACEMENT_FIELDS,
+    ExperimentConfig,
+    TrackingSection,
+    apply_overrides,
+    config_differences,
+    flat_fields,
+    load_config,
+    overridden_algorithm_keys,
+    parse_override,
+    validate_config,
+)
+
+__all__ = ["GRAPH_REQUIRES", "PLACEMENT_FIELDS", "ExperimentConfig", "PersonalizedSection", "TrackingSection",
+           "apply_overrides", "config_differences", "flat_fields", "load_config", "overridden_algorithm_keys",
+           "parse_override", "validate_config"]
