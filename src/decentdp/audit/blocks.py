@@ -106,7 +106,7 @@ class BlockRun:
     network: BlockNetwork
     ledger: PrivacyLedger
     targets: torch.Tensor        # (M,) row of each block's target agent
-    member: np.ndarray           # (M,) whether the block's target owns the record
+    member: np.ndarray           # (M,) whether the block's target owns the record, or (M, R): each of R records
     noise_multipliers: list[float]
 
     def train(self, rounds: int | None = None) -> State:
@@ -152,14 +152,17 @@ def _sigmas(experiment: Experiment, budgets: list[float], rates: list[float], pl
 
 
 def block_simulation(experiment: Experiment, x: torch.Tensor, y: torch.Tensor, parts: Sequence[np.ndarray],
-                     target: int, record: int, member: np.ndarray, seed: int,
+                     target: int, record: int | Sequence[int] | np.ndarray, member: np.ndarray, seed: int,
                      model: FlatModel | None = None,
                      wrap_mechanism: Callable[[Mechanism], Mechanism] | None = None) -> BlockRun:
     """M = ``len(member)`` trainings of ``experiment``'s algorithm on the records ``x``, ``y``.
 
     ``parts[a]`` are the rows agent ``a`` of every block owns; agent ``target`` of block ``b`` also
-    owns row ``record`` when ``member[b]``.  ``seed`` keys the batches and noise (give each chunk of
-    an audit its own).  ``model`` replaces the gradient engine (e.g. one that plants a canary
+    owns row ``record`` when ``member[b]``.  With several audited rows (``record`` a sequence of R
+    rows), ``member`` is ``(M,)`` (all or none) or ``(M, R)``: block ``b``'s target owns ``record[r]``
+    when ``member[b, r]`` (the one-run audit's independent canaries); rates and noise are those of a
+    target owning every audited row.  ``seed`` keys the batches and noise (give each chunk of an
+    audit its own).  ``model`` replaces the gradient engine (e.g. one that plants a canary
     gradient), ``wrap_mechanism`` the calibrated mechanism (fault injection in tests).
     """
     config = experiment.config
@@ -170,14 +173,16 @@ def block_simulation(experiment: Experiment, x: torch.Tensor, y: torch.Tensor, p
         raise ValueError(f"{block} parts for a block of {experiment.topology.n_agents} agents")
     blocks = len(member)
     device = experiment.device
+    audited = np.atleast_1d(np.asarray(record, dtype=np.int64))
+    owns = np.broadcast_to(np.asarray(member, dtype=bool).reshape(blocks, -1), (blocks, len(audited)))
     indices = []
     for b in range(blocks):
         for a, rows in enumerate(parts):
-            owned = np.append(rows, record) if a == target and member[b] else rows
+            owned = np.append(rows, audited[owns[b]]) if a == target else rows
             indices.append(torch.as_tensor(owned, dtype=torch.long, device=device))
     data = AgentData(x.to(device), y.to(device), tuple(indices))
-    # rates and noise of the world with the record, in both worlds (add/remove DP: the mechanism is fixed)
-    sizes = [len(rows) + (a == target) for a, rows in enumerate(parts)]
+    # rates and noise of the world with every audited record, in all worlds (add/remove DP: the mechanism is fixed)
+    sizes = [len(rows) + (len(audited) if a == target else 0) for a, rows in enumerate(parts)]
     rates = [min(1.0, config.algorithm.batch_size / size) for size in sizes]
     budgets = [min(config.privacy.budgets)] * block
     planned = planned_releases(config, experiment.algorithm)

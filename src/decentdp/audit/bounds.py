@@ -11,6 +11,11 @@ paper, the threshold is chosen on a first part of the runs and the bound compute
 that the choice cannot overfit the counts it is judged on.  The choice maximises the bound itself
 (Clopper-Pearson corrected, for as many runs as the evaluation has), which avoids the degenerate
 thresholds with no false positive that the raw ratio ``(TPR - delta) / FPR`` would pick.
+
+The one-run audit (Steinke, Nasr & Jagielski 2023) needs no second training: m canaries are each
+included with probability 1/2, the auditor guesses k "in" and k "out" from one run's output, and
+Theorem 5.2 bounds how many correct guesses an (epsilon, delta)-DP training allows
+(:func:`one_run_epsilon`); the number of guesses is chosen over a fixed grid with a union bound.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-from scipy import stats
+from scipy import special, stats
 
 from decentdp.errors import ConfigError
 
@@ -156,3 +161,105 @@ def audit_bound(member_scores: np.ndarray, non_member_scores: np.ndarray, delta:
     forward, backward = epsilon_from_counts(tp, len(members), fp, len(non_members), delta, confidence)
     return AuditBound(float(max(forward, backward)), float(forward), threshold, tp, len(members), fp,
                       len(non_members), selection, confidence)
+
+
+# -- the one-run audit (Steinke, Nasr & Jagielski, NeurIPS 2023) ---------------------------------------------
+
+def one_run_p_value(canaries: int, guesses: int, correct: int, epsilon: float, delta: float) -> float:
+    """The largest probability that an (epsilon, delta)-DP training lets ``correct`` or more of ``guesses`` be right.
+
+    Theorem 5.2 of Steinke, Nasr & Jagielski ("Privacy Auditing with One (1) Training Run", NeurIPS 2023):
+    when each of ``m = canaries`` records is included independently with probability 1/2 and an auditor
+    guesses the inclusion of ``r = guesses`` of them from the output (abstaining on the rest), the
+    number W of correct guesses satisfies, for every v,
+    ``P[W >= v] <= f(v) + 2 m delta max_{1 <= i <= v} (f(v - i) - f(v)) / i``, with
+    ``f(v) = P[Binomial(r, e^eps / (1 + e^eps)) >= v]``: the tail of eps-DP randomized response, plus
+    delta's share (larger i add nothing: ``f(v - i) = 1`` there).  This is the authors' p-value.
+    """
+    if not 0 <= correct <= guesses <= canaries:
+        raise ValueError(f"need 0 <= correct ({correct}) <= guesses ({guesses}) <= canaries ({canaries})")
+    right = special.expit(epsilon)  # the accuracy of eps-DP randomized response
+    tail = float(stats.binom.sf(correct - 1, guesses, right))  # f(v)
+    if delta == 0 or correct == 0:
+        return min(tail, 1.0)
+    shifts = np.arange(1, correct + 1)
+    share = np.max((stats.binom.sf(correct - shifts - 1, guesses, right) - tail) / shifts)
+    return min(tail + 2 * canaries * delta * float(share), 1.0)
+
+
+def one_run_epsilon(canaries: int, guesses: int, correct: int, delta: float, confidence: float = 0.95,
+                    tolerance: float = 1e-6) -> float:
+    """The largest epsilon that ``correct`` right of ``guesses`` (of ``canaries``) rejects at ``confidence``.
+
+    The numeric procedure of Steinke, Nasr & Jagielski (Theorem 5.2): (epsilon, delta)-DP is rejected
+    when :func:`one_run_p_value` is below ``1 - confidence``; the p-value grows with epsilon, so a
+    bisection finds the edge, and its lower end (a rejected epsilon, within ``tolerance``) is returned.
+    0 when not even epsilon = 0 is rejected (e.g. no better than chance).
+    """
+    def rejected(epsilon: float) -> bool:
+        return one_run_p_value(canaries, guesses, correct, epsilon, delta) < 1.0 - confidence
+
+    if not rejected(0.0):
+        return 0.0
+    low, high = 0.0, 1.0
+    while rejected(high):
+        low, high = high, 2 * high
+    while high - low > tolerance:
+        middle = (low + high) / 2
+        low, high = (middle, high) if rejected(middle) else (low, middle)
+    return low
+
+
+def guess_grid(per_side: list[int], canaries: int) -> list[int]:
+    """The entries ``k`` of ``audit.guesses_per_side`` that ``canaries`` allow (``2 k <= canaries``), sorted;
+    a ConfigError when none does.  Fixed before the run: the union bound over them is sound."""
+    grid = sorted({k for k in per_side if 2 * k <= canaries})
+    if not grid:
+        raise ConfigError("audit.guesses_per_side", f"every entry ({', '.join(map(str, sorted(per_side)))}) guesses "
+                                                    f"more than the {canaries} canaries: k in and k out need "
+                                                    f"2 k <= audit.canaries")
+    return grid
+
+
+def one_run_guesses(scores: np.ndarray, per_side: int) -> np.ndarray:
+    """Algorithm 1's guesses: +1 ("in") for the ``per_side`` highest scores, -1 ("out") for the ``per_side``
+    lowest, 0 (abstain) for the rest; ties go by canary index, which the inclusion draw does not touch."""
+    order = np.argsort(np.nan_to_num(np.asarray(scores, dtype=np.float64), nan=-np.inf), kind="stable")
+    guesses = np.zeros(len(order), dtype=np.int8)
+    guesses[order[:per_side]] = -1
+    guesses[order[len(order) - per_side:]] = 1
+    return guesses
+
+
+@dataclass(frozen=True)
+class OneRunBound:
+    """A one-run lower bound on epsilon and the guesses that reached it."""
+
+    epsilon_lower_bound: float  # the best entry's bound, at confidence 1 - (1 - confidence) / len(guess_grid)
+    guesses: int                # r = 2 k of the best entry
+    correct: int                # its correct guesses
+    guesses_per_side: int       # its k
+    guess_grid: list[int]       # every k tried
+    confidence: float           # of the reported bound, over the whole grid
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def one_run_bound(scores: np.ndarray, included: np.ndarray, delta: float, confidence: float,
+                  grid: list[int]) -> OneRunBound:
+    """Guess ``k`` in and ``k`` out for each ``k`` of ``grid``, bound epsilon from each, report the best.
+
+    Each entry's bound holds at confidence ``1 - (1 - confidence) / len(grid)``, so by a union bound all
+    of them, and hence the best, hold together at ``confidence``: choosing the number of guesses after
+    seeing the scores costs a smaller confidence per entry, not soundness."""
+    included = np.asarray(included, dtype=bool)
+    each = 1.0 - (1.0 - confidence) / len(grid)
+    best = OneRunBound(0.0, 0, 0, 0, list(grid), confidence)
+    for k in grid:
+        guesses = one_run_guesses(scores, k)
+        correct = int(((guesses == 1) & included).sum() + ((guesses == -1) & ~included).sum())
+        epsilon = one_run_epsilon(len(included), 2 * k, correct, delta, each)
+        if epsilon > best.epsilon_lower_bound or best.guesses == 0:
+            best = OneRunBound(epsilon, 2 * k, correct, k, list(grid), confidence)
+    return best

@@ -1,4 +1,4 @@
-"""``decentdp audit mia|messages CONFIG`` and ``decentdp attack inversion CONFIG``.
+"""``decentdp audit mia|messages|one-run CONFIG`` and ``decentdp attack inversion CONFIG``.
 
 Each command prints a readable summary and, with ``--json``, ends with one JSON line; with ``--out``
 it writes a results folder (``audit.json`` or ``inversion.json``, ``scores.csv``, and for the attack
@@ -25,6 +25,8 @@ Lower-bound a config's epsilon by attack.  The config is an experiment config (a
 with an [audit] table.  `mia`: the membership-inference audit of Bayrooti et al. (App. D), many
 trainings on D and D' = D + {blank image} as blocks of one simulation.  `messages`: a neighbour
 records an agent's releases and tests for a Dirac gradient canary (tight for the Gaussian mechanism).
+`one-run`: the same adversary against many canaries, each held with probability 1/2, in ONE training
+(Steinke, Nasr & Jagielski 2023): cheap, sound, but a weaker bound than the many-run audits.
 A bound above the nominal epsilon means the noise or its accounting is wrong."""
 
 _ATTACK_DESCRIPTION = """\
@@ -45,16 +47,19 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    """Add ``audit`` (``mia``, ``messages``) and ``attack`` (``inversion``) to the CLI's commands."""
+    """Add ``audit`` (``mia``, ``messages``, ``one-run``) and ``attack`` (``inversion``) to the CLI's commands."""
     audit = commands.add_parser("audit", help="empirical epsilon lower bounds (membership inference, messages)",
                                 description=_AUDIT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     kinds = audit.add_subparsers(dest="audit_kind", required=True, metavar="KIND",
-                                 help="mia or messages (each has its own --help)")
+                                 help="mia, messages or one-run (each has its own --help)")
     for name, text in (("mia", "membership inference on the loss of a blank image (Bayrooti et al., App. D)"),
                        ("messages", "a neighbour's test for a Dirac gradient canary in an agent's releases")):
         sub = kinds.add_parser(name, help=text, description=text)
         _common(sub)
         sub.add_argument("--models", type=int, metavar="M", help="trainings per world (overrides audit.models)")
+    text = ("one training with audit.canaries Dirac canaries, each held with probability 1/2 (Steinke, Nasr & "
+            "Jagielski 2023, Theorem 5.2)")
+    _common(kinds.add_parser("one-run", help=text, description=text))
     attack = commands.add_parser("attack", help="privacy attacks on released messages (gradient inversion)",
                                  description=_ATTACK_DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
     print(apply_threads(config.engine.threads).describe(), file=sys.stderr)  # as decentdp run does
     if args.command == "attack":
         summary = _attack(config, audit, args.data_dir, out)
+    elif args.audit_kind == "one-run":
+        summary = _one_run(config, audit, args.data_dir, out)
     else:
         summary = _audit(args.audit_kind, config, audit, args.data_dir, out)
     if args.json:
@@ -133,18 +140,11 @@ def _audit(kind: str, config: Any, audit: Any, data_dir: str | None, out: Path |
           f"{experiment.topology.n_agents} agent(s), {audit.chunk} blocks at a time")
     outcome = (run_membership_audit if kind == "mia" else run_message_audit)(experiment, audit)
     summary = outcome.summary
-    nominal = summary["epsilon_nominal"]
     print(f"epsilon lower bound {summary['epsilon_lower_bound']:.3f} (eq. 25 alone: {summary['epsilon_eq25']:.3f}) "
-          f"at {100 * summary['confidence']:g}% confidence; nominal epsilon {nominal:g}; "
+          f"at {100 * summary['confidence']:g}% confidence; nominal epsilon {summary['epsilon_nominal']:g}; "
           f"{summary['wall_seconds']:.1f} s")
-    if math.isinf(nominal):
-        print("the config is non-private: there is no guarantee to refute (the bound is unbounded above); "
-              "the bound measures the attack's power")
-    elif summary["epsilon_lower_bound"] > nominal:
-        print("WARNING: the bound exceeds the nominal epsilon: the noise or its accounting is wrong")
+    _verdict(summary)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        _write(out / "audit.json", json.dumps(_jsonable(summary), indent=2) + "\n")
         selection = summary["selection_runs"]
         member_seen = non_member_seen = 0
         rows = []
@@ -152,9 +152,47 @@ def _audit(kind: str, config: Any, audit: Any, data_dir: str | None, out: Path |
             seen = member_seen if member else non_member_seen
             rows.append({"score": score, "member": int(member), "part": "select" if seen < selection else "evaluate"})
             member_seen, non_member_seen = member_seen + member, non_member_seen + (not member)
-        _csv(out / "scores.csv", rows)
-        print(f"wrote {out}/audit.json and scores.csv")
+        _save(out, summary, rows)
     return summary
+
+
+def _one_run(config: Any, audit: Any, data_dir: str | None, out: Path | None) -> dict[str, Any]:
+    from decentdp.audit.blocks import audit_experiment
+    from decentdp.audit.one_run import run_one_run_audit
+
+    experiment = audit_experiment(config, data_dir=data_dir)
+    print(f"audit one-run: {config.algorithm.name}, one training; agent {audit.target} holds each of "
+          f"{audit.canaries} canaries with probability 1/2")
+    outcome = run_one_run_audit(experiment, audit)
+    summary = outcome.summary
+    print(f"epsilon lower bound {summary['epsilon_lower_bound']:.3f} at {100 * summary['confidence']:g}% "
+          f"confidence: {summary['correct']} of {summary['guesses']} guesses right ({summary['guesses_per_side']} "
+          f"in, as many out; the best of {len(summary['guess_grid'])} numbers of guesses); nominal epsilon "
+          f"{summary['epsilon_nominal']:g}; {summary['wall_seconds']:.1f} s")
+    _verdict(summary)
+    if out is not None:
+        columns = zip(outcome.coordinates, outcome.included, outcome.scores, outcome.guesses, strict=True)
+        _save(out, summary, [{"canary": k, "coordinate": int(j), "included": int(member), "score": float(score),
+                              "guess": int(guess)} for k, (j, member, score, guess) in enumerate(columns)])
+    return summary
+
+
+def _verdict(summary: dict[str, Any]) -> None:
+    """What an audit's bound says about the nominal epsilon: nothing to refute, or a warning when it is beaten."""
+    nominal = summary["epsilon_nominal"]
+    if math.isinf(nominal):
+        print("the config is non-private: there is no guarantee to refute (the bound is unbounded above); "
+              "the bound measures the attack's power")
+    elif summary["epsilon_lower_bound"] > nominal:
+        print("WARNING: the bound exceeds the nominal epsilon: the noise or its accounting is wrong")
+
+
+def _save(out: Path, summary: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """An audit's results folder: ``audit.json`` (the summary) and ``scores.csv`` (``rows``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    _write(out / "audit.json", json.dumps(_jsonable(summary), indent=2) + "\n")
+    _csv(out / "scores.csv", rows)
+    print(f"wrote {out}/audit.json and scores.csv")
 
 
 def _attack(config: Any, audit: Any, data_dir: str | None, out: Path | None) -> dict[str, Any]:

@@ -21,7 +21,8 @@ A lower bound above the nominal epsilon means the noise or the accounting is wro
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,8 +36,14 @@ from decentdp.gradients.flat_model import FlatModel
 from decentdp.privacy.mechanisms import Mechanism
 from decentdp.run.build import Experiment
 
-#: The label that marks the canary record; the gradient engine plants ``C e_j`` for it.
+#: The label that marks the canary record; the gradient engine plants ``C e_j`` for it.  With several
+#: canaries (the one-run audit), canary ``k`` is labelled ``CANARY_LABEL - k`` (:func:`canary_labels`).
 CANARY_LABEL = -1
+
+
+def canary_labels(count: int) -> torch.Tensor:
+    """The labels of canaries ``0, ..., count - 1``: ``CANARY_LABEL - k`` (canary 0 is the message audit's)."""
+    return CANARY_LABEL - torch.arange(count)
 
 
 def canary_coordinate(model: FlatModel, parameter: str | None, index: int) -> int:
@@ -56,40 +63,73 @@ def canary_coordinate(model: FlatModel, parameter: str | None, index: int) -> in
     return sum(model.numels[:position]) + index
 
 
-class CanaryModel:
-    """A gradient engine whose records labelled :data:`CANARY_LABEL` have the clipped gradient ``C e_j``.
+def canary_coordinates(model: FlatModel, parameter: str | None, first: int, count: int) -> np.ndarray:
+    """``count`` consecutive flat coordinates from ``first`` within ``parameter`` (or the flat vector), one per
+    canary; a ConfigError naming ``audit.canaries`` when there are fewer."""
+    start = canary_coordinate(model, parameter, first)
+    where, total = ("this model", model.dim) if parameter is None else \
+        (repr(parameter), model.numels[model.names.index(parameter)])
+    available = total - first
+    if count > available:
+        origin = f", {available} from audit.canary_index {first}" if first else ""
+        raise ConfigError("audit.canaries", f"{count} canaries need a coordinate each, but {where} has {total} "
+                                            f"parameters{origin}: use at most {available} canaries or a larger model")
+    return np.arange(start, start + count)
 
-    Coordinate ``j`` is reserved for the canary: the other records' gradients there are dropped.
+
+class CanaryModel:
+    """A gradient engine whose canary records have a planted clipped gradient: ``C e_{j_k}`` for canary ``k``.
+
+    Canary ``k`` is a record labelled ``CANARY_LABEL - k`` (:func:`canary_labels`) and ``coordinates[k]``
+    is ``j_k``.  The coordinates are reserved for the canaries: the other records' clipped gradients
+    lose them (which only lowers their norms, so every guarantee holds as it is), and are computed on
+    those records alone (a one-run audit's thousands of canaries cost no per-sample gradients).
     Everything else is the wrapped engine's (forward passes, predictions, memory estimates).
     """
 
-    def __init__(self, model: FlatModel, coordinate: int, clip: float) -> None:
+    def __init__(self, model: FlatModel, coordinates: int | Sequence[int] | np.ndarray, clip: float) -> None:
         self.model = model
-        self.coordinate = coordinate
+        self.coordinates = torch.as_tensor(np.atleast_1d(coordinates), dtype=torch.long)
         self.clip = float(clip)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
 
-    def _split(self, y: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        canary = (y == CANARY_LABEL) & (mask > 0)
-        return canary, mask * ~canary, torch.where(y == CANARY_LABEL, torch.zeros_like(y), y)
+    @staticmethod
+    def _split(y: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Which rows are (unmasked) canaries, each row's canary index (0 for others), the other records' mask
+        and their labels (canary rows get a valid dummy label)."""
+        labelled = y <= CANARY_LABEL
+        canary = labelled & (mask > 0)
+        return canary, (CANARY_LABEL - y).clamp(min=0), mask * ~canary, torch.where(labelled, torch.zeros_like(y), y)
+
+    def _plant(self, grads: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, clip: float) -> None:
+        """``grads[:, j_k] = clip * (the weight of canary k's rows)``, the canaries' sum on their coordinates."""
+        counts = torch.zeros(grads.shape[0], len(self.coordinates), dtype=grads.dtype, device=grads.device)
+        counts.scatter_add_(1, index, weights.to(grads.dtype))
+        grads[:, self.coordinates.to(grads.device)] = clip * counts
 
     def clipped_gradient_sums(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
                               clip: float, out: torch.Tensor | None = None,
                               copies: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         if copies != 1:  # a canary is one row; its augmented copies would need their own labels
             raise ValueError("the message audit plants canaries in single records: run it without augmentation")
-        canary, real, labels = self._split(y, mask)
-        sums, norms = self.model.clipped_gradient_sums(params, x, labels, real, clip, out=out)
-        sums[:, self.coordinate] = clip * canary.sum(dim=1).to(sums.dtype)
+        canary, index, real, labels = self._split(y, mask)
+        # the other records first in each row, then as many columns as the fullest row has of them
+        order = torch.argsort((real <= 0).to(torch.int8), dim=1, stable=True)
+        order = order[:, :max(1, int((real > 0).sum(dim=1).max()))]
+        agents = torch.arange(len(order), device=order.device)[:, None]
+        sums, kept = self.model.clipped_gradient_sums(params, x[agents, order], labels[agents, order],
+                                                      real.gather(1, order), clip, out=out)
+        self._plant(sums, index, canary, clip)
+        norms = torch.zeros_like(mask, dtype=kept.dtype).scatter_(1, order, kept)
         return sums, torch.where(canary, torch.full_like(norms, clip), norms)
 
     def batch_gradients(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                         weights: torch.Tensor) -> torch.Tensor:
-        canary, real, labels = self._split(y, weights)
+        canary, index, real, labels = self._split(y, weights)
         grads = self.model.batch_gradients(params, x, labels, real)
-        grads[:, self.coordinate] = self.clip * (weights * canary).sum(dim=1).to(grads.dtype)
+        self._plant(grads, index, weights * canary, self.clip)
         return grads
 
 
@@ -99,7 +139,8 @@ def likelihood_ratio_scores(projections: np.ndarray, rows: np.ndarray, sigma: fl
 
     ``projections[t, m]`` is what run ``m``'s release ``t`` shows on the canary coordinate (summed over
     its ``rows[t, m]`` rows); ``sigma`` the claimed noise multiplier of one row, ``rate`` the sampling
-    rate.  With ``sigma = 0`` (no noise) the sum of the projections is returned.
+    rate.  With ``sigma = 0`` (no noise) the sum of the projections is returned.  Further axes (one per
+    canary coordinate) broadcast: ``projections[t, m, k]`` with ``rows[t, m, 1]`` scores ``(m, k)``.
     """
     if sigma == 0.0:
         return projections.sum(axis=0)
@@ -114,39 +155,68 @@ def likelihood_ratio_scores(projections: np.ndarray, rows: np.ndarray, sigma: fl
     return np.where(rows > 0, terms, 0.0).sum(axis=0)
 
 
+@dataclass(frozen=True)
+class CanaryRecords:
+    """The records of a canary audit: each agent's first records, then one row per canary (its image is never
+    used: its gradient is planted by ``model``), and the canaries' coordinates."""
+
+    model: CanaryModel
+    parts: list[np.ndarray]  # each agent's rows of x, y (without canaries)
+    x: torch.Tensor
+    y: torch.Tensor
+    rows: np.ndarray         # canary k's row of x, y
+    coordinates: np.ndarray  # canary k's flat coordinate j_k
+
+
+def canary_records(experiment: Experiment, audit: AuditSection, count: int) -> CanaryRecords:
+    """``count`` Dirac canaries on consecutive coordinates from ``audit.canary_index`` (of
+    ``audit.canary_parameter``), beside ``audit.records`` records of each agent; bad fields are ConfigErrors."""
+    block = experiment.topology.n_agents
+    if audit.target >= block:
+        raise ConfigError("audit.target", f"agent {audit.target} is not in a block of {block} agents")
+    coordinates = canary_coordinates(experiment.model, audit.canary_parameter, audit.canary_index, count)
+    parts, x, y = _small_parts(experiment, audit.records)
+    rows = np.arange(len(x), len(x) + count)
+    x = torch.cat([x, torch.zeros_like(x[:1]).expand(count, *x.shape[1:])])
+    y = torch.cat([y, canary_labels(count).to(y)])
+    return CanaryRecords(CanaryModel(experiment.model, coordinates, experiment.config.privacy.clip), parts, x, y,
+                         rows, coordinates)
+
+
+def canary_scores(run: BlockRun, coordinates: np.ndarray, sigma: float, clip: float) -> np.ndarray:
+    """Train ``run`` while a neighbour records each block target's releases; the log-likelihood ratio of each
+    (block, canary coordinate), ``(M, K)``, under the claimed mechanism (multiplier ``sigma``, the target's
+    sample rate)."""
+    watched = torch.as_tensor(coordinates, dtype=torch.long)
+    tap = ReleaseTap(run.oracle, run.targets, lambda rows: rows[:, watched.to(rows.device)])
+    run.train()
+    tap.detach()
+    rate = float(run.oracle.sample_rates[int(run.targets[0])])
+    projections = torch.stack(tap.values).double().cpu().numpy()  # (T, M, K)
+    rows = torch.stack(tap.rows).cpu().numpy()[..., None]           # (T, M, 1)
+    return likelihood_ratio_scores(projections, rows, sigma, clip, rate)
+
+
 def run_message_audit(experiment: Experiment, audit: AuditSection,
                       wrap_mechanism: Callable[[Mechanism], Mechanism] | None = None) -> AuditOutcome:
     """The message audit of ``experiment``'s algorithm with ``audit.models`` trainings per world.
 
     ``wrap_mechanism`` replaces the calibrated mechanism (tests plant bugs with it, e.g. halved noise)."""
     config = experiment.config
-    block = experiment.topology.n_agents
-    if audit.target >= block:
-        raise ConfigError("audit.target", f"agent {audit.target} is not in a block of {block} agents")
-    coordinate = canary_coordinate(experiment.model, audit.canary_parameter, audit.canary_index)
-    model = CanaryModel(experiment.model, coordinate, config.privacy.clip)
-    parts, x, y = _small_parts(experiment, audit.records)
-    x = torch.cat([x, torch.zeros_like(x[:1])])  # the canary's image is never used: its gradient is planted
-    y = torch.cat([y, torch.full_like(y[:1], CANARY_LABEL)])
+    canary = canary_records(experiment, audit, 1)
 
     def build(member: np.ndarray, seed: int) -> BlockRun:
-        return block_simulation(experiment, x, y, parts, audit.target, len(x) - 1, member, seed, model=model,
-                                wrap_mechanism=wrap_mechanism)
+        return block_simulation(experiment, canary.x, canary.y, canary.parts, audit.target, int(canary.rows[0]),
+                                member, seed, model=canary.model, wrap_mechanism=wrap_mechanism)
 
     noise: list[float] = []  # the target's claimed multiplier, for the summary
 
     def score(run: BlockRun) -> np.ndarray:
         noise[:] = [run.noise_multipliers[audit.target]]
-        tap = ReleaseTap(run.oracle, run.targets, lambda rows: rows[:, coordinate])
-        run.train()
-        tap.detach()
-        rate = float(run.oracle.sample_rates[int(run.targets[0])])
-        projections = torch.stack(tap.values).double().cpu().numpy()
-        rows = torch.stack(tap.rows).cpu().numpy()
-        return likelihood_ratio_scores(projections, rows, noise[0], config.privacy.clip, rate)
+        return canary_scores(run, canary.coordinates, noise[0], config.privacy.clip)[:, 0]
 
     outcome = run_audit(experiment, audit, "messages", build, score)
-    outcome.summary["canary_coordinate"] = coordinate
+    outcome.summary["canary_coordinate"] = int(canary.coordinates[0])
     outcome.summary["noise_multiplier"] = noise[0] if noise else 0.0
     return outcome
 
@@ -158,4 +228,3 @@ def _small_parts(experiment: Experiment, records: int) -> tuple[list[np.ndarray]
     x, y = experiment.data.x[rows.to(experiment.data.x.device)], experiment.data.y[rows.to(experiment.data.x.device)]
     offsets = np.cumsum([0] + [len(idx) for idx in owned])
     return [np.arange(offsets[a], offsets[a + 1]) for a in range(len(owned))], x, y
-

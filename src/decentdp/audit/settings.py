@@ -41,11 +41,20 @@ class AuditSection(BaseModel):
     per_digit: int = Field(100, ge=1, description="records of each class in D (the paper: 300 in all)")
     # -- message audit ----------------------------------------------------------------------------------
     target: int = Field(0, ge=0, description="the audited agent of each block (membership: it holds the canary, "
-                                             "labelled with its digit)")
+                                             "labelled with its digit; one-run: it holds the canaries)")
     records: int = Field(8, ge=1, description="records each agent holds besides the canary")
     canary_parameter: str | None = Field(None, description="parameter (as named by the model) holding the "
                                                            "canary's coordinate; default: the flat vector")
-    canary_index: int = Field(0, ge=0, description="coordinate of the canary within that parameter")
+    canary_index: int = Field(0, ge=0, description="coordinate of the canary within that parameter (one-run: of "
+                                                   "the first canary; canary k takes the k-th one after it)")
+    # -- one-run audit (Steinke, Nasr & Jagielski 2023) -------------------------------------------------
+    canaries: int = Field(1000, ge=1, description="Dirac canaries of the one training, each on its own coordinate "
+                                                  "and held by the target with probability 1/2")
+    guesses_per_side: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=lambda: [10, 20, 50, 100, 200, 500, 1000, 2000, 5000], min_length=1,
+        description="numbers k tried of canaries guessed in (the k highest scores) and out (the k lowest); those "
+                    "with 2 k <= canaries are tried, the best bound is reported, each at confidence "
+                    "1 - (1 - confidence) / (entries tried): a union bound over the choice")
     # -- gradient inversion ---------------------------------------------------------------------------------
     attack: Literal["dlg", "idlg", "geiping"] = "geiping"
     release: Literal["gradient", "cross-gradient", "momentum-difference"] = Field(
