@@ -16,6 +16,7 @@ import pytest
 import tomli_w
 import torch
 
+from decentdp.algorithms.registry import algorithm_names
 from decentdp.audit.blocks import audit_experiment, block_simulation
 from decentdp.audit.bounds import guess_grid, one_run_bound, one_run_epsilon, one_run_guesses, one_run_p_value
 from decentdp.audit.messages import CanaryModel, canary_labels, canary_records
@@ -183,3 +184,18 @@ def test_more_canaries_than_coordinates_is_one_clear_error(tmp_path: Path,
     assert main(["audit", "one-run", str(config)]) == 2
     err = capsys.readouterr().err
     assert "audit.canaries" in err and "650" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", sorted(set(algorithm_names())))
+def test_every_registered_algorithm_is_audited_in_one_run(name: str) -> None:
+    """Issue 34: the one-run audit runs for every registered algorithm; a private one stays below its nominal
+    epsilon, and the non-private one is refuted outright (every guess right)."""
+    private = name != "no-noise"
+    raw = _raw(algorithm={"name": name}, privacy={"epsilon": 1.0 if private else "inf"})
+    outcome = run_one_run_audit(audit_experiment(validate_config(raw)),
+                                AuditSection(canaries=200, guesses_per_side=[10, 20, 50]))
+    bound = outcome.summary["epsilon_lower_bound"]
+    if private:
+        assert bound <= outcome.summary["epsilon_nominal"]
+    else:
+        assert outcome.summary["correct"] == outcome.summary["guesses"] and bound > 2.0
