@@ -23,8 +23,8 @@ from _machine import cpu_model
 from decentdp.algorithms.base import State
 from decentdp.config import validate_config
 from decentdp.errors import DataError
+from decentdp.experiment.build import Experiment, build_experiment
 from decentdp.models import classification_loss
-from decentdp.run.build import Experiment, build_experiment
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data"

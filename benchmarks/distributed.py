@@ -36,7 +36,7 @@ import torch
 
 from _common import DEFAULT_DATA_DIR, EPSILON, experiment_config, machine_info, print_machine
 from decentdp.config import validate_config
-from decentdp.run.build import build_experiment
+from decentdp.experiment.build import build_experiment
 from decentdp.runtime.ray_backend import RaySimulator, connect
 from decentdp.runtime.sharded import shard_bounds
 from decentdp.util.threads import apply_threads

@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"algorithms"},
     {"config"},
     {"runtime", "personalized"},
-    {"run", "report"},
+    {"experiment", "report"},
     {"audit", "sweep"},
     {"cli"},
 ]

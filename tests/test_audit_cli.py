@@ -122,7 +122,7 @@ def test_audit_mia_audits_the_target_it_is_given(tmp_path: Path, capsys: pytest.
     target agent, labelled with its digit, and a target beyond the agents is refused naming audit.target."""
     from decentdp.audit.mia import membership_data
     from decentdp.audit.settings import load_audit_config
-    from decentdp.run.build import build_experiment
+    from decentdp.experiment.build import build_experiment
 
     config = _config(tmp_path, topology={"agents": 3}, model={"name": "mlp", "options": {"hidden": 16}},
                      audit={"per_digit": 20, "target": 2})

@@ -15,8 +15,8 @@ from decentdp.audit.messages import CANARY_LABEL, CanaryModel, canary_coordinate
 from decentdp.audit.settings import AuditSection
 from decentdp.config import validate_config
 from decentdp.errors import ConfigError
+from decentdp.experiment.build import Experiment
 from decentdp.privacy.mechanisms import GaussianMechanism, NoiseDraw
-from decentdp.run.build import Experiment
 from decentdp.topology import build_topology
 
 

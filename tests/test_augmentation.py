@@ -24,14 +24,14 @@ from torch import nn
 from decentdp.config import ExperimentConfig
 from decentdp.data.augment import Augmentation, translate
 from decentdp.errors import ConfigError
+from decentdp.experiment.build import build_experiment
+from decentdp.experiment.loop import run_experiment
 from decentdp.gradients import stacked_model
 from decentdp.gradients.clipping import clipped_sum
 from decentdp.gradients.flat_model import FlatModel
 from decentdp.gradients.stacked_model import StackedModel
 from decentdp.models import build_model, classification_loss
 from decentdp.rng import AgentRandom
-from decentdp.run.build import build_experiment
-from decentdp.run.loop import run_experiment
 
 COPIES = 3
 

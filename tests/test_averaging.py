@@ -11,8 +11,8 @@ import torch
 
 from decentdp.config import validate_config
 from decentdp.errors import ConfigError
-from decentdp.run.build import build_experiment
-from decentdp.run.loop import run_experiment
+from decentdp.experiment.build import build_experiment
+from decentdp.experiment.loop import run_experiment
 from decentdp.runtime.averaging import AVERAGE, IterateAverage
 
 from conftest import tiny_config

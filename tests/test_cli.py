@@ -698,8 +698,8 @@ def _must_not_run(*args: Any, **kwargs: Any) -> None:
 def test_run_dry_run_prints_resolved_config_and_writes_nothing(
         tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr("decentdp.run.loop.run_experiment", _must_not_run)
-    monkeypatch.setattr("decentdp.run.build.build_experiment", _must_not_run)
+    monkeypatch.setattr("decentdp.experiment.loop.run_experiment", _must_not_run)
+    monkeypatch.setattr("decentdp.experiment.build.build_experiment", _must_not_run)
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
@@ -751,7 +751,7 @@ def test_run_threads_is_engine_threads(tiny_config: Path, monkeypatch: pytest.Mo
         seen.append(config)
         raise Stop
 
-    monkeypatch.setattr("decentdp.run.loop.run_experiment", capture)
+    monkeypatch.setattr("decentdp.experiment.loop.run_experiment", capture)
     with pytest.raises(Stop):
         main(["run", str(tiny_config), "--threads", "4", "--out", "unused"])
     assert seen[0].engine.threads == 4
@@ -822,7 +822,7 @@ def test_init_unknown_template_exits_2(tmp_path: Path, capsys: pytest.CaptureFix
 def test_an_interrupt_advises_resume_only_when_there_is_a_checkpoint(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         checkpointed: bool) -> None:
-    import decentdp.run.loop
+    import decentdp.experiment.loop
 
     out = tmp_path / "out"
 
@@ -832,7 +832,7 @@ def test_an_interrupt_advises_resume_only_when_there_is_a_checkpoint(
             (out / "checkpoint.pt").write_bytes(b"")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(decentdp.run.loop, "run_experiment", interrupted)
+    monkeypatch.setattr(decentdp.experiment.loop, "run_experiment", interrupted)
     assert main(["run", str(REPO / "experiments" / "demo.toml"), "--out", str(out)]) == 130
     message = capsys.readouterr().err
     if checkpointed:

@@ -23,7 +23,7 @@ from decentdp.config import (
     validate_config,
 )
 from decentdp.errors import ConfigError, DataError, DecentDPError, GraphError
-from decentdp.run.build import build_experiment
+from decentdp.experiment.build import build_experiment
 
 ALGORITHMS = ("central-dpsgd", "local", "dp-dsgd", "dp-dsgt", "dp-dinno")
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100")

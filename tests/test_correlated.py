@@ -21,12 +21,12 @@ from decentdp.algorithms.base import NoisePlan
 from decentdp.algorithms.decor import PAIRWISE_VIEW, Decor, DecorSettings
 from decentdp.config import validate_config
 from decentdp.errors import ConfigError
+from decentdp.experiment.loop import run_experiment
 from decentdp.privacy.accounting import calibrate_noise_multiplier
 from decentdp.privacy.correlated import CorrelatedGaussianMechanism, effective_multipliers, graph_edges
 from decentdp.privacy.mechanisms import NoiseDraw, NoiseReuseError
 from decentdp.privacy.observer_view import ViewBuilder, observer_mu
 from decentdp.rng import AgentKeys, AgentRandom, SecureRandom, Stream
-from decentdp.run.loop import run_experiment
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK_START = REPO / "experiments" / "correlated" / "decor-digits.toml"
@@ -200,7 +200,7 @@ def test_zero_sum_noise_sums_to_zero_in_what_the_receivers_weigh() -> None:
 def test_zip_dl_noise_leaves_the_network_average_alone() -> None:
     """One round from the same state and batches with and without zero-sum noise: every model moves, the
     average over agents does not (Metropolis-Hastings weights are doubly stochastic)."""
-    from decentdp.run.build import build_experiment
+    from decentdp.experiment.build import build_experiment
 
     def one_round(noise: float) -> torch.Tensor:
         raw = tiny_config(algorithm={"name": "zip-dl", "zero_sum_noise": noise}, privacy={"epsilon": "inf"},

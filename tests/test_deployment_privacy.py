@@ -17,12 +17,12 @@ from dp_accounting.pld import pld_privacy_accountant
 
 from decentdp.config import validate_config
 from decentdp.errors import ConfigError, PrivacyError
+from decentdp.experiment.build import build_experiment
+from decentdp.experiment.loop import run_experiment
 from decentdp.privacy.accounting import calibrate_noise_multiplier, epsilon_of_history, epsilon_spent
 from decentdp.privacy.events import gaussian_event, laplace_event
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.rng import AgentKeys, AgentRandom, SecureRandom, Stream
-from decentdp.run.build import build_experiment
-from decentdp.run.loop import run_experiment
 
 from conftest import tiny_config
 

@@ -13,6 +13,8 @@ from scipy import stats
 from decentdp.config import validate_config
 from decentdp.data.datasets import load_dataset
 from decentdp.errors import ConfigError
+from decentdp.experiment.build import build_experiment
+from decentdp.experiment.loop import run_experiment
 from decentdp.gradients.flat_model import FlatModel
 from decentdp.gradients.memory import available_memory
 from decentdp.models import build_model, classification_loss
@@ -21,8 +23,6 @@ from decentdp.privacy.mechanisms import GaussianMechanism
 from decentdp.privacy.oracle import DataOracle
 from decentdp.privacy.sampling import AgentData, PoissonSampler
 from decentdp.rng import AgentRandom, Stream, philox4x32, philox_rows
-from decentdp.run.build import build_experiment
-from decentdp.run.loop import run_experiment
 from decentdp.runtime.network import SimulatedNetwork
 from decentdp.topology import build_topology
 from decentdp.util.device import resolve_device

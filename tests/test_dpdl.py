@@ -28,6 +28,8 @@ from decentdp.algorithms.muffliato import accelerated_gossip, dense_mixing
 from decentdp.config import validate_config
 from decentdp.data.partition import partition
 from decentdp.errors import ConfigError
+from decentdp.experiment.build import build_experiment
+from decentdp.experiment.loop import run_experiment
 from decentdp.gradients.stacked_model import gradient_model
 from decentdp.models import build_model, classification_loss
 from decentdp.privacy import network_dp
@@ -36,8 +38,6 @@ from decentdp.privacy.mechanisms import GaussianMechanism
 from decentdp.privacy.oracle import DataOracle
 from decentdp.privacy.sampling import AgentData, PoissonSampler
 from decentdp.rng import AgentRandom
-from decentdp.run.build import build_experiment
-from decentdp.run.loop import run_experiment
 from decentdp.runtime.network import SimulatedNetwork
 from decentdp.topology import build_topology
 

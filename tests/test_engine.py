@@ -20,9 +20,9 @@ from decentdp.algorithms.optim import SGD, Adam, OptimizerAlgorithm
 from decentdp.algorithms.schedules import Schedule
 from decentdp.config import validate_config
 from decentdp.errors import ConfigError
+from decentdp.experiment.build import build_experiment
+from decentdp.experiment.loop import run_experiment
 from decentdp.rng import AgentRandom, Stream
-from decentdp.run.build import build_experiment
-from decentdp.run.loop import run_experiment
 from decentdp.runtime.network import SimulatedNetwork
 from decentdp.topology import build_topology
 from decentdp.util.profiling import PhaseTimer, TimedNetwork

@@ -10,7 +10,7 @@ import torch
 
 from decentdp.config import validate_config
 from decentdp.errors import ConfigError
-from decentdp.run.loop import run_experiment
+from decentdp.experiment.loop import run_experiment
 
 from conftest import tiny_config
 

@@ -10,9 +10,9 @@ import torch
 
 from decentdp.config import validate_config
 from decentdp.errors import ConfigError
+from decentdp.experiment.build import build_experiment
+from decentdp.experiment.loop import run_experiment
 from decentdp.gradients.memory import padded_batch, plan_memory
-from decentdp.run.build import build_experiment
-from decentdp.run.loop import run_experiment
 from decentdp.util.profiling import PhaseTimer
 
 from conftest import tiny_config

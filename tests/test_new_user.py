@@ -20,8 +20,8 @@ from decentdp import cli
 from decentdp.cli import EXIT_USER_ERROR, main
 from decentdp.config import validate_config
 from decentdp.errors import ConfigError
+from decentdp.experiment.record import LOCK_FILE, ResultsFolder
 from decentdp.results import CHECKPOINT_FILE
-from decentdp.run.record import LOCK_FILE, ResultsFolder
 
 
 def _call(argv: list[str]) -> tuple[int, str, str]:
@@ -87,7 +87,7 @@ def test_the_resume_hint_after_an_interrupt_can_be_pasted(monkeypatch: pytest.Mo
         (out / CHECKPOINT_FILE).write_bytes(b"")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("decentdp.run.loop.run_experiment", interrupted)
+    monkeypatch.setattr("decentdp.experiment.loop.run_experiment", interrupted)
     code, _, err = _call(["run", str(config), "--out", str(out), "--data-dir", "/data/here", "--no-progress"])
     assert code == 130 and f"--resume --out {out} --data-dir /data/here" in err
 

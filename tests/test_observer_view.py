@@ -25,10 +25,10 @@ from tests.conftest import tiny_config
 from decentdp.algorithms.base import RunFacts
 from decentdp.algorithms.muffliato import Muffliato, MuffliatoSettings
 from decentdp.config import validate_config
+from decentdp.experiment.loop import run_experiment
 from decentdp.privacy import network_dp
 from decentdp.privacy.accounting import RDP_ORDERS, gaussian_dp_epsilon
 from decentdp.privacy.observer_view import LinearView, ViewBuilder, observer_mu
-from decentdp.run.loop import run_experiment
 from decentdp.runtime.network import SimulatedNetwork
 from decentdp.topology import build_topology, topology_from_matrix
 

@@ -25,8 +25,8 @@ from decentdp.audit.settings import AuditSection
 from decentdp.cli import main
 from decentdp.config import validate_config
 from decentdp.errors import ConfigError
+from decentdp.experiment.build import Experiment
 from decentdp.privacy.mechanisms import GaussianMechanism
-from decentdp.run.build import Experiment
 
 from conftest import tiny_config
 

@@ -13,6 +13,7 @@ from scipy import stats
 
 from decentdp.config import validate_config
 from decentdp.errors import ConfigError, PrivacyError
+from decentdp.experiment.build import build_experiment
 from decentdp.gradients.clipping import clipped_sum
 from decentdp.gradients.flat_model import FlatModel
 from decentdp.models import build_model, classification_loss
@@ -23,7 +24,6 @@ from decentdp.privacy.mechanisms import GaussianMechanism, NoiseReuseError, roun
 from decentdp.privacy.oracle import DataOracle
 from decentdp.privacy.sampling import AgentData, PoissonSampler
 from decentdp.rng import AgentRandom
-from decentdp.run.build import build_experiment
 
 from conftest import tiny_config
 

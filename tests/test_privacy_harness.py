@@ -32,11 +32,11 @@ from tests.conftest import tiny_config
 
 from decentdp.algorithms import algorithm_class, algorithm_names
 from decentdp.config import validate_config
+from decentdp.experiment.build import build_experiment
+from decentdp.experiment.loop import run_facts
 from decentdp.privacy import oracle as oracle_module
 from decentdp.privacy.accounting import gaussian_dp_epsilon
 from decentdp.privacy.oracle import DataOracle
-from decentdp.run.build import build_experiment
-from decentdp.run.loop import run_facts
 from decentdp.runtime.network import GraphSequence, SimulatedNetwork
 from decentdp.runtime.simulator import Simulator
 

@@ -21,9 +21,9 @@ import torch
 
 from decentdp.config import load_config
 from decentdp.errors import ConfigError
+from decentdp.experiment.build import build_experiment
+from decentdp.experiment.loop import run_experiment
 from decentdp.results import CHECKPOINT_FILE, PRIVACY_FILE
-from decentdp.run.build import build_experiment
-from decentdp.run.loop import run_experiment
 
 pytestmark = [pytest.mark.ray, pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                                   reason="Ray is not installed (pip install 'decentdp[ray]')")]

@@ -27,6 +27,7 @@ from decentdp.algorithms.base import Algorithm, AlgorithmSettings, RoundContext,
 from decentdp.algorithms.registry import algorithm_class, register
 from decentdp.config import validate_config
 from decentdp.errors import ConfigError
+from decentdp.experiment.loop import run_experiment
 from decentdp.gradients.flat_model import FlatModel
 from decentdp.models import build_model, classification_loss
 from decentdp.privacy.accounting import calibrate_noise_multiplier
@@ -43,7 +44,6 @@ from decentdp.privacy.mechanisms import (
 from decentdp.privacy.oracle import BatchKey, DataOracle
 from decentdp.privacy.sampling import AgentData, PoissonSampler
 from decentdp.rng import AgentRandom
-from decentdp.run.loop import run_experiment
 from decentdp.runtime.network import SimulatedNetwork
 from decentdp.runtime.scheduler import Scheduler
 from decentdp.topology import build_topology

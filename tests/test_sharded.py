@@ -21,9 +21,9 @@ from decentdp.algorithms.muffliato import dense_mixing
 from decentdp.audit.blocks import BlockNetwork
 from decentdp.config import load_config
 from decentdp.errors import ConfigError, DecentDPError
+from decentdp.experiment.build import build_experiment
+from decentdp.experiment.loop import run_experiment
 from decentdp.rng import AgentRandom
-from decentdp.run.build import build_experiment
-from decentdp.run.loop import run_experiment
 from decentdp.runtime.network import SimulatedNetwork
 from decentdp.runtime.scheduler import Scheduler
 from decentdp.runtime.sharded import (

@@ -16,7 +16,7 @@ from decentdp.cli import main
 from decentdp.config import validate_config
 from decentdp.data.partition import hold_out
 from decentdp.errors import ConfigError
-from decentdp.run.loop import run_experiment
+from decentdp.experiment.loop import run_experiment
 from decentdp.sweep import load_sweep, trial_objectives
 
 from conftest import tiny_config

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from decentdp.config import validate_config
-from decentdp.run.loop import run_experiment
+from decentdp.experiment.loop import run_experiment
 from decentdp.util.threads import (
     apply_threads,
     cgroup_cpu_limit,

@@ -18,10 +18,10 @@ from decentdp.audit.blocks import BlockNetwork
 from decentdp.cli import main
 from decentdp.config import validate_config
 from decentdp.errors import ConfigError
+from decentdp.experiment.build import build_experiment
+from decentdp.experiment.loop import run_experiment
 from decentdp.privacy.mechanisms import NoiseDraw
 from decentdp.rng import AgentRandom, Stream
-from decentdp.run.build import build_experiment
-from decentdp.run.loop import run_experiment
 from decentdp.runtime.network import GraphSequence, SimulatedNetwork
 from decentdp.runtime.sharded import ShardNetwork, shard_bounds
 from decentdp.topology import topology_from_matrix

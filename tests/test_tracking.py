@@ -17,8 +17,8 @@ import tomli_w
 from decentdp.cli import main
 from decentdp.config import flat_fields, validate_config
 from decentdp.errors import ConfigError
-from decentdp.run.loop import run_experiment
-from decentdp.run.tracking import metric_values
+from decentdp.experiment.loop import run_experiment
+from decentdp.experiment.tracking import metric_values
 
 from conftest import tiny_config
 

@@ -44,12 +44,12 @@ import torch
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
-from decentdp.config import load_config  # noqa: E402
+from decentdp.config import ExperimentConfig, load_config  # noqa: E402
 from decentdp.personalized.local import local_models, output_perturbation  # noqa: E402
 from decentdp.personalized.runner import build_run, evaluate, run_personalized  # noqa: E402
 from decentdp.personalized.solver import PrivateUpdates, coordinate_descent, model_propagation  # noqa: E402
 from decentdp.privacy.ledger import PrivacyLedger  # noqa: E402
-from decentdp.run.build import random_source  # noqa: E402
+from decentdp.rng import AgentRandom, agent_random  # noqa: E402
 
 CONFIG = Path(__file__).parent / "synthetic.toml"
 EPSILONS = (0.15, 0.55, 1.05)
@@ -58,6 +58,12 @@ WAKEUPS = (1, 2, 4, 8)
 WARM_EPSILONS = (0.05, 0.5, 5.0, 50.0, math.inf)
 #: Clip bound that no per-sample gradient reaches (the paper-literal variant does not clip).
 NO_CLIP = 1e12
+
+
+def _rng(config: ExperimentConfig, n_agents: int, device: torch.device) -> AgentRandom:
+    """The run's randomness, as every run builds it (:func:`decentdp.rng.agent_random`)."""
+    return agent_random(config.experiment.seed, config.privacy.noise == "secure", config.engine.noise_streams,
+                        n_agents, device)
 
 
 def private_cd(seed: int, epsilon: float, wakeups: int, variant: str) -> float:
@@ -79,7 +85,7 @@ def private_cd(seed: int, epsilon: float, wakeups: int, variant: str) -> float:
         noise = replace(noise, multipliers=noise.multipliers / NO_CLIP)
         clip = NO_CLIP
         ledger = PrivacyLedger(problem.n_agents, math.inf, config.privacy.delta)
-    rng = random_source(config, problem.n_agents, problem.x.device)
+    rng = _rng(config, problem.n_agents, problem.x.device)
     private = PrivateUpdates(noise, clip, ledger, rng, problem.counts > 0)
     theta = torch.zeros(problem.n_agents, problem.dim, dtype=torch.float64)
     stopped = torch.zeros(problem.n_agents, dtype=torch.bool)
@@ -96,7 +102,7 @@ def warm_start(seed: int, epsilon: float) -> dict[str, float]:
     clip = config.privacy.clip
     local = local_models(problem, clip)
     private = local if math.isinf(epsilon) else output_perturbation(
-        problem, local, clip, epsilon, random_source(config, problem.n_agents, problem.x.device))
+        problem, local, clip, epsilon, _rng(config, problem.n_agents, problem.x.device))
     ratio = torch.linalg.vector_norm(private - local, dim=1) / torch.linalg.vector_norm(local, dim=1)
     bound = 2 * problem.dim / (problem.counts.double() * epsilon)
     return {"accuracy_local": evaluate(run.data, private)["accuracy_mean"],

@@ -1,4 +1,16 @@
-"""decentdp: differentially private decentralized learning."""
+"""decentdp: differentially private decentralized learning.
+
+The public API, three calls from a config file to results (a notebook needs nothing else)::
+
+    import decentdp
+
+    config = decentdp.load_config("experiments/demo.toml", overrides=["experiment.rounds=50"])  # --set syntax
+    result = decentdp.run(config)                # trains; result.summary, .metrics, .state (out_dir= writes a folder)
+    built = decentdp.assemble(config)            # or: every component (data, privacy stack, simulator), unrun
+
+They are imported on first use, so that ``import decentdp`` stays light and the thread settings below come
+before anything loads torch.
+"""
 
 # Idle OpenMP threads must sleep, not spin.  torch (2.13.0+cpu wheel) runs its intra-op work and
 # MKL on GNU OpenMP (its bundled libgomp), whose threads busy-wait at every barrier and between
@@ -15,10 +27,31 @@
 # them without effect in that process (child processes still inherit them).  A user's own
 # setting of any of them is left alone, and then none is set (GOMP_SPINCOUNT overrides the
 # policy's spin count).
+import importlib as _importlib
 import os as _os
+from typing import Any as _Any
 
 if not any(name in _os.environ for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "KMP_LIBRARY")):
     _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     _os.environ.setdefault("KMP_BLOCKTIME", "0")
 
 __version__ = "0.1.0"
+
+#: Public name -> (module, attribute), imported on first use.
+_PUBLIC = {"load_config": ("decentdp.config", "load_config"),
+           "validate_config": ("decentdp.config", "validate_config"),
+           "assemble": ("decentdp.experiment.build", "build_experiment"),
+           "run": ("decentdp.experiment.loop", "run_experiment")}
+
+__all__ = ["__version__", *_PUBLIC]
+
+
+def __getattr__(name: str) -> _Any:
+    if name in _PUBLIC:
+        module, attribute = _PUBLIC[name]
+        return getattr(_importlib.import_module(module), attribute)
+    raise AttributeError(f"module 'decentdp' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

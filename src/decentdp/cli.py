@@ -170,7 +170,7 @@ def _run(args: argparse.Namespace) -> int:
         sys.stdout.write(tomli_w.dumps(config.to_toml_dict()))
         return 0
 
-    from decentdp.run.loop import run_experiment, summary_line
+    from decentdp.experiment.loop import run_experiment, summary_line
 
     if args.out:
         out = Path(args.out)

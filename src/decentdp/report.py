@@ -1,7 +1,7 @@
 """``decentdp report``: one table (and figures) from any set of results folders.
 
 Every finished run's folder holds its resolved ``config.toml``, ``summary.json`` (final metrics, epsilon
-spent) and ``metrics.jsonl`` (one row per evaluation); see :mod:`decentdp.run.record`.  The report
+spent) and ``metrics.jsonl`` (one row per evaluation); see :mod:`decentdp.experiment.record`.  The report
 
 1. finds the runs under the given paths (a results folder, or any folder holding results folders);
 2. flattens each run's config to dotted fields (``privacy.epsilon``) and groups the runs by the fields

@@ -462,7 +462,7 @@ def run_trial(raw_configs: list[dict[str, Any]], folders: list[str], objective: 
     import torch
 
     from decentdp.config import validate_config
-    from decentdp.run.loop import run_experiment
+    from decentdp.experiment.loop import run_experiment
 
     _exit_with(parent)
     torch.set_num_threads(1)
@@ -495,7 +495,7 @@ def _nested(raw: dict[str, Any], tracking: tuple[Any, str] | None) -> dict[str, 
     if tracking is None:
         return raw
     base, parent = tracking
-    from decentdp.run.tracking import resolved_uri
+    from decentdp.experiment.tracking import resolved_uri
 
     return {**raw, "tracking": {**raw.get("tracking", {}), "parent_run": parent, "uri": resolved_uri(base.tracking)}}
 
@@ -650,7 +650,7 @@ class SweepRunner:
         finally:
             bar.close()
             if tracking is not None:
-                from decentdp.run.tracking import finish_sweep_run
+                from decentdp.experiment.tracking import finish_sweep_run
 
                 best = self._best(1)
                 finish_sweep_run(tracking[0], tracking[1], {section.objective: best[0].value} if best else {},
@@ -659,9 +659,9 @@ class SweepRunner:
 
     def _open_tracking(self) -> tuple[Any, str] | None:
         """``(base config, run id)`` of the sweep's own MLflow run, its trials' parent, when the base config
-        tracks to MLflow (:func:`~decentdp.run.tracking.open_sweep_run`); else None."""
+        tracks to MLflow (:func:`~decentdp.experiment.tracking.open_sweep_run`); else None."""
         from decentdp.config import validate_config
-        from decentdp.run.tracking import open_sweep_run
+        from decentdp.experiment.tracking import open_sweep_run
 
         base = validate_config(self.sweep.trial_config({}, self.sweep.section.seeds[0]))
         run = open_sweep_run(base, self.out.name, self.out,

@@ -36,6 +36,7 @@ from decentdp.algorithms.schedules import Schedule
 from decentdp.audit.bounds import audit_bound, split_sizes
 from decentdp.config import ExperimentConfig
 from decentdp.errors import ConfigError
+from decentdp.experiment.build import Experiment, _calibrate, build_experiment, planned_releases
 from decentdp.gradients.flat_model import FlatModel
 from decentdp.models import validate_for_dp
 from decentdp.privacy.accounting import epsilon_of_history
@@ -44,7 +45,6 @@ from decentdp.privacy.mechanisms import GaussianMechanism, Mechanism
 from decentdp.privacy.oracle import DataOracle
 from decentdp.privacy.sampling import AgentData, PoissonSampler
 from decentdp.rng import AgentRandom, Stream, round_stream_seed
-from decentdp.run.build import Experiment, _calibrate, build_experiment, planned_releases
 from decentdp.runtime.network import GraphSequence, SimulatedNetwork, topology_graph
 from decentdp.runtime.scheduler import Scheduler
 from decentdp.runtime.simulator import Simulator

@@ -35,12 +35,12 @@ from decentdp.audit.settings import AuditSection
 from decentdp.config import ExperimentConfig
 from decentdp.data.datasets import Dataset, load_dataset
 from decentdp.errors import ConfigError
+from decentdp.experiment.build import _calibrate, planned_releases
 from decentdp.gradients.flat_model import FlatModel
 from decentdp.gradients.stacked_model import gradient_model
 from decentdp.models import build_model, classification_loss
 from decentdp.privacy.mechanisms import GaussianMechanism, NoiseDraw
 from decentdp.rng import AgentRandom
-from decentdp.run.build import _calibrate, planned_releases
 
 
 @dataclass(frozen=True)

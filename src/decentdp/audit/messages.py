@@ -32,9 +32,9 @@ from decentdp.audit.blocks import AuditOutcome, BlockRun, block_simulation, run_
 from decentdp.audit.settings import AuditSection
 from decentdp.audit.tap import ReleaseTap
 from decentdp.errors import ConfigError
+from decentdp.experiment.build import Experiment
 from decentdp.gradients.flat_model import FlatModel
 from decentdp.privacy.mechanisms import Mechanism
-from decentdp.run.build import Experiment
 
 #: The label that marks the canary record; the gradient engine plants ``C e_j`` for it.  With several
 #: canaries (the one-run audit), canary ``k`` is labelled ``CANARY_LABEL - k`` (:func:`canary_labels`).

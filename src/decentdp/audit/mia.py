@@ -22,8 +22,8 @@ import torch
 from decentdp.audit.blocks import AuditOutcome, BlockRun, block_simulation, run_audit
 from decentdp.audit.settings import AuditSection
 from decentdp.errors import ConfigError
+from decentdp.experiment.build import Experiment
 from decentdp.models import classification_loss
-from decentdp.run.build import Experiment
 
 
 def membership_data(experiment: Experiment, digits: list[int], per_digit: int, target: int = 0,

@@ -33,8 +33,8 @@ from decentdp.audit.blocks import block_simulation, chunk_seed
 from decentdp.audit.bounds import guess_grid, one_run_bound, one_run_guesses
 from decentdp.audit.messages import canary_records, canary_scores
 from decentdp.audit.settings import AuditSection
+from decentdp.experiment.build import Experiment
 from decentdp.privacy.mechanisms import Mechanism
-from decentdp.run.build import Experiment
 
 #: Mixed with the config's seed into the inclusion draw's own numpy stream, a key no other draw uses (batches
 #: and noise come from keyed torch streams, the partition and scheduler from numpy streams of other keys), so

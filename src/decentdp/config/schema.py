@@ -217,7 +217,7 @@ class EngineSection(_Section):
 
 
 class TrackingSection(_Section):
-    """Where a run also logs, besides its results folder (:mod:`decentdp.run.tracking`; the ``tracking`` extra):
+    """Where a run also logs, besides its results folder (:mod:`decentdp.experiment.tracking`; the ``tracking`` extra):
     its config as parameters, its metrics at every evaluation, each agent's epsilon spent, its files."""
 
     backend: Literal["none", "tensorboard", "mlflow"] = "none"

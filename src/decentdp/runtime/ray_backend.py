@@ -1,10 +1,10 @@
 """``engine.backend = "ray"``: a run's agents sharded over Ray actor processes (the ``ray`` extra).
 
-:func:`distribute` turns a built :class:`~decentdp.run.build.Experiment` into a sharded one: it
+:func:`distribute` turns a built :class:`~decentdp.experiment.build.Experiment` into a sharded one: it
 starts a local Ray instance bound to the loopback interface, or attaches to ``engine.address``,
 and starts ``engine.workers`` actors, each holding one contiguous shard of agents
 (:mod:`decentdp.runtime.sharded`).  The experiment's simulator is replaced by a
-:class:`RaySimulator` with the simulator's interface, so the runner (``run/loop.py``) drives the run
+:class:`RaySimulator` with the simulator's interface, so the runner (``experiment/loop.py``) drives the run
 unchanged: the driver starts each round on every worker, the workers exchange halo rows with their
 peers directly (gloo point-to-point messages in a torch.distributed process group formed by the
 workers: :class:`GlooTransport`), and the driver fetches rows only when the runner evaluates.

@@ -453,7 +453,7 @@ class Shard:
 
 def make_shard(experiment: Any, bounds: list[int], index: int, transport: Transport,
                rng: AgentRandom | None = None) -> Shard:
-    """Shard ``index`` of a run from its fully built :class:`~decentdp.run.build.Experiment`: the same data,
+    """Shard ``index`` of a run from its fully built :class:`~decentdp.experiment.build.Experiment`: the same data,
     model, calibration, algorithm and schedules, restricted to the agents ``bounds[index] ..
     bounds[index+1]-1`` (keyed draws make their batches and noise the simulator's).  ``rng`` is the
     shard's random source (a secure run's: its agents' keys only); by default the run's, restricted."""

@@ -1,9 +1,9 @@
 """The run: build, resume or start the results folder, the setup phase, the rounds, evaluation, the end.
 
 ``run_experiment`` is what ``decentdp run`` calls.  It builds every component first
-(:mod:`decentdp.run.build`), so bad input fails before anything is written; then it runs the
+(:mod:`decentdp.experiment.build`), so bad input fails before anything is written; then it runs the
 algorithm's setup phase (if any) and the rounds through the simulator, evaluates every
-``eval_every`` rounds, checkpoints, and records the results (:mod:`decentdp.run.record`).
+``eval_every`` rounds, checkpoints, and records the results (:mod:`decentdp.experiment.record`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from tqdm.auto import tqdm
 from decentdp.algorithms.base import RunFacts, State
 from decentdp.config import ExperimentConfig
 from decentdp.errors import ConfigError
+from decentdp.experiment.build import Experiment, build_experiment
+from decentdp.experiment.record import ResultsFolder, summary
+from decentdp.experiment.tracking import Tracker, open_tracker
 from decentdp.results import epsilon_json
 from decentdp.rng import SIMULATION_NOTICE
-from decentdp.run.build import Experiment, build_experiment
-from decentdp.run.record import ResultsFolder, summary
-from decentdp.run.tracking import Tracker, open_tracker
 from decentdp.runtime.averaging import AVERAGE, evaluated_parameters
 from decentdp.util.allocator import retain_freed_memory
 from decentdp.util.profiling import NO_TIMER, PhaseTimer, TimedNetwork, format_report, operator_table

@@ -24,6 +24,7 @@ import torch
 from decentdp.algorithms.base import State
 from decentdp.config import PLACEMENT_FIELDS, ExperimentConfig, config_differences, validate_config
 from decentdp.errors import ConfigError
+from decentdp.experiment.build import Experiment
 from decentdp.privacy.network_dp import plot_pairwise
 from decentdp.privacy.report import AGENT_VIEW, privacy_report, privacy_statement
 from decentdp.results import (
@@ -44,7 +45,6 @@ from decentdp.results import (
     write_toml,
 )
 from decentdp.rng import AgentKeys, SecureRandom
-from decentdp.run.build import Experiment
 from decentdp.runtime.sharded import SHARD_CHECKPOINT_FORMAT, ShardCheckpointWriter, read_shard_checkpoints
 
 
