@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -370,3 +371,16 @@ def test_personalized_neighbours_beyond_the_users_is_refused_before_anything_is_
     code, _, err = _call(["run", str(config), "--out", str(out), "--data-dir", str(data)])
     assert code == EXIT_USER_ERROR and "Traceback" not in err
     assert "personalized.neighbours: is 10" in err and "has 3 user ids" in err and not out.exists()
+
+
+@pytest.mark.parametrize(("name", "damage"), [("summary.json", "{broken"), ("metrics.jsonl", "not a row")])
+def test_a_report_over_a_damaged_results_file_names_it(finished: tuple[Path, Path], tmp_path: Path, name: str,
+                                                      damage: str) -> None:
+    """A results folder whose summary or metrics were cut short (a full disk, an editor): one message naming
+    the file, no traceback, no table."""
+    folder = tmp_path / "damaged"
+    shutil.copytree(finished[1], folder)
+    kept = (folder / name).read_text(encoding="utf-8") if name.endswith(".jsonl") else ""  # rows, then junk
+    (folder / name).write_text(kept + damage + "\n", encoding="utf-8")
+    code, out, err = _call(["report", str(folder)])
+    assert code == 2 and f"{folder / name}" in err and "Traceback" not in err and not out.strip()

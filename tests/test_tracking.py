@@ -1,4 +1,4 @@
-"""Experiment tracking (run/tracking.py): what a run and a sweep log, read back through each library's reader.
+"""Experiment tracking (experiment/tracking.py): what a run and a sweep log, read back through each library's reader.
 
 TensorBoard's logs are read with its own ``EventAccumulator``, MLflow's runs with ``MlflowClient`` (params,
 metric histories, artifacts, parent tags); nothing here checks that files merely exist.  MLflow logs to a
@@ -164,3 +164,30 @@ def test_an_unusable_mlflow_store_is_one_message_naming_the_uri(tmp_path: Path, 
     err = capsys.readouterr().err
     assert "tracking.uri" in err and "Traceback" not in err and len(err.strip().splitlines()) <= 3
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tensorboard_log_dir_that_is_a_file_is_refused_naming_the_field(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("tensorboard")
+    (tmp_path / "logs").write_text("a file, not a directory")
+    config = tmp_path / "run.toml"
+    config.write_text(tomli_w.dumps(tiny_config(tracking={"backend": "tensorboard",
+                                                          "log_dir": str(tmp_path / "logs")})))
+    assert main(["run", str(config), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "tracking.log_dir" in err and "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_an_mlflow_server_that_does_not_answer_is_refused_at_once(tmp_path: Path, capsys) -> None:
+    """A tracking URI on a loopback port nobody listens on: refused before the data loads, naming the field
+    (MLflow itself would retry for minutes)."""
+    pytest.importorskip("mlflow")
+    import socket
+
+    with socket.socket() as probe:          # a free loopback port, closed again: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = tmp_path / "run.toml"
+    config.write_text(tomli_w.dumps(_mlflow_config(tmp_path, uri=f"http://127.0.0.1:{port}")))
+    assert main(["run", str(config), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "tracking.uri" in err and "no MLflow server answers" in err and "Traceback" not in err

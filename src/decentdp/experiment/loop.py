@@ -24,7 +24,7 @@ from decentdp.config import ExperimentConfig
 from decentdp.errors import ConfigError
 from decentdp.experiment.build import Experiment, build_experiment
 from decentdp.experiment.record import ResultsFolder, summary
-from decentdp.experiment.tracking import Tracker, open_tracker
+from decentdp.experiment.tracking import Tracker, check_tracking, open_tracker
 from decentdp.results import epsilon_json
 from decentdp.rng import SIMULATION_NOTICE
 from decentdp.runtime.averaging import AVERAGE, evaluated_parameters
@@ -97,6 +97,7 @@ def _run(config: ExperimentConfig, folder: ResultsFolder | None, data_dir: str |
          diagnostics: bool, threads: ThreadChoice) -> RunResult:
     """:func:`run_experiment` once its results folder (if any) is known: open (locked), build, run, record."""
     checkpoint = folder.open(config, resume) if folder is not None else None  # paths checked before the build
+    check_tracking(config)  # the tracker's library and store, before the data loads
     experiment = build_experiment(config, data_dir)
     if config.engine.backend == "ray":  # agents sharded over Ray worker processes (the optional `ray` extra)
         from decentdp.runtime.ray_backend import distribute

@@ -19,10 +19,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -106,7 +108,11 @@ class TensorBoardTracker:
         except ImportError:
             raise _missing("tensorboard") from None
         self.log_dir = log_dir
-        self._writer = SummaryWriter(log_dir=str(log_dir))
+        try:
+            self._writer = SummaryWriter(log_dir=str(log_dir))
+        except OSError as error:
+            raise ConfigError("tracking.log_dir", f"cannot write TensorBoard logs to {log_dir}: "
+                                                  f"{error.strerror or error}") from None
         table = "\n".join(f"| {key} | {value} |" for key, value in flat_fields(config).items())
         self._writer.add_text("config", f"| field | value |\n|---|---|\n{table}")
 
@@ -128,6 +134,34 @@ def resolved_uri(section: TrackingSection) -> str:
     return section.uri or f"sqlite:///{Path.cwd().absolute() / 'mlflow.db'}"
 
 
+def check_tracking(config: ExperimentConfig) -> None:
+    """Fail fast, before a run loads its data: the tracking library is installed and, for MLflow, its store
+    answers (a server named by ``tracking.uri`` is reached within :data:`CONNECT_SECONDS`, instead of after
+    MLflow's minutes of retries) and holds the experiment (created if new)."""
+    section = config.tracking
+    if section.backend == "tensorboard":
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise _missing("tensorboard") from None
+    elif section.backend == "mlflow":
+        uri = resolved_uri(section)
+        address = urlsplit(uri)
+        if address.scheme in ("http", "https"):
+            port = address.port or (443 if address.scheme == "https" else 80)
+            try:
+                socket.create_connection((address.hostname or "", port), timeout=CONNECT_SECONDS).close()
+            except OSError as error:
+                raise ConfigError("tracking.uri", f"no MLflow server answers at {uri}: "
+                                                  f"{error.strerror or error}") from None
+        client, _ = _mlflow_client(uri)
+        _experiment_id(client, section, uri)
+
+
+#: Seconds a run waits for an MLflow server named by ``tracking.uri`` to accept a connection.
+CONNECT_SECONDS = 5.0
+
+
 def _mlflow_client(uri: str) -> tuple[Any, str]:
     """An MLflow client for ``uri``, telemetry off."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -138,6 +172,7 @@ def _mlflow_client(uri: str) -> tuple[Any, str]:
         raise _missing("mlflow") from None
     logging.getLogger("mlflow").setLevel(logging.WARNING)      # its database set-up chatter
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    logging.getLogger("urllib3").setLevel(logging.ERROR)         # its retry warnings: the error says it
     try:
         return MlflowClient(tracking_uri=uri), uri
     except Exception as error:  # e.g. MLflow 3 refusing its old file store
