@@ -31,6 +31,7 @@ TUNED: dict[tuple[str, str], tuple[dict[str, Any], float]] = {
     ("dp-dsgd", "fc"): ({"lr": 0.5636}, 0.8459),
     ("muffliato", "fc"): ({"lr": 0.5636}, 0.8741),
     ("dp-dpsgd", "fc"): ({"lr": 0.5636}, 0.8459),
+    ("dp-cga", "fc"): ({"lr": 0.8249, "momentum": 0.5}, 0.8915),
 }
 
 
