@@ -21,7 +21,16 @@ from typing import ClassVar
 import torch
 from pydantic import Field
 
-from decentdp.algorithms.base import Algorithm, AlgorithmSettings, Calibrated, Network, NoisePlan, RoundContext, State
+from decentdp.algorithms.base import (
+    Algorithm,
+    AlgorithmSettings,
+    Calibrated,
+    Network,
+    NoisePlan,
+    RoundContext,
+    State,
+    once_per_graph,
+)
 from decentdp.privacy.mechanisms import GaussianMechanism, round_up_to_float32
 
 
@@ -74,7 +83,6 @@ class SelectMix(Algorithm):
 
     def __init__(self, alpha: float) -> None:
         self.alpha = alpha
-        self._edges: tuple[int, InEdges] | None = None
 
     @classmethod
     def from_settings(cls, settings: SelectMixSettings) -> SelectMix:
@@ -84,10 +92,8 @@ class SelectMix(Algorithm):
         return {"params": params}
 
     def in_edges(self, network: Network) -> InEdges:
-        """The round network's grouping of in-edges (rebuilt when the graph is redrawn)."""
-        if self._edges is None or self._edges[0] != id(network.in_edges):
-            self._edges = (id(network.in_edges), InEdges(network))
-        return self._edges[1]
+        """The round network's grouping of in-edges (once per graph: rebuilt when the graph is redrawn)."""
+        return once_per_graph(network, "in-edges by receiver", lambda: InEdges(network))
 
     def selected(self, x: torch.Tensor, ctx: RoundContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Each agent's selected neighbour estimate ``x~_k`` and whether it has one (paired / online ``j*``)."""

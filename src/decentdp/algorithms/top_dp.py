@@ -40,7 +40,15 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from decentdp.algorithms.base import Calibrated, NoisePlan, RoundContext, RunFacts, State, ragged_rows_key
+from decentdp.algorithms.base import (
+    Calibrated,
+    NoisePlan,
+    RoundContext,
+    RunFacts,
+    State,
+    once_per_graph,
+    ragged_rows_key,
+)
 from decentdp.algorithms.registry import register
 from decentdp.algorithms.select_mix import SelectMix
 from decentdp.algorithms.topology_noise import (
@@ -86,8 +94,6 @@ class TopDPBase(SelectMix):
         self.topology_aware = topology_aware
         self.gamma = decay_gamma
         self.period = decay_period
-        self._batches: tuple[int, np.ndarray] | None = None
-        self._graph: tuple[int, np.ndarray, np.ndarray] | None = None
 
     @classmethod
     def from_settings(cls, settings: TopDPSettings) -> TopDPBase:
@@ -127,23 +133,24 @@ class TopDPBase(SelectMix):
         reuse coefficients of eq. 5a.  The neighbours' arrive with one broadcast per graph: a collective,
         made by every shard in its first round on the graph."""
         net = ctx.network
-        if self._batches is None or self._batches[0] != id(net.in_edges):
+
+        def gather() -> np.ndarray:
             local = ctx.oracle.expected_batch.to(net.agent_ids.device)
             received = net.broadcast(local[:, None])[:, 0]
             batch = np.full(int(net.n_total), np.nan)
             batch[net.agent_ids.cpu().numpy()] = local.double().cpu().numpy()
             batch[net.in_edges[:, 0].cpu().numpy()] = received.double().cpu().numpy()
-            self._batches = (id(net.in_edges), batch)
-        return self._batches[1]
+            return batch
+
+        return once_per_graph(net, "top-dp expected batches", gather)
 
     def host_graph(self, ctx: RoundContext) -> tuple[np.ndarray, np.ndarray]:
         """The held agents' global ids and the out-edges as (sender's local row, receiver's global id), on the
         host: read from the network once per graph, not in every round (no device read-back per round)."""
         net = ctx.network
-        if self._graph is None or self._graph[0] != id(net.out_edges):
-            edges = torch.stack([net.rows(net.out_edges[:, 0]), net.out_edges[:, 1]], dim=1).cpu().numpy()
-            self._graph = (id(net.out_edges), net.agent_ids.cpu().numpy(), edges)
-        return self._graph[1], self._graph[2]
+        return once_per_graph(net, "top-dp out-edges", lambda: (
+            net.agent_ids.cpu().numpy(),
+            torch.stack([net.rows(net.out_edges[:, 0]), net.out_edges[:, 1]], dim=1).cpu().numpy()))
 
     def mechanism(self, ctx: RoundContext, multipliers: np.ndarray, owners: np.ndarray, full: np.ndarray,
                   ) -> RowGaussian | NoNoise:
@@ -176,11 +183,6 @@ class TopDP(TopDPBase):
     schedules: ClassVar[tuple[str, ...]] = ("synchronous",)
     follows_plan: ClassVar[bool] = False
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._planner: tuple[int, CoverPlanner] | None = None
-        self._positions: tuple[int, torch.Tensor, torch.Tensor, np.ndarray, int] | None = None
-
     @property
     def round_temporaries(self) -> int:
         # the sums (N rows), the released rows (N + G, the next state) and the last round's (N + G), with
@@ -188,17 +190,16 @@ class TopDP(TopDPBase):
         return 6
 
     def planner(self, ctx: RoundContext) -> CoverPlanner:
-        net = ctx.network
-        if self._planner is None or self._planner[0] != id(net.out_edges):
-            self._planner = (id(net.out_edges), CoverPlanner(net))
-        return self._planner[1]
+        """Who can cover whom on the round's graph (lines 10-17's candidates), once per graph."""
+        return once_per_graph(ctx.network, "cover planner", lambda: CoverPlanner(ctx.network))
 
     def out_positions(self, ctx: RoundContext) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, int]:
         """Per out-edge: its sender's local row and its receiver's global id (on the device), its position among
         the sender's out-edges (on the host), and the width of ``pick``: the whole graph's largest
         out-degree, so that every process's rows of ``pick`` have the same width.  Once per graph."""
         net = ctx.network
-        if self._positions is None or self._positions[0] != id(net.out_edges):
+
+        def positions() -> tuple[torch.Tensor, torch.Tensor, np.ndarray, int]:
             edges = self.host_graph(ctx)[1]
             senders = edges[:, 0]
             order = np.argsort(senders, kind="stable")
@@ -207,9 +208,9 @@ class TopDP(TopDPBase):
             position[order] = np.arange(len(senders)) - (np.cumsum(counts) - counts)[senders[order]]
             device = net.agent_ids.device
             width = int(net.public_graph().out_degrees.max(initial=0))
-            self._positions = (id(net.out_edges), torch.from_numpy(senders).to(device),
-                               torch.from_numpy(edges[:, 1]).to(device), position, width)
-        return self._positions[1:]
+            return torch.from_numpy(senders).to(device), torch.from_numpy(edges[:, 1]).to(device), position, width
+
+        return once_per_graph(net, "top-dp out positions", positions)
 
     def setup(self, state: State, ctx: RoundContext) -> State:
         """Line 6: every neighbour gets the agent's estimate (no messages yet; delivered by round 0)."""
@@ -234,54 +235,77 @@ class TopDP(TopDPBase):
         return net.exchange_rows(outbox(params, messages), pick)
 
     def round(self, state: State, ctx: RoundContext) -> State:
+        received, index = self.deliver(state, ctx)                                 # last round's lines 20-22
+        sigma = self.sigma(ctx)                                                    # line 8
+        generator = ctx.public_generator()
+        groups, coverable, multipliers = self.cover(ctx, sigma, generator)         # lines 10-17
+        noisy = self.release(ctx, received, index, groups, multipliers, sigma, generator)  # 9, 15-16, 18-19
+        return self.pick(state, ctx, noisy, groups, coverable)                     # lines 20-22
+
+    def cover(self, ctx: RoundContext, sigma: np.ndarray, generator: torch.Generator,
+              ) -> tuple[CoverGroups, np.ndarray | None, np.ndarray]:
+        """Lines 10-17 (eq. 4): for each out-edge the neighbour whose message covers it, as groups ordered by
+        sender, which edges could be covered at all, and each group's noise multiplier (its residual sigma).
+        Without topology-aware noise, or without noise, no edge is covered."""
+        edges = self.host_graph(ctx)[1]
+        if self.topology_aware and ctx.oracle.mechanism is not None:
+            planner = self.planner(ctx)
+            plan = planner.plan(self.alpha, sigma, self.expected_batches(ctx), generator)
+            groups = by_sender(cover_groups(plan.via), edges[:, 0])
+            return groups, planner.coverable, plan.multiplier[groups.first]
+        return cover_groups(np.full(len(edges), -1, dtype=np.int64)), None, np.zeros(0)
+
+    def release(self, ctx: RoundContext, received: torch.Tensor, index: torch.Tensor, groups: CoverGroups,
+                group_multipliers: np.ndarray, sigma: np.ndarray, generator: torch.Generator) -> torch.Tensor:
+        """Lines 9, 15-16, 18-19: one clipped sum per agent on one batch, released as one row per agent (its
+        estimate's update, full sigma_t) and one per cover group (residual sigma), then mixed in place::
+
+            -lambda (g + G) / L_i  +  alpha x~_i  +  (1 - alpha) x~_k   (k = the group's cover, or j*)
+
+        ``received``: the held agents' estimates, then the rows they received (``index``: per in-edge)."""
         net, oracle = ctx.network, ctx.oracle
-        received, index = self.deliver(state, ctx)                                # last round's lines 20-22
         n, alpha = net.n_agents, self.alpha
-        x = received[:n]                                                          # the local estimates
-        device = x.device
         ids, edges = self.host_graph(ctx)
         senders = edges[:, 0]
-        sigma = self.sigma(ctx)                                                   # line 8
-        generator = ctx.public_generator()
-        if self.topology_aware and oracle.mechanism is not None:
-            planner = self.planner(ctx)
-            cover = planner.plan(alpha, sigma, self.expected_batches(ctx), generator)  # lines 10-17
-            groups, coverable = by_sender(cover_groups(cover.via), senders), planner.coverable
-        else:
-            groups, coverable = cover_groups(np.full(len(edges), -1, dtype=np.int64)), None
-        jstar = self.in_edges(net).choose(generator)                              # line 18
-        rows = np.concatenate([np.arange(n), senders[groups.first]])              # local row, then one per group
-        multipliers = np.concatenate([sigma[ids], cover.multiplier[groups.first] if coverable is not None else []])
-        slots = torch.from_numpy(np.concatenate([ids, edges[groups.first, 1]]))  # receivers: noise keys
-        key = oracle.batch()                                                      # line 9: one batch, one sum
-        sums = oracle.repeat(oracle.clip(key, x), torch.from_numpy(rows))
+        jstar = self.in_edges(net).choose(generator)                               # line 18
+        rows = np.concatenate([np.arange(n), senders[groups.first]])               # local row, then one per group
+        multipliers = np.concatenate([sigma[ids], group_multipliers])
+        slots = torch.from_numpy(np.concatenate([ids, edges[groups.first, 1]]))   # receivers: noise keys
+        key = oracle.batch()                                                       # line 9: one batch, one sum
+        sums = oracle.repeat(oracle.clip(key, received[:n]), torch.from_numpy(rows))
         (noisy,) = oracle.release(sums, mechanism=self.mechanism(ctx, multipliers, rows, sigma[ids]), receivers=slots)
-        # eq. 5c (groups) and line 19 (local rows) in place on the released rows, in one product:
-        #   -lambda (g + G) / L_i  +  alpha x~_i  +  (1 - alpha) x~_k   (k = the cover's neighbour, or j*)
         scale = (-ctx.lr / oracle.expected_batch.double().cpu().numpy())[rows]
         uniform = bool((scale == scale[0]).all())
+        device = noisy.device
         if not uniform:
             noisy.mul_(torch.from_numpy(scale).to(device, noisy.dtype)[:, None])
-        reads = torch.cat([jstar, torch.from_numpy(groups.via).to(device)])      # in-edges (k, i) of every row
+        reads = torch.cat([jstar, torch.from_numpy(groups.via).to(device)])       # in-edges (k, i) of every row
         columns = torch.stack([torch.from_numpy(rows).to(device), index.index_select(0, reads)])
         add_selected(noisy, received, columns, (alpha, 1 - alpha), beta=float(scale[0]) if uniform else 1.0)
-        # lines 20-22, delivered by the next round: an uncovered j receives x~_i as it is, a covered one its
-        # group's message (the sender's message number: groups are ordered by sender)
+        return noisy
+
+    def pick(self, state: State, ctx: RoundContext, noisy: torch.Tensor, groups: CoverGroups,
+             coverable: np.ndarray | None) -> State:
+        """Lines 20-22, delivered by the next round: an uncovered receiver gets the sender's new estimate as it
+        is, a covered one its group's message (the sender's message number: groups are ordered by sender);
+        the new state, with the round's message counts."""
+        n, device = ctx.network.n_agents, noisy.device
+        senders, receivers = self.host_graph(ctx)[1].T
         counts = np.bincount(senders[groups.first], minlength=n)
         number = np.arange(len(groups.first)) - (np.cumsum(counts) - counts)[senders[groups.first]]
         covered = groups.edge_group >= 0
         position, width = self.out_positions(ctx)[2:]
-        pick = np.zeros((n, width, 2), dtype=np.int64)
-        pick[..., 0] = -1
-        message = np.zeros(len(edges), dtype=np.int64)
+        table = np.zeros((n, width, 2), dtype=np.int64)
+        table[..., 0] = -1
+        message = np.zeros(len(senders), dtype=np.int64)
         message[covered] = 1 + number[groups.edge_group[covered]]
-        pick[senders, position] = np.stack([edges[:, 1], message], 1)
+        table[senders, position] = np.stack([receivers, message], 1)
         flags = {"reduced": covered, "full": ~covered}
         if coverable is not None:
             flags.update(fallback=~covered & coverable, uncoverable=~covered & ~coverable)
         return {"params": noisy[:n], "messages": noisy[n:],
                 ragged_rows_key("messages"): torch.from_numpy(counts).to(device),
-                "pick": torch.from_numpy(pick).to(device), **self.count(state, senders, **flags)}
+                "pick": torch.from_numpy(table).to(device), **self.count(state, senders, **flags)}
 
 
 def by_sender(groups: CoverGroups, senders: np.ndarray) -> CoverGroups:
