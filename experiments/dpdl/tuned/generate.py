@@ -32,6 +32,7 @@ TUNED: dict[tuple[str, str], tuple[dict[str, Any], float]] = {
     ("muffliato", "fc"): ({"lr": 0.5636}, 0.8741),
     ("dp-dpsgd", "fc"): ({"lr": 0.5636}, 0.8459),
     ("dp-cga", "fc"): ({"lr": 0.8249, "momentum": 0.5}, 0.8915),
+    ("dp-net-fleet", "fc"): ({"lr": 0.0897}, 0.5535),
 }
 
 
