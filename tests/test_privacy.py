@@ -131,8 +131,8 @@ def test_unreachable_epsilon_raises_privacy_error() -> None:
 @pytest.mark.parametrize("kwargs,field", [
     ({"target_epsilon": -1.0}, "privacy.epsilon"),
     ({"delta": 0.0}, "privacy.delta"),
-    ({"sample_rate": 1.5}, "--sample-rate"),
-    ({"steps": 0}, "--steps"),
+    ({"sample_rate": 1.5}, "sample_rate"),
+    ({"steps": 0}, "steps"),
 ])
 def test_calibration_rejects_invalid_requests(kwargs: dict[str, float], field: str) -> None:
     request = {"target_epsilon": 1.0, "delta": 1e-5, "sample_rate": 0.1, "steps": 10, **kwargs}

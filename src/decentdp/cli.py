@@ -253,7 +253,22 @@ def _sampling(args: argparse.Namespace) -> tuple[float, int, dict[str, Any]]:
     return batch / size, steps, {"batch_size": batch, "dataset_size": size, "epochs": epochs}
 
 
+#: The accountant's parameter names -> the ``decentdp privacy`` options that give them.
+_PRIVACY_OPTIONS = {"sample_rate": "--sample-rate", "steps": "--steps", "releases_per_step": "--releases-per-step",
+                    "noise_multiplier": "--sigma"}
+
+
 def _privacy(args: argparse.Namespace) -> int:
+    try:
+        return _answer_privacy(args)
+    except ConfigError as error:  # the accountant names its parameters; the user gave options
+        if error.field in _PRIVACY_OPTIONS:
+            raise ConfigError(_PRIVACY_OPTIONS[error.field], error.message) from None
+        raise
+
+
+def _answer_privacy(args: argparse.Namespace) -> int:
+    """``decentdp privacy sigma|epsilon``: the answer, printed (and as JSON with ``--json``)."""
     from decentdp.privacy.accounting import calibrate_noise_multiplier, check_epsilon_delta, epsilon_spent
 
     if args.question == "sigma":

@@ -63,11 +63,6 @@ class TopDPSettings(SelectMixSettings):
     decay_period: int = Field(1000, ge=1, description="rounds between two decays (eq. 6b's period)")
 
 
-def decay_factors(rounds: int, gamma: float, period: int) -> np.ndarray:
-    """``gamma^floor(t / period)`` for ``t = 0 .. rounds - 1`` (eq. 6b)."""
-    return gamma ** (np.arange(rounds) // period).astype(np.float64)
-
-
 def decayed_history_event(sigma0: float, sample_rate: float, rounds: int, gamma: float, period: int,
                           setup_releases: int) -> dp_accounting.DpEvent:
     """The releases one receiver observes over a run: the setup phase's at ``sigma_0``, then one per round

@@ -73,13 +73,14 @@ def check_epsilon_delta(epsilon: float, delta: float, *, epsilon_field: str = "p
 
 
 def check_sampling(sample_rate: float, steps: int, releases_per_step: int = 1) -> None:
-    """Reject sampling rates outside (0, 1] and non-positive step counts (CLI option names)."""
+    """Reject sampling rates outside (0, 1] and non-positive step counts (errors name the parameter: a caller
+    with other names for them, such as the CLI's options, renames the field)."""
     if not 0 < sample_rate <= 1:
-        raise ConfigError("--sample-rate", f"must lie in (0, 1], got {sample_rate!r}")
+        raise ConfigError("sample_rate", f"must lie in (0, 1], got {sample_rate!r}")
     if int(steps) != steps or steps < 1:
-        raise ConfigError("--steps", f"must be a positive integer, got {steps!r}")
+        raise ConfigError("steps", f"must be a positive integer, got {steps!r}")
     if int(releases_per_step) != releases_per_step or releases_per_step < 1:
-        raise ConfigError("--releases-per-step", f"must be a positive integer, got {releases_per_step!r}")
+        raise ConfigError("releases_per_step", f"must be a positive integer, got {releases_per_step!r}")
 
 
 History = tuple[tuple[dp_accounting.DpEvent, int], ...]
@@ -318,7 +319,7 @@ def epsilon_spent(
     """Epsilon of ``steps * releases_per_step`` sampled Gaussian releases with the given sigma."""
     check_sampling(sample_rate, steps, releases_per_step)
     if not 0 <= noise_multiplier <= _MAX_NOISE_MULTIPLIER:
-        raise ConfigError("--sigma", f"must lie in [0, {_MAX_NOISE_MULTIPLIER:g}], got {noise_multiplier!r}")
+        raise ConfigError("noise_multiplier", f"must lie in [0, {_MAX_NOISE_MULTIPLIER:g}], got {noise_multiplier!r}")
     event = gaussian_event(float(noise_multiplier), float(sample_rate))
     return epsilon_of_history(((event, int(steps * releases_per_step)),), float(delta), accountant, relation)
 
