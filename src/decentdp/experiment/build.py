@@ -61,8 +61,7 @@ class Experiment:
     topology: Topology
     model: FlatModel
     algorithm: Algorithm
-    ledger: PrivacyLedger
-    oracle: DataOracle
+    oracle: DataOracle        # owns the run's ledger (``ledger`` below reads it)
     simulator: Simulator
     evaluator: Evaluator
     noise_multipliers: torch.Tensor
@@ -73,6 +72,12 @@ class Experiment:
     schedule: Schedule        # the step size of each round
     setup: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # announced when the run starts
+
+    @property
+    def ledger(self) -> PrivacyLedger:
+        """The run's privacy ledger: the data oracle's, the one owner every release is charged through (a
+        backend or a resume that replaces it sets ``oracle.ledger``)."""
+        return self.oracle.ledger
 
     @property
     def device(self) -> torch.device:
@@ -310,7 +315,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
         "evaluation_set": "test" if validation is None else f"validation: {len(validation)} records held out of "
                                                             "the agents' training data",
     }
-    return Experiment(config, dataset, data, topology, model, algorithm, ledger, oracle, simulator, evaluator,
+    return Experiment(config, dataset, data, topology, model, algorithm, oracle, simulator, evaluator,
                       noise_multipliers, sample_rates, histograms, memory, graphs, schedule, setup, warnings)
 
 

@@ -45,8 +45,7 @@ class RunResult:
 
 def _restore(experiment: Experiment, checkpoint: dict[str, Any]) -> None:
     """Put the ledger, scheduler and pass sizes of a checkpoint back (bit-exact resumes)."""
-    experiment.ledger = type(experiment.ledger).from_state_dict(checkpoint["ledger"])
-    experiment.oracle.ledger = experiment.ledger
+    experiment.oracle.ledger = type(experiment.ledger).from_state_dict(checkpoint["ledger"])
     if "scheduler" in checkpoint:  # checkpoints of earlier versions ran synchronous rounds only
         experiment.simulator.scheduler.load_state_dict(checkpoint["scheduler"])
     if "passes" in checkpoint:  # checkpoints written before the memory plan existed have none

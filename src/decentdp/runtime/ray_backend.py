@@ -497,7 +497,7 @@ class RaySimulator:
                                        rng.for_agents(range(part.start, part.stop)), passes)
                     for worker, part in zip(self.workers, self._rows(), strict=True)])
         self.launched = True
-        experiment.ledger = experiment.oracle.ledger = _ShardedLedger(self, type(experiment.ledger))
+        experiment.oracle.ledger = _ShardedLedger(self, type(experiment.ledger))
 
     def _stop_workers(self) -> None:
         for worker in self.workers:
@@ -633,7 +633,7 @@ class RaySimulator:
             final, ledger = dict(view), self.experiment.ledger.current()  # kept once the workers are gone
         finally:
             self.close()
-        self.experiment.ledger = self.experiment.oracle.ledger = ledger
+        self.experiment.oracle.ledger = ledger
         return final
 
 
