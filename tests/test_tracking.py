@@ -191,3 +191,28 @@ def test_an_mlflow_server_that_does_not_answer_is_refused_at_once(tmp_path: Path
     assert main(["run", str(config), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "tracking.uri" in err and "no MLflow server answers" in err and "Traceback" not in err
+
+
+def test_a_resume_with_a_damaged_tracking_file_names_it(tmp_path: Path) -> None:
+    """tracking.json cut short: the resume says which file and what to do, and trains nothing."""
+    pytest.importorskip("mlflow")
+    config = validate_config(_mlflow_config(tmp_path))
+    run_experiment(config, tmp_path / "run", progress=False, log=lambda _line: None, stop_after=2)
+    (tmp_path / "run" / "tracking.json").write_text("{damaged")
+    with pytest.raises(ConfigError) as error:
+        run_experiment(config, tmp_path / "run", progress=False, log=lambda _line: None, resume=True)
+    assert error.value.field == "--resume" and "tracking.json" in error.value.message
+    assert "remove it" in error.value.message
+
+
+def test_a_run_may_resume_logging_elsewhere(tmp_path: Path) -> None:
+    """Where a run logs is not what it computes: a run started untracked resumes into TensorBoard."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    run_experiment(validate_config(tiny_config()), tmp_path / "run", progress=False, log=lambda _line: None,
+                   stop_after=2)
+    tracked = validate_config(tiny_config(tracking={"backend": "tensorboard"}))
+    result = run_experiment(tracked, tmp_path / "run", progress=False, log=lambda _line: None, resume=True)
+    events = accumulator.EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("accuracy_mean")] == [row["round"] for row in result.metrics
+                                                                  if row["round"] > 2]
