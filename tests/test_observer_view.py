@@ -163,7 +163,7 @@ def _facts(network: SimulatedNetwork, rounds: int, sigma: float, relation: str) 
 
 
 def _pairwise(muffliato: Muffliato, network: SimulatedNetwork, facts: RunFacts) -> tuple[np.ndarray, np.ndarray]:
-    """The run's reported eps(u -> v) and the authors' (``paper_``) figure, as privacy_extras gives them
+    """The run's reported eps(u -> v) and the authors' (``paper_``) figure, as privacy_results gives them
     (the paper's state accumulated round by round as a run does)."""
     n = network.n_agents
     w = network.public_graph().dense_mixing()
@@ -171,7 +171,7 @@ def _pairwise(muffliato: Muffliato, network: SimulatedNetwork, facts: RunFacts) 
     coefficients = network_dp.pairwise_coefficients(network_dp.gossip_polynomials(w, steps, _gamma(w))[:steps],
                                                     (w > 0).astype(float))
     rdp = facts.rounds * network_dp.round_pairwise_rdp(coefficients, facts.noise_multipliers, np.ones(n))
-    extras = muffliato.privacy_extras({"pairwise_rdp": torch.from_numpy(rdp)}, facts)
+    extras = muffliato.privacy_results({"pairwise_rdp": torch.from_numpy(rdp)}, facts).report
     return (np.array(extras["epsilon_pairwise_network"], dtype=float),
             np.array(extras["paper_epsilon_pairwise_network"], dtype=float))
 
@@ -283,8 +283,8 @@ def test_a_view_beyond_the_budget_reports_the_local_epsilon_and_says_why(monkeyp
     reported, _ = _pairwise(Muffliato(MuffliatoSettings(gossip_steps=3)), network, facts)
     off = ~np.eye(8, dtype=bool)
     assert np.allclose(reported[off], facts.local_epsilon[0])
-    extras = Muffliato(MuffliatoSettings(gossip_steps=3)).privacy_extras(
-        {"pairwise_rdp": torch.zeros(8, 8, len(network_dp.RDP_ORDERS), dtype=torch.float64)}, facts)
+    extras = Muffliato(MuffliatoSettings(gossip_steps=3)).privacy_results(
+        {"pairwise_rdp": torch.zeros(8, 8, len(network_dp.RDP_ORDERS), dtype=torch.float64)}, facts).report
     assert extras["epsilon_pairwise_network_method"].startswith("not computed")
 
 
@@ -311,7 +311,7 @@ def test_muffliato_reports_each_colluding_set_at_least_as_high_as_its_members() 
     network = SimulatedNetwork(build_topology("ring", 6))
     facts = dataclasses.replace(_facts(network, 2, 3.0, "add-remove"), colluding=[[1, 5]])
     rdp = torch.zeros(6, 6, len(RDP_ORDERS), dtype=torch.float64)
-    extras = Muffliato(MuffliatoSettings(gossip_steps=2)).privacy_extras({"pairwise_rdp": rdp}, facts)
+    extras = Muffliato(MuffliatoSettings(gossip_steps=2)).privacy_results({"pairwise_rdp": rdp}, facts).report
     single = np.array(extras["epsilon_pairwise_network"], dtype=float)
     (pooled,) = extras["epsilon_colluding"]
     assert pooled["agents"] == [1, 5] and pooled["epsilon"][1] is None and pooled["epsilon"][5] is None

@@ -234,7 +234,7 @@ def reported_epsilons(experiment: Any, rounds: int) -> tuple[np.ndarray, np.ndar
     ``privacy.colluding`` set (the ledger's), where the algorithm reports them the pairwise matrix eps(u -> v)
     and each colluding set's column (``nan`` for its members)."""
     ledger = experiment.ledger.reported_epsilon()[0]
-    extras = experiment.algorithm.privacy_extras(experiment.final_state, run_facts(experiment, rounds))
+    extras = experiment.algorithm.privacy_results(experiment.final_state, run_facts(experiment, rounds)).report
     everyone = np.array(extras["epsilon_local"], dtype=float) if "epsilon_local" in extras else ledger
     pairwise = extras.get("epsilon_pairwise_network")
     sets = [np.array(entry["epsilon"], dtype=float) for entry in extras.get("epsilon_colluding", [])]

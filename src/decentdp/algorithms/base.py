@@ -33,6 +33,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from decentdp.privacy.oracle import SETUP_ROUND, DataOracle
+from decentdp.privacy.report import AlgorithmPrivacy
 from decentdp.rng import AgentRandom, Stream
 
 if TYPE_CHECKING:
@@ -284,7 +285,7 @@ class Calibrated:
 @dataclass(frozen=True)
 class RunFacts:
     """What is public about a run once it ends, for an algorithm's own privacy results
-    (:meth:`Algorithm.privacy_extras`): its graphs, steps, noise and each agent's per-release epsilon."""
+    (:meth:`Algorithm.privacy_results`): its graphs, steps, noise and each agent's per-release epsilon."""
 
     rounds: int                                # rounds run
     network: Callable[[int], Network]          # the network of round k
@@ -348,11 +349,11 @@ class Algorithm(ABC):
         the looser accounting a paper may use; the ledger still charges the joint event."""
         return True
 
-    def privacy_extras(self, state: State, facts: RunFacts) -> dict[str, Any]:
-        """Extra privacy results of a finished run from its final state and what is public about it (e.g.
-        Muffliato's pairwise network DP, priced by :mod:`decentdp.privacy.observer_view`): keys ending in
-        ``_max`` go into the summary, all into ``privacy.json``; default none."""
-        return {}
+    def privacy_results(self, state: State, facts: RunFacts) -> AlgorithmPrivacy:
+        """The algorithm's own privacy results of a finished run, from its final state and what is public about
+        it (e.g. Muffliato's pairwise network DP, priced by :mod:`decentdp.privacy.observer_pricing`); default
+        none."""
+        return AlgorithmPrivacy()
 
     @property
     def setup_releases(self) -> int:

@@ -50,6 +50,7 @@ from decentdp.privacy.correlated import (
     graph_edges,
 )
 from decentdp.privacy.mechanisms import round_up_to_float32
+from decentdp.privacy.report import AlgorithmPrivacy
 from decentdp.results import epsilon_json
 
 #: Rounds of the per-agent noise search (:meth:`Decor.noise_for`).
@@ -162,7 +163,7 @@ class Decor(OptimizerAlgorithm):
         half, opt = self.optimizer.step(state["params"], grad, unprefixed("opt", state), ctx.lr, inplace=False)  # l. 7
         return {"params": ctx.network.mix(half), **prefixed("opt", opt)}              # l. 8
 
-    def privacy_extras(self, state: State, facts: RunFacts) -> dict[str, Any]:
+    def privacy_results(self, state: State, facts: RunFacts) -> AlgorithmPrivacy:
         """Each sender's epsilon towards every single agent (``epsilon_pairwise_network``) and every colluding set
         (``epsilon_colluding``) under :data:`PAIRWISE_VIEW`, towards an external eavesdropper, and its local
         epsilon (only its own noise: all its neighbours colluding)."""
@@ -170,7 +171,7 @@ class Decor(OptimizerAlgorithm):
         n = len(sigmas)
         rates = facts.sample_rates if facts.sample_rates is not None else np.ones(n)
         if not (sigmas > 0).all():
-            return {}
+            return AlgorithmPrivacy()
         edges = graph_edges(facts.network(0).public_graph().edges)
         batches = facts.expected_batches
         edge_scale = self.edge_scale(sigmas, batches)
@@ -194,7 +195,8 @@ class Decor(OptimizerAlgorithm):
             extras["epsilon_colluding"] = [{"agents": list(members), "epsilon": epsilon_json(epsilons[:, n + k])}
                                            for k, members in enumerate(facts.colluding)]
             extras["epsilon_colluding_max"] = epsilon_json(float(np.nanmax(epsilons[:, n:-1])))
-        return extras
+        return AlgorithmPrivacy(extras, headline=("epsilon_pairwise_max", "epsilon_eavesdropper_max",
+                                                  "epsilon_local_max", "epsilon_colluding_max"), pairwise=pairwise)
 
 
 def expected_batches(plan: NoisePlan) -> np.ndarray:

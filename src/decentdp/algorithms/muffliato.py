@@ -29,7 +29,7 @@ as ``paper_epsilon_pairwise_network``.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -39,8 +39,9 @@ from decentdp.algorithms.base import AlgorithmSettings, Network, RoundContext, R
 from decentdp.algorithms.registry import register
 from decentdp.privacy import network_dp
 from decentdp.privacy.accounting import RDP_ORDERS
-from decentdp.privacy.observer_pricing import Builder, ViewRecipe, priced_view
+from decentdp.privacy.observer_pricing import Builder, ViewRecipe, pairwise_results, priced_view
 from decentdp.privacy.observer_view import LinearView
+from decentdp.privacy.report import AlgorithmPrivacy
 from decentdp.results import epsilon_json
 
 
@@ -171,7 +172,7 @@ class Muffliato(SettingsAlgorithm):
                 previous, current = current, gamma * (w @ current) + (1 - gamma) * previous
             theta = current
 
-    def privacy_extras(self, state: State, facts: RunFacts) -> dict[str, Any]:
+    def privacy_results(self, state: State, facts: RunFacts) -> AlgorithmPrivacy:
         """eps_{u->v} (and towards each ``privacy.colluding`` set): the observer-view accountant's, capped by u's
         local epsilon (:func:`~decentdp.privacy.observer_pricing.priced_view`), or the local epsilon alone when
         the view is too large or not linear (a post-processing clip); and the authors' bound, labelled
@@ -186,19 +187,8 @@ class Muffliato(SettingsAlgorithm):
             note = "an agent adds no noise: each sender's local epsilon"
         else:
             capped, note = priced_view(local, self.view_recipe(facts), observers, facts.relation, facts.delta)
-        epsilons = capped[:, :n].copy()
-        np.fill_diagonal(epsilons, 0.0)
         paper = np.minimum(network_dp.pairwise_epsilon(state["pairwise_rdp"].cpu().numpy(), facts.delta),
                            local[:, None])
         np.fill_diagonal(paper, 0.0)
-        off = epsilons[~np.eye(n, dtype=bool)]
-        largest = float(off.max()) if off.size else 0.0
-        extras = {"epsilon_pairwise_max": epsilon_json(largest),
-                  "epsilon_pairwise_network": epsilon_json(epsilons),
-                  "epsilon_pairwise_network_method": note,
-                  "paper_epsilon_pairwise_network": epsilon_json(paper)}
-        if facts.colluding:  # privacy.colluding: each set's view, members' own rows not priced (nan)
-            extras["epsilon_colluding"] = [{"agents": list(members), "epsilon": epsilon_json(capped[:, n + k])}
-                                           for k, members in enumerate(facts.colluding)]
-        return extras
+        return pairwise_results(capped, facts.colluding, note, {"paper_epsilon_pairwise_network": epsilon_json(paper)})
 

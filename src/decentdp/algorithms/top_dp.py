@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -62,6 +62,7 @@ from decentdp.algorithms.topology_noise import (
     report,
 )
 from decentdp.privacy.mechanisms import NoNoise
+from decentdp.privacy.report import AlgorithmPrivacy
 
 
 def add_selected(out: torch.Tensor, source: torch.Tensor, columns: torch.Tensor, weights: Sequence[float],
@@ -116,10 +117,11 @@ class TopDPBase(SelectMix):
                     for name in COUNTERS}
         return {"params": params, **counters}
 
-    def privacy_extras(self, state: State, facts: RunFacts) -> dict[str, Any]:
+    def privacy_results(self, state: State, facts: RunFacts) -> AlgorithmPrivacy:
         """The run's message counts (``privacy.json``): residual-noise and full-noise messages, coverable
         edges that fell back to full noise (heterogeneous budgets) and uncoverable ones."""
-        return {"top_dp_messages": report({name: int(state[f"count.{name}"].sum()) for name in COUNTERS})}
+        return AlgorithmPrivacy({"top_dp_messages": report({name: int(state[f"count.{name}"].sum())
+                                                            for name in COUNTERS})})
 
     def sigma(self, ctx: RoundContext) -> np.ndarray:
         """sigma_{t,i} of every agent of the run, by global id (eq. 6b; 0 in a non-private run)."""

@@ -27,7 +27,7 @@ local epsilon: ``epsilon_pairwise_network`` / ``epsilon_pairwise_max``.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -36,9 +36,9 @@ from pydantic import Field
 from decentdp.algorithms.base import Network, RoundContext, RunFacts, State, once_per_graph, prefixed, unprefixed
 from decentdp.algorithms.optim import Optimizer, OptimizerAlgorithm, OptimizerSettings
 from decentdp.algorithms.registry import register
-from decentdp.privacy.observer_pricing import Builder, ViewRecipe, priced_view
+from decentdp.privacy.observer_pricing import Builder, ViewRecipe, pairwise_results, priced_view
 from decentdp.privacy.observer_view import LinearView
-from decentdp.results import epsilon_json
+from decentdp.privacy.report import AlgorithmPrivacy
 
 
 class ZipDLSettings(OptimizerSettings):
@@ -158,20 +158,10 @@ class ZipDL(OptimizerAlgorithm):
             theta = np.zeros_like(theta)
             np.add.at(theta, receivers, weights[:, None] * messages)
 
-    def privacy_extras(self, state: State, facts: RunFacts) -> dict[str, Any]:
+    def privacy_results(self, state: State, facts: RunFacts) -> AlgorithmPrivacy:
         """What one neighbour (or a ``privacy.colluding`` set) learns of each sender, by the observer-view
         accountant over every message, capped by the sender's local epsilon."""
         local = np.asarray(facts.local_epsilon, dtype=float)
-        n = len(local)
-        observers = [[agent] for agent in range(n)] + [list(members) for members in facts.colluding]
+        observers = [[agent] for agent in range(len(local))] + [list(members) for members in facts.colluding]
         capped, note = priced_view(local, self.view_recipe(facts), observers, facts.relation, facts.delta)
-        epsilons = capped[:, :n].copy()
-        np.fill_diagonal(epsilons, 0.0)
-        off = epsilons[~np.eye(n, dtype=bool)]
-        extras: dict[str, Any] = {"epsilon_pairwise_max": epsilon_json(float(off.max()) if off.size else 0.0),
-                                  "epsilon_pairwise_network": epsilon_json(epsilons),
-                                  "epsilon_pairwise_network_method": note}
-        if facts.colluding:
-            extras["epsilon_colluding"] = [{"agents": list(members), "epsilon": epsilon_json(capped[:, n + k])}
-                                           for k, members in enumerate(facts.colluding)]
-        return extras
+        return pairwise_results(capped, facts.colluding, note)

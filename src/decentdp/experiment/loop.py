@@ -208,9 +208,9 @@ def _train(experiment: Experiment, folder: ResultsFolder | None, checkpoint: dic
         if folder is not None:
             folder.profile(report)
     result = summary(experiment, metrics, wall, finished=last == rounds) | {"threads": threads.threads}
-    extras = experiment.algorithm.privacy_extras(state, run_facts(experiment, int(metrics[-1]["round"]) if metrics
-                                                                  else 0))  # e.g. Muffliato's pairwise DP
-    result |= {key: value for key, value in extras.items() if key.endswith("_max")}
+    extras = experiment.algorithm.privacy_results(state, run_facts(experiment, int(metrics[-1]["round"]) if metrics
+                                                                   else 0))  # e.g. Muffliato's pairwise DP
+    result |= extras.summary()
     refused = experiment.ledger.refused
     if refused.any():
         emit(f"warning: {int((refused > 0).sum())} agent(s) ran out of privacy budget and skipped "

@@ -18,7 +18,6 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from decentdp.algorithms.base import State
@@ -26,7 +25,7 @@ from decentdp.config import PLACEMENT_FIELDS, ExperimentConfig, config_differenc
 from decentdp.errors import ConfigError
 from decentdp.experiment.build import Experiment
 from decentdp.privacy.network_dp import plot_pairwise
-from decentdp.privacy.report import AGENT_VIEW, privacy_report, privacy_statement
+from decentdp.privacy.report import AGENT_VIEW, AlgorithmPrivacy, privacy_report, privacy_statement
 from decentdp.results import (
     CHECKPOINT_FILE,
     CONFIG_FILE,
@@ -255,14 +254,14 @@ class ResultsFolder:
         write_jsonl(self.path / METRICS_FILE, metrics)
 
     def finish(self, experiment: Experiment, summary: dict[str, Any], metrics: list[dict[str, Any]],
-               extras: dict[str, Any] | None = None) -> None:
+               extras: AlgorithmPrivacy | None = None) -> None:
         """``privacy.json``, ``summary.json`` and the plots of a finished run; ``extras`` are the
-        algorithm's own privacy results (``Algorithm.privacy_extras``), added to ``privacy.json``."""
+        algorithm's own privacy results (``Algorithm.privacy_results``), added to ``privacy.json``."""
         privacy = privacy_report(experiment.ledger, experiment.config.privacy.delta, run_privacy_statement(
             experiment.config), experiment.setup.get("paper_accounting"), extras,
             experiment.setup.get("epsilon_observer", AGENT_VIEW))
-        if (extras or {}).get("epsilon_pairwise_network") is not None:
-            plot_pairwise(np.array(extras["epsilon_pairwise_network"], dtype=float), self.path / "pairwise_epsilon.png")
+        if extras is not None and extras.pairwise is not None:
+            plot_pairwise(extras.pairwise, self.path / "pairwise_epsilon.png")
         write_json(self.path / PRIVACY_FILE, privacy)
         write_json(self.path / SUMMARY_FILE, summary)
         if metrics:

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from decentdp.privacy.observer_filter import RecursiveViewBuilder, ViewTooLarge, recursive_cost, recursive_mu
 from decentdp.privacy.observer_view import ViewBuilder, dense_cost, observer_mu
+from decentdp.privacy.report import AlgorithmPrivacy
+from decentdp.results import epsilon_json
 
 #: Work (:func:`~decentdp.privacy.observer_view.dense_cost`'s floating-point operations) the dense accountant
 #: may spend, about half a minute at one thread here (N = 16, T = 100, K = 4: 3.9e11 in 30 s,
@@ -102,3 +104,21 @@ def _recursive(recipe: ViewRecipe, observers: Sequence[Collection[int]], relatio
     out[:] = recursive_mu(view, observers, relation).epsilon(delta)
     return ("the observer-view accountant, round by round (a Kalman filter per observer and a "
             "Cauchy-Schwarz bound over rounds: sound, looser than the dense form)")
+
+
+def pairwise_results(capped: np.ndarray, colluding: Sequence[Sequence[int]], note: str,
+                     labelled: dict[str, Any] | None = None) -> AlgorithmPrivacy:
+    """An algorithm's results from :func:`priced_view`'s ``capped`` epsilons (columns: each single agent, then
+    each ``privacy.colluding`` set): ``epsilon_pairwise_network`` (0 on the diagonal), its largest entry (the
+    headline), the ``note``, the ``labelled`` entries (e.g. a paper's figure), then ``epsilon_colluding``."""
+    n = capped.shape[0]
+    pairwise = capped[:, :n].copy()
+    np.fill_diagonal(pairwise, 0.0)
+    off = pairwise[~np.eye(n, dtype=bool)]
+    report: dict[str, Any] = {"epsilon_pairwise_max": epsilon_json(float(off.max()) if off.size else 0.0),
+                              "epsilon_pairwise_network": epsilon_json(pairwise),
+                              "epsilon_pairwise_network_method": note, **(labelled or {})}
+    if colluding:  # privacy.colluding: each set's view, members' own rows not priced (nan)
+        report["epsilon_colluding"] = [{"agents": list(members), "epsilon": epsilon_json(capped[:, n + k])}
+                                       for k, members in enumerate(colluding)]
+    return AlgorithmPrivacy(report, headline=("epsilon_pairwise_max",), pairwise=pairwise)

@@ -8,7 +8,10 @@ writers only add their files around it; no writer branches on an algorithm or a 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.results import epsilon_json
@@ -55,8 +58,27 @@ def privacy_statement(private: bool, relation: str, noise: str, private_evaluati
     return statement
 
 
+@dataclass(frozen=True)
+class AlgorithmPrivacy:
+    """An algorithm's own privacy results of a finished run, beyond its ledger's
+    (:meth:`~decentdp.algorithms.base.Algorithm.privacy_results`).
+
+    ``report``: entries for ``privacy.json``, in order (each epsilon named with the observer it is about);
+    ``headline``: the names of those that ``summary.json`` repeats (a run's one-line figures, such as the
+    largest pairwise epsilon); ``pairwise``: each sender's epsilon (rows) towards each single agent
+    (columns), drawn as ``pairwise_epsilon.png``."""
+
+    report: dict[str, Any] = field(default_factory=dict)
+    headline: tuple[str, ...] = ()
+    pairwise: np.ndarray | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """The headline entries, in the report's order."""
+        return {key: value for key, value in self.report.items() if key in self.headline}
+
+
 def privacy_report(ledger: PrivacyLedger, delta: float, statement: dict[str, Any],
-                   paper_accounting: dict[str, Any] | None = None, extras: dict[str, Any] | None = None,
+                   paper_accounting: dict[str, Any] | None = None, extras: AlgorithmPrivacy | None = None,
                    observer: str = AGENT_VIEW) -> dict[str, Any]:
     """``privacy.json``'s content: each agent's epsilon on the view budgets hold on (and by RDP), releases made
     and refused, the ledger, the statement; the per-receiver composition when messages went to single
@@ -83,5 +105,5 @@ def privacy_report(ledger: PrivacyLedger, delta: float, statement: dict[str, Any
         report["paper_epsilon_per_receiver_view"] = PER_RECEIVER_VIEW
     if paper_accounting is not None:
         report["paper_accounting"] = paper_accounting
-    report.update(extras or {})
+    report.update(extras.report if extras is not None else {})
     return report
