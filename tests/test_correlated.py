@@ -242,3 +242,17 @@ def test_many_distinct_multipliers_are_priced_on_a_grid_never_below_their_exact_
         if np.isfinite(sigma) and sigma > 0:
             exact = epsilon_spent(float(sigma), 1e-5, float(rates[row]), 20, 1, "rdp", "add-remove")
             assert exact - 1e-9 <= priced[row, column] <= 1.1 * exact
+
+
+def test_a_decor_run_says_its_epsilon_is_pairwise(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """DECOR's budgets name a narrower observer than every other run's: the run's last lines and summary.json
+    say whom (the CLI used to print it as if it were the usual every-observer epsilon)."""
+    import tomli_w
+
+    from decentdp.cli import main
+
+    config = tmp_path / "decor.toml"
+    config.write_text(tomli_w.dumps(tiny_config(algorithm={"name": "decor"})))
+    assert main(["run", str(config), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    assert f"epsilon spent per agent, towards {PAIRWISE_VIEW.split(':')[0]} (" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["epsilon_observer"] == PAIRWISE_VIEW

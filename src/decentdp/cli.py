@@ -197,7 +197,8 @@ def _run(args: argparse.Namespace) -> int:
     else:
         print(f"final test accuracy over {summary['n_agents']} agents: mean {summary['accuracy_mean']:.4f}, "
               f"min {summary['accuracy_min']:.4f}, max {summary['accuracy_max']:.4f}")
-    print(f"epsilon spent per agent ({summary['epsilon_accountant'].upper()}, delta={summary['delta']:g}): "
+    towards = f", towards {summary['epsilon_observer'].split(':')[0]}" if "epsilon_observer" in summary else ""
+    print(f"epsilon spent per agent{towards} ({summary['epsilon_accountant'].upper()}, delta={summary['delta']:g}): "
           f"max {_eps(summary['epsilon_max'])}"
           f"  [{per_agent}]")
     print(f"wall time {summary['wall_seconds']:.1f} s; results in {out}")

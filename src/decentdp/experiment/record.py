@@ -296,6 +296,9 @@ def summary(experiment: Experiment, metrics: list[dict[str, Any]], wall: float, 
         "epsilon_max": epsilon_json(float(epsilons.max())),
         "epsilon_per_agent": epsilon_json(epsilons),
         "epsilon_accountant": accountant,
+        # who the budgets' epsilon is about, where narrower than every observer together (DECOR's pairwise view)
+        **({"epsilon_observer": experiment.setup["epsilon_observer"]} if "epsilon_observer" in experiment.setup
+           else {}),
         "neighbouring": config.privacy.neighbouring,
         "noise": config.privacy.noise,
         "epsilon_target": epsilon_json(min(config.privacy.budgets)),
