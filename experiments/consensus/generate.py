@@ -79,17 +79,33 @@ def cifar_config(algorithm: str, epsilon: str, *, overlap_t: float, name: str) -
     return data
 
 
+#: Table 1's sections by normalized Fiedler value (Fig. 1 plots them): the complete graph (1.0), then
+#: random graphs drawn to each value; the decentralized algorithms only (central DP-SGD has no graph).
+FIEDLER_SECTIONS = (0.7, 0.39, 0.06)
+
+
+def fiedler_graph(value: float) -> dict[str, Any]:
+    """A random graph with normalized Fiedler value ``value`` (within 0.01), Metropolis-Hastings weights."""
+    return {"graph": "fiedler", "fiedler": value, "fiedler_tol": 0.01, "mixing": "metropolis-hastings"}
+
+
 def main() -> None:
-    """Write Table 1 (complete graph, t = 1), Table 2 (Fiedler 0.06 graph, t sweep) and Table 4 (CIFAR-100,
-    t sweep) configs."""
+    """Write Table 1 (complete graph and the three Fiedler sections, t = 1), Table 2 (Fiedler 0.06 graph, t
+    sweep) and Table 4 (CIFAR-100, t sweep) configs."""
     complete = {"graph": "complete", "mixing": "metropolis-hastings"}
-    sparse = {"graph": "fiedler", "fiedler": 0.06, "fiedler_tol": 0.01, "mixing": "metropolis-hastings"}
+    sparse = fiedler_graph(0.06)
     written = 0
     for algorithm in LEARNING_RATES:
         for epsilon in EPSILONS:
             name = f"table1-{SHORT[algorithm]}-eps{epsilon}"
             _write(name, config(algorithm, epsilon, graph=complete, overlap_t=1.0, name=name))
             written += 1
+            if algorithm == "central-dpsgd":
+                continue
+            for value in FIEDLER_SECTIONS:
+                name = f"table1-{SHORT[algorithm]}-eps{epsilon}-fiedler{value:g}"
+                _write(name, config(algorithm, epsilon, graph=fiedler_graph(value), overlap_t=1.0, name=name))
+                written += 1
     for algorithm in ("dp-dsgd", "dp-dsgt", "dp-dinno"):
         for epsilon in ("0.5", "10"):
             for t in (0.0, 0.25, 0.5, 0.75, 1.0):
