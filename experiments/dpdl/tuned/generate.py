@@ -28,9 +28,9 @@ GRAPHS = {"fc": "complete", "bipartite": "complete-bipartite", "ring": "ring"}
 #: (method, graph) -> the tuned [algorithm] values and the sweep's best validation accuracy (300 rounds).
 TUNED: dict[tuple[str, str], tuple[dict[str, Any], float]] = {
     ("dpdl", "fc"): ({"lr": 0.0321, "calibration_scale": 0.5904}, 0.9108),
-    ("dp-dsgd", "fc"): ({"lr": 0.5636}, 0.8459),
-    ("muffliato", "fc"): ({"lr": 0.5636}, 0.8741),
-    ("dp-dpsgd", "fc"): ({"lr": 0.5636}, 0.8459),
+    ("dp-dsgd", "fc"): ({"lr": 0.9691}, 0.8667),
+    ("muffliato", "fc"): ({"lr": 0.9691}, 0.9001),
+    ("dp-dpsgd", "fc"): ({"lr": 0.9691}, 0.8667),
     ("dp-cga", "fc"): ({"lr": 0.8249, "momentum": 0.5}, 0.8915),
     ("dp-net-fleet", "fc"): ({"lr": 0.0897}, 0.5535),
 }
