@@ -30,13 +30,14 @@ import numpy as np
 
 from decentdp.config import ExperimentConfig, TrackingSection, flat_fields
 from decentdp.errors import ConfigError
+from decentdp.experiment.record import DIAGNOSTICS_FILE, LOCK_FILE
 
 #: Where a results folder remembers its tracked run, so that ``--resume`` continues the same one.
 TRACKING_FILE = "tracking.json"
 #: Files of a results folder that are never artifacts: the resumable states (large: ``*.pt``), the writer's
 #: lock, this file, and the operator diagnostics, which are computed from raw private data (not DP) and must
 #: not leave the machine.
-NOT_ARTIFACTS = (".lock", TRACKING_FILE, "diagnostics.json")
+NOT_ARTIFACTS = (LOCK_FILE, TRACKING_FILE, DIAGNOSTICS_FILE)
 #: MLflow's limits: characters of a parameter's value, entries of one ``log_batch`` call.
 MLFLOW_PARAM_CHARS, MLFLOW_BATCH = 6000, 1000
 
