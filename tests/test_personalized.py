@@ -20,12 +20,19 @@ from decentdp.data.movielens import load_movielens
 from decentdp.data.personal import PersonalData
 from decentdp.data.synthetic_linear import synthetic_linear
 from decentdp.errors import ConfigError, DataError
-from decentdp.personalized.local import local_models, output_perturbation
-from decentdp.personalized.objective import build_problem, clip_rows, data_gradient_sums, objective
+from decentdp.personalized.local import LABEL_SHARE, local_dp_release, local_models, output_perturbation
+from decentdp.personalized.objective import (
+    build_problem,
+    clip_rows,
+    data_gradient_sums,
+    local_losses,
+    objective,
+    objective_gradient,
+)
 from decentdp.personalized.privacy import calibrate_updates, kairouz_epsilon
 from decentdp.personalized.runner import evaluate, run_personalized
 from decentdp.personalized.schedule import plan_wakeups, poisson_ticks
-from decentdp.personalized.solver import PrivateUpdates, coordinate_descent
+from decentdp.personalized.solver import PrivateUpdates, coordinate_descent, minimiser
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.rng import AgentRandom
 
@@ -75,6 +82,24 @@ def test_noiseless_cd_decreases_the_objective_at_every_level_and_reaches_the_opt
     assert all(b <= a + 1e-12 for a, b in zip(values, values[1:], strict=False))
     coordinate_descent(problem, theta, plan, start=60)
     torch.testing.assert_close(theta, _optimum(problem), atol=1e-8, rtol=1e-8)
+
+
+def test_the_central_minimiser_finds_the_optimum_of_either_loss():
+    """L-BFGS on Q_L: the exact quadratic optimum (a linear system), and a vanishing gradient for the logistic
+    loss, where the gradient itself is checked against autograd of the objective."""
+    problem = build_problem(_regression(), mu=0.5)
+    start = torch.zeros(problem.n_agents, problem.dim, dtype=torch.float64)
+    torch.testing.assert_close(minimiser(problem, start), _optimum(problem), atol=1e-6, rtol=1e-6)
+    logistic = build_problem(synthetic_linear(12, 6, min_points=10, max_points=30, seed=2), mu=1.0)
+    theta = torch.randn(12, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    squared = (theta * theta).sum(dim=1)
+    smooth = (logistic.degree * squared).sum() - (theta * (logistic.weights @ theta)).sum()
+    value = 0.5 * smooth + logistic.mu * (logistic.degree * logistic.confidence * local_losses(logistic, theta)).sum()
+    value.backward()
+    torch.testing.assert_close(objective_gradient(logistic, theta.detach()), theta.grad, atol=1e-10, rtol=1e-10)
+    best = minimiser(logistic, torch.zeros(12, 6, dtype=torch.float64))
+    assert float(objective_gradient(logistic, best).abs().max()) < 1e-6
+    assert objective(logistic, best) <= objective(logistic, best + 1e-3 * torch.randn_like(best))
 
 
 def test_levels_reproduce_the_one_agent_at_a_time_run_exactly():
@@ -238,6 +263,46 @@ def test_synthetic_generator_matches_its_specification():
     assert data.train_counts.min() >= 10 and data.train_counts.max() <= 100
     assert np.allclose(data.weights, data.weights.T) and (data.weights.sum(axis=1) > 0).all()
     assert set(np.unique(data.y_train)) == {-1.0, 1.0}
+
+
+def test_synthetic_graph_keeps_the_weights_above_the_largest_connected_cut():
+    """The authors' rule (Dada ``compute_adjacencies``): cuts max W / sqrt(10)^k, k = 1, 2, ...; the first
+    that leaves a connected graph is kept, so the next larger one (if any was tried) disconnects it."""
+    for seed, agents in ((0, 100), (3, 12)):
+        data = synthetic_linear(agents, 4, seed=seed)
+        weights, cut = data.weights, data.info["weight_cut"]
+        assert np.allclose(weights, weights.T) and ((weights == 0) | (weights > cut)).all()
+        adjacency = (weights > 0).astype(float)
+        assert np.linalg.eigvalsh(np.diag(adjacency.sum(axis=1)) - adjacency)[1] > 1e-3
+        kept = weights[weights > 0]
+        larger = cut * np.sqrt(10)
+        if larger < weights.max() / np.sqrt(10) * 1.0001:  # a larger cut was tried first: it disconnected
+            coarse = (weights > larger).astype(float)
+            assert np.linalg.eigvalsh(np.diag(coarse.sum(axis=1)) - coarse)[1] <= 1e-3
+        assert kept.min() > cut
+    fixed = synthetic_linear(100, 4, seed=0, threshold=1e-3)
+    assert fixed.info["cut"] == "fixed" and (fixed.weights > 0).sum() > (synthetic_linear(100, 4, seed=0).weights
+                                                                         > 0).sum()
+
+
+def test_local_dp_release_perturbs_every_training_record_and_nothing_else():
+    """Features: Laplace of scale 2 bound / ((1 - share) eps) per coordinate (for points already inside the
+    l1 ball, which are not scaled); labels: flipped with probability 1 / (1 + e^(share eps))."""
+    data = synthetic_linear(50, 3, min_points=100, max_points=100, seed=1)
+    small = PersonalData(data.x_train / 100, data.y_train, data.owner_train, data.x_test, data.y_test,
+                         data.owner_test, data.weights, data.task)  # every ||x||_1 < 0.1 <= bound
+    epsilon, bound = 1.0, 0.5
+    released = local_dp_release(small, epsilon, bound, np.random.default_rng(0))
+    noise = released.x_train - small.x_train
+    scale = 2 * bound / ((1 - LABEL_SHARE) * epsilon)
+    assert abs(np.abs(noise).mean() / scale - 1) < 0.03  # 15,000 |Laplace| draws: ~0.8 % standard error
+    flipped = np.mean(released.y_train != small.y_train)
+    assert abs(flipped - 1 / (1 + math.exp(LABEL_SHARE * epsilon))) < 0.025  # 5,000 labels
+    assert released.x_test is small.x_test and released.y_test is small.y_test
+    big = local_dp_release(data, 1e9, 0.5, np.random.default_rng(0))  # almost no noise: only the scaling shows
+    assert np.abs(big.x_train).sum(axis=1).max() <= 0.5 + 1e-6
+    with pytest.raises(ValueError, match="classification only"):
+        local_dp_release(_regression(), 1.0, 1.0, np.random.default_rng(0))
 
 
 def test_warm_start_noise_dwarfs_the_local_models_whatever_lambda():

@@ -1,15 +1,19 @@
 """Tune wake-ups per agent (T_i = T/n) for each MovieLens config on the validation split, then run the
-tuned configs on the test split: the procedure of Bellet et al. (supplementary D.2).
+tuned configs on the test split: the procedure of Bellet et al. (supplementary D.2), once per seed.
 
-For every config and every candidate T_i, the run is made with ``personalized.validation = true``
+For every seed, config and candidate T_i, the run is made with ``personalized.validation = true``
 (train on 80% of each user's training ratings, evaluate on the other 20%; the test ratings are not
 read); the T_i with the lowest validation RMSE is kept, and the config is run once more on the test
-split with it.  A grid search, since one run per candidate is cheap (seconds) and the curve in T_i
-is smooth; its results go to ``OUT/tuning.json``, the final table to ``OUT/table.json`` and each test
-run's results folder to ``OUT/NAME`` (for ``decentdp report``).
+split with it.  Each seed (``experiment.seed``) draws its own 80/20 split, ALS features, graph, clocks
+and noise, and is tuned on its own validation split, as five independent runs of the paper's protocol
+would be.  A grid search, since one run per candidate is cheap (seconds) and the curve in T_i is
+smooth.  ``OUT/table.json`` holds, per config, each seed's validation RMSE per candidate, tuned T_i and
+test RMSE, and the mean and sample std over seeds; each test run's results folder is ``OUT/NAME/seed-S``
+(for ``decentdp report``, which must ignore the tuned ``personalized.wakeups`` to group a config's seeds).
 
-    python experiments/personalized/tune.py --data-dir ../shared/data --out results/personalized-table
-    decentdp report results/personalized-table --metric rmse_mean \
+    python experiments/personalized/tune.py --data-dir ../shared/data --out results/personalized-table \
+        --seeds 0 1 2 3 4
+    decentdp report results/personalized-table --metric rmse_mean --ignore personalized.wakeups \
         --paper experiments/personalized/paper-movielens.toml
 """
 
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 from pathlib import Path
 
 from decentdp.config import load_config
@@ -29,38 +35,49 @@ PAPER = {"movielens-local": 1.2834, "movielens-nonprivate": 0.9502, "movielens-e
          "movielens-eps0.5": 0.9545, "movielens-eps0.1": 0.9855}
 
 
+def tune_and_test(path: Path, seed: int, grid: list[int], data_dir: str, out: Path) -> dict[str, object]:
+    """One seed of one config: validation RMSE per candidate T_i, then the test run at the best one."""
+    base = load_config(path)
+    assert base.personalized is not None
+    candidates = grid if base.personalized.method == "cd" else [base.personalized.wakeups]
+    scores = {}
+    for wakeups in candidates:
+        config = load_config(path, [f"experiment.seed={seed}", "personalized.validation=true",
+                                    f"personalized.wakeups={wakeups}"])
+        summary, _, _ = run_personalized(config, data_dir=data_dir, log=lambda _line: None)
+        scores[wakeups] = summary["rmse_mean"]
+        print(f"{path.stem} seed {seed}: wakeups {wakeups}: validation RMSE {summary['rmse_mean']:.4f}", flush=True)
+    best = min(scores, key=scores.__getitem__)
+    config = load_config(path, [f"experiment.seed={seed}", f"personalized.wakeups={best}"])
+    summary, _, _ = run_personalized(config, out, data_dir=data_dir, log=lambda _line: None)
+    print(f"{path.stem} seed {seed}: test RMSE {summary['rmse_mean']:.4f} with wakeups {best}", flush=True)
+    return {"validation_rmse": scores, "wakeups": best, "rmse_mean": summary["rmse_mean"],
+            "epsilon_max": summary["epsilon_max"], "epsilon_max_paper": summary["epsilon_max_paper"],
+            "epsilon_max_rdp": summary["epsilon_max_rdp"], "wall_seconds": summary["wall_seconds"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--grid", type=int, nargs="+", default=list(GRID), help="candidate wake-ups per agent")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="experiment.seed of each run (paper: 5)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tuning, table = {}, {}
+    clock = time.perf_counter()
+    table: dict[str, dict[str, object]] = {}
     for name in args.configs:
-        path = HERE / f"{name}.toml"
-        base = load_config(path)
-        assert base.personalized is not None
-        grid = args.grid if base.personalized.method == "cd" else [base.personalized.wakeups]
-        scores = {}
-        for wakeups in grid:
-            config = load_config(path, ["personalized.validation=true", f"personalized.wakeups={wakeups}"])
-            summary, _, _ = run_personalized(config, data_dir=args.data_dir, log=lambda _line: None)
-            scores[wakeups] = summary["rmse_mean"]
-            print(f"{name}: wakeups {wakeups}: validation RMSE {summary['rmse_mean']:.4f}", flush=True)
-        best = min(scores, key=scores.__getitem__)
-        tuning[name] = {"validation_rmse": scores, "best_wakeups": best}
-        config = load_config(path, [f"personalized.wakeups={best}"])
-        summary, _, _ = run_personalized(config, out / name, data_dir=args.data_dir, log=lambda _line: None)
-        table[name] = {"wakeups": best, "rmse_mean": summary["rmse_mean"], "paper_rmse": PAPER.get(name),
-                       "epsilon_max": summary["epsilon_max"], "epsilon_max_paper": summary["epsilon_max_paper"],
-                       "epsilon_max_rdp": summary["epsilon_max_rdp"], "wall_seconds": summary["wall_seconds"]}
-        print(f"{name}: test RMSE {summary['rmse_mean']:.4f} with wakeups {best} (paper {PAPER.get(name)})",
-              flush=True)
-        (out / "tuning.json").write_text(json.dumps(tuning, indent=2) + "\n")
-        (out / "table.json").write_text(json.dumps(table, indent=2) + "\n")
+        runs = {seed: tune_and_test(HERE / f"{name}.toml", seed, args.grid, args.data_dir, out / name / f"seed-{seed}")
+                for seed in args.seeds}
+        rmse = [float(run["rmse_mean"]) for run in runs.values()]  # type: ignore[arg-type]
+        table[name] = {"rmse_mean": statistics.mean(rmse), "rmse_std": statistics.stdev(rmse) if len(rmse) > 1 else 0.0,
+                       "paper_rmse": PAPER.get(name), "seeds": runs}
+        print(f"{name}: test RMSE {table[name]['rmse_mean']:.4f} ± {table[name]['rmse_std']:.4f} over "
+              f"{len(rmse)} seeds (paper {PAPER.get(name)})", flush=True)
+        (out / "table.json").write_text(json.dumps({**table, "wall_seconds": time.perf_counter() - clock},
+                                                   indent=2) + "\n")
 
 
 if __name__ == "__main__":

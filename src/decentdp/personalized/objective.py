@@ -165,6 +165,14 @@ def local_losses(problem: Problem, theta: torch.Tensor) -> torch.Tensor:
     return losses / problem.counts.clamp(min=1).double() + problem.reg * (theta * theta).sum(dim=1)
 
 
+def objective_gradient(problem: Problem, theta: torch.Tensor) -> torch.Tensor:
+    """grad Q_L(Theta), ``(n, p)``: block i is D_ii (Theta_i + mu c_i grad L_i(Theta_i)) - sum_j W_ij Theta_j
+    (eq. (3)); the central minimiser (:func:`~decentdp.personalized.solver.minimiser`) descends it."""
+    agents = torch.arange(problem.n_agents, device=theta.device)
+    pull = (problem.mu * problem.confidence).unsqueeze(1) * local_gradients(problem, theta, agents)
+    return problem.degree.unsqueeze(1) * (theta + pull) - problem.weights @ theta
+
+
 def objective(problem: Problem, theta: torch.Tensor) -> float:
     """Q_L(Theta), eq. (3)."""
     squared = (theta * theta).sum(dim=1)

@@ -11,7 +11,8 @@ one-agent-at-a-time run exactly.  Agent i's noise for all of its planned updates
 its own stream, keyed (seed, i), made once; its k-th update adds the k-th block.  A run stopped after
 any level and continued therefore gives the same models bit for bit.
 
-Also here: model propagation (eq. (16)), the non-private post-processing of the warm start.
+Also here: model propagation (eq. (16)), the non-private post-processing of the warm start, and Q_L's
+minimiser computed centrally (:func:`minimiser`), the reference the decentralized runs approach.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import scipy.optimize
 import torch
 
-from decentdp.personalized.objective import Problem, data_gradient_sums
+from decentdp.personalized.objective import Problem, data_gradient_sums, objective, objective_gradient
 from decentdp.personalized.privacy import UpdateNoise
 from decentdp.personalized.schedule import WakeupPlan
 from decentdp.privacy.discrete import grid_gaussian_release, grid_release
@@ -168,3 +170,21 @@ def model_propagation(problem: Problem, local: torch.Tensor) -> torch.Tensor:
     pull = problem.mu * problem.confidence * degree
     system = torch.diag(degree + pull) - weights
     return torch.linalg.solve(system, pull.unsqueeze(1) * local)
+
+
+def minimiser(problem: Problem, start: torch.Tensor, *, max_iterations: int = 20000) -> torch.Tensor:
+    """Q_L's minimiser, found centrally by L-BFGS from ``start`` (``(n, p)``), to about machine precision.
+
+    Not a decentralized algorithm: the reference point that tells whether a run's accuracy is Q_L's or
+    only early stopping's, and what tuning mu (which sets Q_L) can reach.  Q_L is strongly convex
+    (the lambda_i ||theta||^2 terms), so the minimiser is unique whatever ``start``."""
+    shape = start.shape
+
+    def value_and_gradient(flat: np.ndarray) -> tuple[float, np.ndarray]:
+        theta = torch.from_numpy(flat.reshape(shape)).to(start.device)
+        return objective(problem, theta), objective_gradient(problem, theta).cpu().numpy().ravel()
+
+    result = scipy.optimize.minimize(value_and_gradient, start.detach().cpu().double().numpy().ravel(), jac=True,
+                                     method="L-BFGS-B", options={"maxiter": max_iterations, "maxcor": 20,
+                                                                 "gtol": 1e-10, "ftol": 1e-15})
+    return torch.from_numpy(result.x.reshape(shape)).to(start.device)
