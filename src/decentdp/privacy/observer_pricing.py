@@ -33,8 +33,10 @@ from decentdp.results import epsilon_json
 #: ``benchmarks/observer_view.py``), and the memory a view (dense or recursive) may take.
 VIEW_BUDGET_FLOPS = 4e11
 VIEW_BUDGET_BYTES = 2**31
-#: Work (:func:`~decentdp.privacy.observer_filter.recursive_cost`) the recursive accountant may spend: about
-#: ten minutes at one thread here, where a run of that size has taken hours (``benchmarks/observer_view.py``).
+#: Work (:func:`~decentdp.privacy.observer_filter.recursive_cost`, an upper estimate that ignores the rounds
+#: reused once the filter is steady) the recursive accountant may spend: Muffliato at N = 100, T = 2000,
+#: K = 10 estimates 7.1e12 and takes 25 s here at one thread (``benchmarks/observer_view.py``); a run whose
+#: rounds all differ costs about the estimate, which at this budget is tens of minutes.
 RECURSIVE_BUDGET_FLOPS = 2e13
 
 
