@@ -31,7 +31,7 @@ from decentdp.algorithms.base import (
     State,
     once_per_graph,
 )
-from decentdp.privacy.mechanisms import GaussianMechanism, round_up_to_float32
+from decentdp.privacy.mechanisms import GaussianMechanism, per_agent_multipliers
 
 
 class SelectMixSettings(AlgorithmSettings):
@@ -126,11 +126,6 @@ class SelectMix(Algorithm):
 def calibrated_gaussian(plan: NoisePlan, sigma_of: Callable[[float, float], float], method: str) -> Calibrated:
     """A baseline's Gaussian mechanism with ``sigma_i = sigma_of(epsilon_i, q_i)`` (its paper's formula), and
     the paper's claim (every agent meets its stated budget) for the report beside our accounting."""
-    cache: dict[tuple[float, float], float] = {}
-    sigmas = []
-    for epsilon, rate in zip(plan.budgets, plan.sample_rates, strict=True):
-        if (epsilon, rate) not in cache:
-            cache[(epsilon, rate)] = sigma_of(epsilon, rate)
-        sigmas.append(float(round_up_to_float32(torch.tensor(cache[(epsilon, rate)], dtype=torch.float64))))
+    sigmas = per_agent_multipliers(list(zip(plan.budgets, plan.sample_rates, strict=True)), sigma_of)
     paper = {"method": method, "claimed_epsilon": list(plan.budgets), "noise_multipliers": sigmas}
     return Calibrated(GaussianMechanism(torch.tensor(sigmas, dtype=torch.float32), plan.clip), sigmas, paper)

@@ -36,7 +36,7 @@ from decentdp.algorithms.schedules import Schedule
 from decentdp.audit.bounds import audit_bound, split_sizes
 from decentdp.config import ExperimentConfig
 from decentdp.errors import ConfigError
-from decentdp.experiment.build import Experiment, _calibrate, build_experiment, planned_releases
+from decentdp.experiment.build import Experiment, build_experiment, calibrate, planned_releases
 from decentdp.gradients.flat_model import FlatModel
 from decentdp.models import validate_for_dp
 from decentdp.privacy.accounting import epsilon_of_history
@@ -146,7 +146,7 @@ def _sigmas(experiment: Experiment, budgets: list[float], rates: list[float], pl
     key = (id(experiment), experiment.config.model_dump_json(), tuple(rates), planned, tuple(sums.tolist()))
     if key not in _CALIBRATED:
         _CALIBRATED.clear()
-        _CALIBRATED[key] = _calibrate(budgets, rates, experiment.config, planned, sums,
+        _CALIBRATED[key] = calibrate(budgets, rates, experiment.config, planned, sums,
                                       experiment.algorithm.joint_accounting)
     return _CALIBRATED[key]
 

@@ -35,7 +35,7 @@ from decentdp.audit.settings import AuditSection
 from decentdp.config import ExperimentConfig
 from decentdp.data.datasets import Dataset, load_dataset
 from decentdp.errors import ConfigError
-from decentdp.experiment.build import _calibrate, planned_releases
+from decentdp.experiment.build import calibrate, planned_releases
 from decentdp.gradients.flat_model import FlatModel
 from decentdp.gradients.stacked_model import gradient_model
 from decentdp.models import build_model, classification_loss
@@ -260,7 +260,7 @@ def run_inversion(config: ExperimentConfig, audit: AuditSection, data_dir: str |
         rate = min(1.0, batch / agent_size)
         for epsilon in [math.inf, *audit.epsilons]:
             mechanism = None if math.isinf(epsilon) else GaussianMechanism(
-                torch.tensor(_calibrate([epsilon], [rate], config, planned), dtype=torch.float32), config.privacy.clip)
+                torch.tensor(calibrate([epsilon], [rate], config, planned), dtype=torch.float32), config.privacy.clip)
             shown: list[np.ndarray] = []
             originals_shown: list[np.ndarray] = []
             for image in range(audit.images):

@@ -35,9 +35,8 @@ from decentdp.gradients.flat_model import FlatModel
 from decentdp.gradients.memory import MemoryPlan, available_memory, padded_batch, plan_memory, state_bytes
 from decentdp.gradients.stacked_model import gradient_model
 from decentdp.models import build_model, classification_loss, validate_for_dp
-from decentdp.privacy.accounting import calibrate_noise_multiplier
 from decentdp.privacy.ledger import PrivacyLedger
-from decentdp.privacy.mechanisms import GaussianMechanism, round_up_to_float32
+from decentdp.privacy.mechanisms import GaussianMechanism, calibrate_agents
 from decentdp.privacy.oracle import DataOracle
 from decentdp.privacy.report import PRIVATE_EVALUATION_NOTICE
 from decentdp.privacy.sampling import AgentData, PoissonSampler
@@ -108,25 +107,12 @@ def _agent_budgets(config: ExperimentConfig, n_agents: int) -> list[float]:
 
 
 
-def _calibrate(budgets: list[float], rates: list[float], config: ExperimentConfig, releases: int,
-               sums: np.ndarray | None = None, joint: bool = True) -> list[float]:
-    """sigma_i for each agent's ``releases`` planned releases at rate q_i (cached).
-
-    An agent releasing ``k_i = sums[i]`` sums per batch makes one Gaussian release of multiplier
-    ``sigma_i / sqrt(k_i)`` (specs A.4): the calibrated multiplier is scaled by ``sqrt(k_i)``.  With
-    ``joint = False`` (an algorithm's labelled loose option) they are priced as ``k_i`` releases."""
-    cache: dict[tuple[float, float, int], float] = {}
-    sigmas = []
-    sums = np.ones(len(budgets), dtype=np.int64) if sums is None else sums
-    for epsilon, rate, k in zip(budgets, rates, sums.tolist(), strict=True):
-        count = releases if joint else releases * k
-        if (epsilon, rate, count) not in cache:
-            cache[(epsilon, rate, count)] = calibrate_noise_multiplier(epsilon, config.privacy.delta, rate, count, 1,
-                                                                       config.privacy.accountant,
-                                                                       relation=config.privacy.neighbouring)
-        sigma = cache[(epsilon, rate, count)] * (math.sqrt(k) if joint else 1.0)
-        sigmas.append(float(round_up_to_float32(torch.tensor(sigma, dtype=torch.float64))))
-    return sigmas
+def calibrate(budgets: list[float], rates: list[float], config: ExperimentConfig, releases: int,
+              sums: np.ndarray | None = None, joint: bool = True) -> list[float]:
+    """Each agent's sigma for the run's ``releases`` (:func:`~decentdp.privacy.mechanisms.calibrate_agents`
+    with the config's delta, accountant and neighbouring relation)."""
+    return calibrate_agents(budgets, rates, releases, config.privacy.delta, config.privacy.accountant,
+                            config.privacy.neighbouring, None if sums is None else sums.tolist(), joint)
 
 
 def _sums_per_batch(config: ExperimentConfig, algorithm: Algorithm, topology: Topology) -> np.ndarray:
@@ -260,7 +246,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     own = algorithm.calibrate(_noise_plan(config, budgets, rates, sizes, model.dim, topology, public)) \
         if private else None
     sigmas = own.noise_multipliers if own is not None else \
-        _calibrate(budgets, rates, config, planned, sums, algorithm.joint_accounting) if private else [0.0] * len(parts)
+        calibrate(budgets, rates, config, planned, sums, algorithm.joint_accounting) if private else [0.0] * len(parts)
     ledger = PrivacyLedger(len(parts), budgets, config.privacy.delta, budget_accountant=config.privacy.accountant,
                           relation=config.privacy.neighbouring)
     # host values, known before any round: the ledger and the events read them without a device round trip

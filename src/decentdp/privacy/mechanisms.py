@@ -17,6 +17,7 @@ variants (TOP-DP's per-receiver residual noise) implement the same protocol.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -24,6 +25,7 @@ import dp_accounting
 import numpy as np
 import torch
 
+from decentdp.privacy.accounting import calibrate_noise_multiplier
 from decentdp.privacy.discrete import grid_gaussian_release, grid_release
 from decentdp.privacy.events import gaussian_event, joint_gaussian_event, laplace_event
 from decentdp.rng import AgentRandom, Stream
@@ -153,6 +155,35 @@ def round_up_to_float32(values: torch.Tensor) -> torch.Tensor:
     single = values.float()
     below = single.double() < values
     return torch.where(below, torch.nextafter(single, torch.tensor(float("inf"), device=single.device)), single)
+
+
+def per_agent_multipliers(requests: Sequence[tuple[float, ...]], sigma_of: Callable[..., float]) -> list[float]:
+    """``sigma_of(*request)`` for each agent's request (e.g. its budget and sample rate), computed once per
+    distinct request (agents often share one), rounded up to the float32 the noise is drawn in."""
+    cache: dict[tuple[float, ...], float] = {}
+    sigmas = []
+    for request in requests:
+        if request not in cache:
+            cache[request] = sigma_of(*request)
+        sigmas.append(float(round_up_to_float32(torch.tensor(cache[request], dtype=torch.float64))))
+    return sigmas
+
+
+def calibrate_agents(budgets: Sequence[float], rates: Sequence[float], releases: int, delta: float, accountant: str,
+                     relation: str, sums: Sequence[int] | None = None, joint: bool = True) -> list[float]:
+    """Each agent's Gaussian noise multiplier for ``releases`` planned releases at its rate ``q_i`` within its
+    budget ``epsilon_i`` (:func:`per_agent_multipliers`).
+
+    An agent releasing ``k_i = sums[i]`` sums per batch makes one Gaussian release of multiplier
+    ``sigma_i / sqrt(k_i)`` (specs A.4): the calibrated multiplier is scaled by ``sqrt(k_i)``.  With
+    ``joint = False`` (an algorithm's labelled loose option) they are priced as ``k_i`` releases."""
+    def sigma(epsilon: float, rate: float, k: int) -> float:
+        count = releases if joint else releases * k
+        return calibrate_noise_multiplier(epsilon, delta, rate, count, 1, accountant, relation=relation) * \
+            (math.sqrt(k) if joint else 1.0)
+
+    counts = [1] * len(budgets) if sums is None else [int(k) for k in sums]
+    return per_agent_multipliers(list(zip(budgets, rates, counts, strict=True)), sigma)
 
 
 class _ScaledNoise:
