@@ -468,3 +468,40 @@ def test_a_method_without_noise_says_it_is_not_private(method, tmp_path):
     assert summary["private"] is False and summary["epsilon_max"] is None
     assert any("NOT private" in line for line in lines)
     assert json.loads((tmp_path / method / "privacy.json").read_text())["private"] is False
+
+
+class _Recording:
+    """A numpy generator that records the Laplace scales and uniform draws local_dp_release asks for."""
+
+    def __init__(self) -> None:
+        self.generator, self.scales = np.random.default_rng(0), []
+
+    def laplace(self, loc: float, scale: float, size: tuple[int, ...]) -> np.ndarray:
+        self.scales.append(scale)
+        return self.generator.laplace(loc, scale, size)
+
+    def random(self, size: int) -> np.ndarray:
+        return self.generator.random(size)
+
+
+def test_local_dp_release_loses_at_most_epsilon_for_any_two_records():
+    """The exact privacy loss of one released record, computed here from the noise the release drew: for two
+    records x, x' (features scaled into the l1 ball as the release does, labels y, y') the Laplace part
+    loses ||c(x) - c(x')||_1 / b at worst and randomized response |log(p / (1 - p))| when the labels differ.
+    Over every pair of the dataset's records (most outside the ball) and the ball's antipodes it stays <= eps,
+    with equality at the antipodes with opposite labels."""
+    data = synthetic_linear(20, 4, min_points=10, max_points=10, seed=2)
+    epsilon, bound = 2.0, 1.0
+    recording = _Recording()
+    released = local_dp_release(data, epsilon, bound, recording)
+    (scale,) = recording.scales
+    keep = np.mean(released.y_train == data.y_train)                       # observed, for the label's share
+    rr = math.log(1 / (1 + math.exp(-LABEL_SHARE * epsilon)) / (1 / (1 + math.exp(LABEL_SHARE * epsilon))))
+    assert abs(keep - 1 / (1 + math.exp(-LABEL_SHARE * epsilon))) < 0.1
+    size = np.abs(data.x_train).sum(axis=1, keepdims=True)
+    clipped = data.x_train * np.minimum(1.0, bound / size)                  # this test's own scaling
+    distances = np.abs(clipped[:, None, :] - clipped[None, :, :]).sum(axis=2) / scale
+    differ = data.y_train[:, None] != data.y_train[None, :]
+    assert (distances + rr * differ).max() <= epsilon + 1e-9
+    antipodes = 2 * bound / scale + rr                                      # x = bound e_1, x' = -bound e_1
+    assert antipodes == pytest.approx(epsilon, rel=1e-12)

@@ -36,6 +36,7 @@ from decentdp.experiment.build import build_experiment
 from decentdp.experiment.loop import run_facts
 from decentdp.privacy import oracle as oracle_module
 from decentdp.privacy.accounting import gaussian_dp_epsilon
+from decentdp.privacy.observer_filter import recursive_mu
 from decentdp.privacy.oracle import DataOracle
 from decentdp.runtime.network import GraphSequence, SimulatedNetwork
 from decentdp.runtime.simulator import Simulator
@@ -297,3 +298,22 @@ def test_top_dp_per_receiver_view_is_below_a_single_receivers_exact_loss() -> No
         assert local[sender] >= exact - 1e-6
         gaps.append(exact - per_receiver[sender, v])
     assert max(gaps) > 0.05
+
+
+@pytest.mark.parametrize("name", ["muffliato", "zip-dl"])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(3, 5), seed=st.integers(0, 10_000), rounds=st.integers(1, 3),
+       relation=st.sampled_from(["add-remove", "replace-one"]))
+def test_the_recursive_accountant_is_never_below_an_observers_exact_loss(name: str, n: int, seed: int, rounds: int,
+                                                                          relation: str) -> None:
+    """The round-by-round accountant that prices long runs (privacy/observer_filter.py), uncapped by the local
+    epsilon, against each single agent's and a colluding set's exact loss over the messages the run sent."""
+    colluding = [0, n - 1]
+    experiment, sources, log = traced_run(name, n, 0.7, seed, rounds, relation=relation, colluding=[colluding])
+    view = experiment.algorithm.view_recipe(run_facts(experiment, rounds)).recursive().view()
+    observers = [[v] for v in range(n)] + [colluding]
+    bound = recursive_mu(view, observers, relation).epsilon(DELTA)
+    for column, observer in enumerate(observers):
+        for sender in (s for s in range(n) if s not in observer):
+            exact = exact_epsilon(sources, log, observer, sender, relation)
+            assert bound[sender, column] >= exact - 1e-6, (sender, observer, bound[sender, column], exact)
