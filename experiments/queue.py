@@ -1,0 +1,128 @@
+"""Run a list of long jobs on many cores (or one GPU) until they are done or a deadline comes, resumable.
+
+The reproductions are hundreds of independent ``decentdp run``/``sweep``/``audit`` commands.  On a machine with
+more cores than this project's 2-core VM (a cluster node, the lent GPU machine) they go faster side by side than
+one by one; this runs them from a list, in the list's order, ``--workers`` at a time, each with one thread
+(``OMP_NUM_THREADS=1``, as the docs' commands), and stops cleanly at ``--deadline``: the jobs still running get
+SIGTERM, then SIGKILL, and are simply started again by the next call (every decentdp command resumes: runs from
+their checkpoint, sweeps from their study, audits from their chunks).  A job that finished is recorded as
+``<log-dir>/<name>.done`` and skipped the next time.
+
+The job list has one job a line, ``NAME<TAB>COMMAND`` (``#`` starts a comment)::
+
+    table1-dsgd-eps1-fiedler0.7-s0\tdecentdp run experiments/consensus/table1-dsgd-eps1-fiedler0.7.toml ...
+
+    python experiments/queue.py jobs.tsv --workers 12 --deadline 3600 --log-dir results/queue
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+GRACE_SECONDS = 15.0
+
+
+@dataclass
+class Job:
+    """One line of the job list."""
+
+    name: str
+    command: str
+
+
+def read_jobs(path: Path) -> list[Job]:
+    """The jobs of a list file, in order; a malformed line stops the program with its line number."""
+    jobs = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        name, tab, command = line.partition("\t")
+        if not tab or not name.strip() or not command.strip():
+            sys.exit(f"{path}:{number}: expected NAME<TAB>COMMAND")
+        jobs.append(Job(name.strip(), command.strip()))
+    names = [job.name for job in jobs]
+    if len(set(names)) != len(names):
+        sys.exit(f"{path}: job names repeat: " + ", ".join(sorted({n for n in names if names.count(n) > 1})))
+    return jobs
+
+
+def start(job: Job, log_dir: Path) -> subprocess.Popen[bytes]:
+    """Start one job in its own process group (so that a stop reaches its children), output to its log."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    with open(log_dir / f"{job.name}.log", "ab") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(["bash", "-c", job.command], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+
+def finish(job: Job, process: subprocess.Popen[bytes], started: float, log_dir: Path) -> None:
+    """Record how a job ended: ``.done`` for exit 0, ``.failed`` otherwise (it is tried again next call)."""
+    seconds = round(time.monotonic() - started, 1)
+    record = {"returncode": process.returncode, "seconds": seconds}
+    suffix = "done" if process.returncode == 0 else "failed"
+    (log_dir / f"{job.name}.{suffix}").write_text(json.dumps(record) + "\n")
+    print(f"{suffix:6s} {job.name} ({seconds} s)", flush=True)
+
+
+def stop(running: dict[str, tuple[Job, subprocess.Popen[bytes], float]]) -> None:
+    """SIGTERM every running job's process group, then SIGKILL what is left after the grace period."""
+    for _, process, _ in running.values():
+        with _quiet():
+            os.killpg(process.pid, signal.SIGTERM)
+    end = time.monotonic() + GRACE_SECONDS
+    while time.monotonic() < end and any(process.poll() is None for _, process, _ in running.values()):
+        time.sleep(0.5)
+    for job, process, _ in running.values():
+        if process.poll() is None:
+            with _quiet():
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        print(f"stopped {job.name} at the deadline", flush=True)
+
+
+class _quiet:
+    """Ignore a process group that has already gone."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> bool:
+        return kind is ProcessLookupError
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("jobs", type=Path, help="the job list: NAME<TAB>COMMAND a line")
+    parser.add_argument("--workers", type=int, default=2, help="jobs at once (default 2)")
+    parser.add_argument("--deadline", type=float, default=float("inf"), help="seconds from now to stop at")
+    parser.add_argument("--log-dir", type=Path, default=Path("results/queue"), help="logs and .done records")
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    end = time.monotonic() + args.deadline
+    waiting = [job for job in read_jobs(args.jobs) if not (args.log_dir / f"{job.name}.done").exists()]
+    running: dict[str, tuple[Job, subprocess.Popen[bytes], float]] = {}
+    print(f"{len(waiting)} jobs to run, {args.workers} at a time", flush=True)
+    while (waiting or running) and time.monotonic() < end:
+        while waiting and len(running) < args.workers:
+            job = waiting.pop(0)
+            running[job.name] = (job, start(job, args.log_dir), time.monotonic())
+        for name, (job, process, started) in list(running.items()):
+            if process.poll() is not None:
+                finish(job, process, started, args.log_dir)
+                del running[name]
+        time.sleep(0.5)
+    stop(running)
+    print(f"{len(waiting)} jobs not started", flush=True)
+
+
+if __name__ == "__main__":
+    main()
