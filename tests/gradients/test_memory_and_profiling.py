@@ -73,6 +73,45 @@ def test_chunked_gradients_equal_one_pass() -> None:
     torch.testing.assert_close(chunked.oracle.gradient(params), one.oracle.gradient(params))
 
 
+class _ShortOfMemory:
+    """The oracle's model, out of accelerator memory for any pass of more than ``fits`` agents (as a GPU shared
+    with processes that planned on the same free memory), counting the passes it is asked for."""
+
+    def __init__(self, model: object, fits: int) -> None:
+        self.model, self.fits, self.passes = model, fits, []
+
+    def clipped_gradient_sums(self, params: torch.Tensor, *args: object, **kwargs: object) -> object:
+        self.passes.append(len(params))
+        if len(params) > self.fits:
+            raise torch.OutOfMemoryError("CUDA out of memory (planted)")
+        return self.model.clipped_gradient_sums(params, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.model, name)
+
+
+def test_a_pass_out_of_memory_is_retried_with_fewer_agents_and_gives_the_same_sums() -> None:
+    """The plan saw memory another process then took: halve the pass until it fits, keep the size, same values."""
+    config = validate_config(tiny_config(topology={"agents": 5}))
+    reference, short = build_experiment(config), build_experiment(config)
+    planted = short.oracle.model = _ShortOfMemory(short.oracle.model, fits=2)
+    params = reference.initial_state()["params"]
+    for experiment in (reference, short):
+        experiment.oracle.begin(0)
+    torch.testing.assert_close(short.oracle.gradient(params), reference.oracle.gradient(params), rtol=0, atol=0)
+    assert planted.passes[:3] == [5, 2, 2] and short.oracle.agents_per_pass == 2  # 5 failed; 2 + 2 + 1 fit
+    assert planted.passes[3:] == [1]
+
+
+def test_a_single_agent_out_of_memory_is_raised() -> None:
+    """No smaller pass exists: the shortage is real and the run stops with torch's own error."""
+    experiment = build_experiment(validate_config(tiny_config(topology={"agents": 3})))
+    experiment.oracle.model = _ShortOfMemory(experiment.oracle.model, fits=0)
+    experiment.oracle.begin(0)
+    with pytest.raises(torch.OutOfMemoryError):
+        experiment.oracle.gradient(experiment.initial_state()["params"])
+
+
 def test_a_run_that_cannot_fit_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     config = validate_config(tiny_config(engine={"memory_limit_gb": 1e-6}))
     with pytest.raises(ConfigError) as info:

@@ -223,19 +223,42 @@ class DataOracle:
         norms = torch.empty(mask.shape, dtype=models.dtype, device=models.device)
         count = len(models)
         step = max(1, self.agents_per_pass or count)
+        start = 0
         with self.timer.phase("gradients"):
-            for start in range(0, count, step):
+            while start < count:
                 rows = slice(start, min(count, start + step))
-                if self.mechanism is None:
-                    weights = mask[rows] / mask[rows].sum(dim=1).clamp(min=1.0)[:, None]
-                    if copies > 1:  # each copy weighs 1/K of its record
-                        weights = weights.repeat_interleave(copies, dim=1) / copies
-                    out[rows] = self.model.batch_gradients(models[rows], x[rows], y[rows], weights)
-                else:
-                    _, norms[rows] = self.model.clipped_gradient_sums(models[rows], x[rows], y[rows], mask[rows],
-                                                                      self.clip_norm, out=out[rows], copies=copies)
+                try:
+                    if self.mechanism is None:
+                        weights = mask[rows] / mask[rows].sum(dim=1).clamp(min=1.0)[:, None]
+                        if copies > 1:  # each copy weighs 1/K of its record
+                            weights = weights.repeat_interleave(copies, dim=1) / copies
+                        out[rows] = self.model.batch_gradients(models[rows], x[rows], y[rows], weights)
+                    else:
+                        _, norms[rows] = self.model.clipped_gradient_sums(models[rows], x[rows], y[rows], mask[rows],
+                                                                          self.clip_norm, out=out[rows],
+                                                                          copies=copies)
+                except torch.OutOfMemoryError:
+                    if rows.stop - rows.start == 1:
+                        raise  # not even one agent's batch fits: a real shortage
+                    step = self._smaller_passes(rows.stop - rows.start)
+                    continue  # the same rows again, fewer at a time: each row's sum is its own, so nothing changes
+                start = rows.stop
         if self.mechanism is not None:
             self._norms.setdefault(index, []).append((owners, norms, mask))
+
+    def _smaller_passes(self, failed: int) -> int:
+        """Halve the agents per gradient pass after a pass of ``failed`` agents ran out of accelerator memory.
+
+        The memory plan sizes passes from the memory free when the run starts; on a GPU shared with other
+        processes that started at the same time (a grid run side by side), the free memory it saw is
+        counted twice.  The new size is kept for the rest of the run (and its checkpoints).
+        """
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.agents_per_pass = failed // 2
+        print(f"out of {self.device.type} memory in a gradient pass of {failed} agents: {self.agents_per_pass} "
+              "agents per pass from now on (engine.agents_per_pass sets it)", file=sys.stderr)
+        return self.agents_per_pass
 
     def repeat(self, clipped: Clipped, index: torch.Tensor) -> Clipped:
         """Row ``r`` of the result is row ``index[r]`` of ``clipped``, which it replaces (the same batch,
