@@ -12,7 +12,7 @@ The job list has one job a line, ``NAME<TAB>COMMAND`` (``#`` starts a comment)::
 
     table1-dsgd-eps1-fiedler0.7-s0\tdecentdp run experiments/consensus/table1-dsgd-eps1-fiedler0.7.toml ...
 
-    python experiments/queue.py jobs.tsv --workers 12 --deadline 3600 --log-dir results/queue
+    python experiments/run_jobs.py jobs.tsv --workers 12 --deadline 3600 --log-dir results/jobs
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("jobs", type=Path, help="the job list: NAME<TAB>COMMAND a line")
     parser.add_argument("--workers", type=int, default=2, help="jobs at once (default 2)")
     parser.add_argument("--deadline", type=float, default=float("inf"), help="seconds from now to stop at")
-    parser.add_argument("--log-dir", type=Path, default=Path("results/queue"), help="logs and .done records")
+    parser.add_argument("--log-dir", type=Path, default=Path("results/jobs"), help="logs and .done records")
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")

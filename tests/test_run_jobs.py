@@ -1,0 +1,85 @@
+"""``experiments/run_jobs.py``, which ran the reproductions' grids side by side on the lent GPU: jobs run in the
+list's order, a finished job is skipped the next time, a failed one is tried again, the deadline stops what is
+running (and its children), and a malformed list is refused with its line number."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "experiments" / "run_jobs.py"
+
+
+@pytest.fixture(scope="module")
+def run_jobs() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("run_jobs", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclass looks its module up there)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _jobs(tmp_path: Path, lines: list[str]) -> Path:
+    path = tmp_path / "jobs.tsv"
+    path.write_text("# a comment\n\n" + "\n".join(lines) + "\n")
+    return path
+
+
+def test_jobs_run_once_and_a_failure_is_tried_again(run_jobs: ModuleType, tmp_path: Path) -> None:
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    jobs = _jobs(tmp_path, [f"first\techo run >> {out}/first", f"broken\techo tried >> {out}/broken; exit 3",
+                            f"second\techo $OMP_NUM_THREADS > {out}/second"])
+    for _ in range(2):
+        run_jobs.main([str(jobs), "--workers", "2", "--log-dir", str(logs)])
+    assert (out / "first").read_text() == "run\n"            # done: skipped the second time
+    assert (out / "broken").read_text() == "tried\ntried\n"  # failed: tried again
+    assert (out / "second").read_text() == "1\n"             # one thread per job
+    assert sorted(path.name for path in logs.glob("*.done")) == ["first.done", "second.done"]
+    assert '"returncode": 3' in (logs / "broken.failed").read_text()
+
+
+def _ended(pid: int, wait: float = 5.0) -> bool:
+    """Whether process ``pid`` has ended (gone, or a zombie waiting for its new parent to reap it)."""
+    end = time.monotonic() + wait
+    while time.monotonic() < end:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_the_deadline_stops_running_jobs_and_their_children(run_jobs: ModuleType, tmp_path: Path) -> None:
+    child = tmp_path / "child.pid"
+    jobs = _jobs(tmp_path, [f"slow\tsleep 30 & echo $! > {child}; wait", "waiting\ttrue"])
+    started = time.monotonic()
+    run_jobs.main([str(jobs), "--workers", "1", "--deadline", "1.5", "--log-dir", str(tmp_path / "logs")])
+    assert time.monotonic() - started < 10
+    assert _ended(int(child.read_text()))  # the job's own child is stopped too, not only its shell
+    assert not (tmp_path / "logs" / "slow.done").exists()
+    assert not (tmp_path / "logs" / "waiting.log").exists()  # never started
+
+
+@pytest.mark.parametrize(("line", "message"), [("no tab here", "jobs.tsv:3: expected NAME<TAB>COMMAND"),
+                                               ("name\t ", "jobs.tsv:3: expected NAME<TAB>COMMAND")])
+def test_a_malformed_line_is_refused_with_its_number(run_jobs: ModuleType, tmp_path: Path, line: str,
+                                                     message: str) -> None:
+    with pytest.raises(SystemExit) as stop:
+        run_jobs.read_jobs(_jobs(tmp_path, [line]))
+    assert str(stop.value).endswith(message)
+
+
+def test_repeated_names_are_refused(run_jobs: ModuleType, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as stop:
+        run_jobs.read_jobs(_jobs(tmp_path, ["a\ttrue", "a\tfalse"]))
+    assert "job names repeat: a" in str(stop.value)
