@@ -65,9 +65,9 @@ def _config(algorithm: str = "dp-dsgt", rounds: int = 10, *extra: str):
     raise error
 
 
-def _copy(experiment):
-    """A copy as a worker process receives it (pickled)."""
-    return pickle.loads(pickle.dumps(experiment))
+def _copy(built):
+    """A pickled copy, as a worker process receives its blueprint (the run's simulator)."""
+    return pickle.loads(pickle.dumps(built))
 
 
 def _run_shards(experiment, workers: int, rounds: int):
@@ -76,7 +76,7 @@ def _run_shards(experiment, workers: int, rounds: int):
     n = experiment.data.n_agents
     bounds = shard_bounds(n, workers)
     boxes = [Mailbox(timeout=60) for _ in range(workers)]
-    shards = [make_shard(_copy(experiment), bounds, s, LocalTransport(s, boxes)) for s in range(workers)]
+    shards = [make_shard(_copy(experiment.simulator), bounds, s, LocalTransport(s, boxes)) for s in range(workers)]
     initial = experiment.initial_state()
     per_agent = per_agent_keys(initial, n)
     results: list = [None] * workers
@@ -152,7 +152,7 @@ def test_shards_draw_the_simulators_batches_and_noise(workers: int) -> None:
     whole = reference.sampler.sample(0)
     expected = reference.gradient(params)
     for index in range(workers):
-        shard = make_shard(_copy(experiment), bounds, index, LocalTransport(index, boxes))
+        shard = make_shard(_copy(experiment.simulator), bounds, index, LocalTransport(index, boxes))
         batch = shard.oracle.sampler.sample(0)
         rows = shard.rows
         for agent in range(rows.stop - rows.start):  # the same records, in the same order
@@ -357,7 +357,7 @@ def test_top_dp_resumes_from_shard_files_on_another_number_of_workers(tmp_path: 
     n, workers = experiment.data.n_agents, 2
     bounds = shard_bounds(n, workers)
     boxes = [Mailbox(timeout=60) for _ in range(workers)]
-    resumed = [make_shard(_copy(experiment), bounds, s, LocalTransport(s, boxes)) for s in range(workers)]
+    resumed = [make_shard(_copy(experiment.simulator), bounds, s, LocalTransport(s, boxes)) for s in range(workers)]
     parts = [read_shard_checkpoints(tmp_path, files, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
     for shard, part in zip(resumed, parts, strict=True):
         shard.load(part["ledger"], part["scheduler"], experiment.oracle.rng, experiment.oracle.agents_per_pass)

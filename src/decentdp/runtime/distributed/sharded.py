@@ -446,29 +446,29 @@ class Shard:
         self.oracle.agents_per_pass = agents_per_pass
 
 
-def make_shard(experiment: Any, bounds: list[int], index: int, transport: Transport,
+def make_shard(simulator: Simulator, bounds: list[int], index: int, transport: Transport,
                rng: AgentRandom | None = None) -> Shard:
-    """Shard ``index`` of a run from its fully built :class:`~decentdp.experiment.build.Experiment`: the same data,
-    model, calibration, algorithm and schedules, restricted to the agents ``bounds[index] ..
-    bounds[index+1]-1`` (keyed draws make their batches and noise the simulator's).  ``rng`` is the
-    shard's random source (a secure run's: its agents' keys only); by default the run's, restricted."""
+    """Shard ``index`` of the run that ``simulator`` runs in one process: its algorithm, graphs and schedules,
+    and its privacy stack (``simulator.oracle``: the agents' data and sampling rates, the gradient engine, the
+    calibrated mechanism, the ledger and the random streams), restricted to the agents ``bounds[index] ..
+    bounds[index+1]-1`` (keyed draws make their batches and noise the simulator's).  ``rng`` is the shard's
+    random source (a secure run's: its agents' keys only); by default the run's, restricted."""
     lo, hi = bounds[index], bounds[index + 1]
-    full = experiment.oracle
+    full = simulator.oracle
     device = full.device
     rng = rng if rng is not None else full.rng.for_agents(range(lo, hi))
-    sampler = ShardSampler(experiment.data, experiment.sample_rates, rng, lo, hi)
-    ledger = split_ledger(type(experiment.ledger), experiment.ledger.state_dict(), lo, hi)
+    sampler = ShardSampler(full.sampler.data, full.sample_rates, rng, lo, hi)
+    ledger = split_ledger(type(full.ledger), full.ledger.state_dict(), lo, hi)
     mechanism = None if full.mechanism is None else ShardMechanism(full.mechanism, lo)
     oracle = DataOracle(full.model, sampler, ledger, rng, mechanism, full.clip_norm,
                         agents_per_pass=full.agents_per_pass, agent_ids=torch.arange(lo, hi, device=device),
                         augmentation=full.augmentation)
-    whole = experiment.simulator
-    scheduler = ShardScheduler(whole.scheduler.kind, rng, whole.scheduler.n_total,
-                               whole.scheduler.offline_probability, whole.scheduler.participation, device=device)
-    graphs = ShardGraphs(whole.graphs, bounds, index, transport, device)
-    simulator = Simulator(experiment.algorithm, graphs, oracle, scheduler, whole.schedule, rng,
-                          averaging=whole.averaging)
-    return Shard(bounds, index, oracle, simulator)
+    whole = simulator.scheduler
+    scheduler = ShardScheduler(whole.kind, rng, whole.n_total, whole.offline_probability, whole.participation,
+                               device=device)
+    graphs = ShardGraphs(simulator.graphs, bounds, index, transport, device)
+    return Shard(bounds, index, oracle, Simulator(simulator.algorithm, graphs, oracle, scheduler, simulator.schedule,
+                                                  rng, averaging=simulator.averaging))
 
 
 def split_ledger(kind: type[PrivacyLedger], state: dict[str, Any], lo: int, hi: int) -> PrivacyLedger:
