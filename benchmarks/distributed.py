@@ -59,6 +59,12 @@ def build(model: str, agents: int, graph: str, data_dir: str) -> Any:
     return build_experiment(validate_config(raw), data_dir)
 
 
+def ray_engine(experiment: Any, ray: Any, workers: int) -> RaySimulator:
+    """``experiment``'s run on ``workers`` workers of the Ray instance ``ray`` (which the engine leaves running)."""
+    engine = experiment.config.engine.model_copy(update={"workers": workers})
+    return RaySimulator(experiment.simulator, engine, experiment.config.experiment.checkpoint_interval, ray, False)
+
+
 def time_rounds(engine: Any, state: dict[str, torch.Tensor], rounds: int,
                 at_end: Callable[[], int] | None = None) -> tuple[float, Any, int | None]:
     """Median seconds of ``rounds`` rounds after one warm-up round, the final state, and ``at_end()``
@@ -88,7 +94,7 @@ def measure(name: str, workers_list: list[int], rounds: int, data_dir: str, ray:
     del experiment  # one run's data in memory at a time (each worker holds its agents' records)
     for workers in workers_list:
         start = time.perf_counter()
-        engine = RaySimulator(build(model, agents, graph, data_dir), ray, False, workers)
+        engine = ray_engine(build(model, agents, graph, data_dir), ray, workers)
         startup = time.perf_counter() - start
         seconds, final, sent = time_rounds(engine, initial, rounds, engine.bytes_sent)
         bounds = shard_bounds(agents, workers)

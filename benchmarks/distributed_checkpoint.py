@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 
 from _common import DEFAULT_DATA_DIR, machine_info, print_machine
-from decentdp.runtime.distributed.ray_backend import RaySimulator, ShardedState, connect
+from decentdp.runtime.distributed.ray_backend import ShardedState, connect
 from decentdp.util.threads import apply_threads
-from distributed import build
+from distributed import build, ray_engine
 
 
 def main() -> None:
@@ -54,7 +54,7 @@ def main() -> None:
     sizes: dict[str, int] = {}
     try:
         experiment = build("mlp", args.agents, "ring", args.data_dir)
-        engine = RaySimulator(experiment, ray, False, args.workers)
+        engine = ray_engine(experiment, ray, args.workers)
 
         def measure(done: int, state) -> bool:
             for repeat in range(args.repeats):

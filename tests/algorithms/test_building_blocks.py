@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from decentdp.algorithms import algorithm_names, register
-from decentdp.algorithms.base import RoundContext, State, prefixed, unprefixed
+from decentdp.algorithms.base import Network, PublicGraph, RoundContext, State, prefixed, unprefixed
 from decentdp.algorithms.components.optim import SGD, Adam, OptimizerAlgorithm
 from decentdp.algorithms.components.schedules import Schedule
 from decentdp.algorithms.dp_dinno import DPDiNNO, disagreement_map
@@ -43,6 +43,52 @@ def test_message_passing_primitives_agree_with_mixing() -> None:
     torch.testing.assert_close(via_messages, net.mix(x))
     torch.testing.assert_close(net.neighbor_sum(x), net.aggregate(net.broadcast(x)))
     torch.testing.assert_close(net.degrees, torch.tensor(net.topology.adjacency().sum(1)))
+
+
+class _PrimitivesOnly(Network):
+    """A backend that implements the three primitives and nothing else, so that every other method is
+    ``Network``'s own: a simulated network's graph whose messages arrive in another order than they leave
+    (in-edges shuffled), as between processes."""
+
+    def __init__(self, inner: SimulatedNetwork, seed: int = 0) -> None:
+        self.inner = inner
+        self.order = torch.randperm(len(inner.out_edges), generator=torch.Generator().manual_seed(seed))
+        self.n_agents, self.n_total, self.agent_ids = inner.n_agents, inner.n_total, inner.agent_ids
+        self.out_edges, self.in_edges = inner.out_edges, inner.in_edges[self.order]
+        self.in_weights, self.degrees = inner.in_weights[self.order], inner.degrees
+
+    def rows(self, agent_ids: torch.Tensor) -> torch.Tensor:
+        return agent_ids
+
+    def exchange(self, messages: torch.Tensor) -> torch.Tensor:
+        return messages[self.order]
+
+    def public_graph(self) -> PublicGraph:
+        return self.inner.public_graph()
+
+
+def test_a_backend_of_the_primitives_alone_gets_every_other_method() -> None:
+    """``Network``'s helpers, built on ``rows``, ``exchange`` and ``public_graph``, give what the simulator's
+    fused versions give: mixing up to summation order, rows exactly; a swap between agents that are not two
+    neighbours choosing each other is refused."""
+    net = _network("erdos-renyi", 9, p=0.5)
+    bare = _PrimitivesOnly(net)
+    x = torch.randn(9, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for method in ("mix", "neighbor_sum"):
+        torch.testing.assert_close(getattr(bare, method)(x), getattr(net, method)(x), rtol=0, atol=1e-12)
+    torch.testing.assert_close(bare.mix_add(x, x.clone(), -0.5), net.mix_add(x, x.clone(), -0.5), rtol=0, atol=1e-12)
+    assert torch.equal(bare.broadcast(x), x[bare.in_edges[:, 0]])
+    rows = torch.cat([x, -x])
+    pick = torch.randint(0, 18, (len(bare.out_edges),), generator=torch.Generator().manual_seed(1))
+    received, index = bare.exchange_rows(rows, pick)
+    assert torch.equal(received[:18], rows) and torch.equal(received[index], bare.exchange(rows[pick]))
+    ring = _PrimitivesOnly(_network("ring", 6))
+    y = torch.arange(6.0)[:, None]
+    partner = torch.tensor([1, 0, 2, 4, 3, 5])  # pairs (0,1), (3,4); agents 2 and 5 idle
+    assert torch.equal(ring.swap(y, partner), ring.inner.swap(y, partner))
+    for unpaired in ([3, 1, 2, 0, 4, 5], [1, 2, 1, 3, 4, 5]):  # not neighbours; 0 chose 1, who chose 2
+        with pytest.raises(ValueError, match="not a pair of neighbours"):
+            ring.swap(y, torch.tensor(unpaired))
 
 
 def test_the_profiler_passes_the_public_graph_through_untimed() -> None:

@@ -110,8 +110,7 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint(local_ray) -> None:
                                        lambda done, state: True)
     experiment = build_experiment(config)
     lines: list[str] = []
-    distribute(experiment, lines.append)
-    engine = experiment.simulator
+    engine = distribute(experiment.simulator, config.engine, config.experiment.checkpoint_interval, lines.append)
     killed: list[int] = []
 
     def after_round(done: int, state) -> bool:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from decentdp.algorithms import algorithm_names
-from decentdp.algorithms.base import ragged_rows_key
+from decentdp.algorithms.base import Network, ragged_rows_key
 from decentdp.algorithms.muffliato import dense_mixing
 from decentdp.audit.blocks import BlockNetwork
 from decentdp.config import load_config
@@ -65,9 +65,9 @@ def _config(algorithm: str = "dp-dsgt", rounds: int = 10, *extra: str):
     raise error
 
 
-def _copy(experiment):
-    """A copy as a worker process receives it (pickled)."""
-    return pickle.loads(pickle.dumps(experiment))
+def _copy(built):
+    """A pickled copy, as a worker process receives its blueprint (the run's simulator)."""
+    return pickle.loads(pickle.dumps(built))
 
 
 def _run_shards(experiment, workers: int, rounds: int):
@@ -76,7 +76,7 @@ def _run_shards(experiment, workers: int, rounds: int):
     n = experiment.data.n_agents
     bounds = shard_bounds(n, workers)
     boxes = [Mailbox(timeout=60) for _ in range(workers)]
-    shards = [make_shard(_copy(experiment), bounds, s, LocalTransport(s, boxes)) for s in range(workers)]
+    shards = [make_shard(_copy(experiment.simulator), bounds, s, LocalTransport(s, boxes)) for s in range(workers)]
     initial = experiment.initial_state()
     per_agent = per_agent_keys(initial, n)
     results: list = [None] * workers
@@ -152,7 +152,7 @@ def test_shards_draw_the_simulators_batches_and_noise(workers: int) -> None:
     whole = reference.sampler.sample(0)
     expected = reference.gradient(params)
     for index in range(workers):
-        shard = make_shard(_copy(experiment), bounds, index, LocalTransport(index, boxes))
+        shard = make_shard(_copy(experiment.simulator), bounds, index, LocalTransport(index, boxes))
         batch = shard.oracle.sampler.sample(0)
         rows = shard.rows
         for agent in range(rows.stop - rows.start):  # the same records, in the same order
@@ -216,6 +216,32 @@ def test_every_network_method_matches_the_simulated_network(graph: str, params: 
         assert s.transport.bytes_sent - before[s.shard] == crossed + 8 * sum(len(e) for e in s._edges_out.values())
     everyone, picks = torch.cat([x, *extra.values()]), torch.randint(0, 3 * n, (len(whole.out_edges),))
     assert whole.exchange_rows(everyone, picks) == (everyone, picks)   # in one process: read in place
+
+
+def test_the_helpers_built_on_exchange_match_the_shards_fused_methods() -> None:
+    """``Network``'s own helpers (what a backend with no fused version runs), called on shards, where rows are
+    not ids and messages cross between processes, give the shards' fused methods' values; each is a
+    collective too."""
+    n, workers, d = 12, 3, 4
+    whole, shards = _networks("ring", n, workers)
+    x = torch.randn(n, d, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    local = lambda s: x[s.agent_ids]  # noqa: E731
+    for method in ("mix", "neighbor_sum"):
+        generic = _collective(shards, lambda s, m=method: getattr(Network, m)(s, local(s)))
+        torch.testing.assert_close(torch.cat(generic), getattr(whole, method)(x), rtol=0, atol=1e-12)
+    generic = _collective(shards, lambda s: Network.mix_add(s, local(s), local(s).clone(), -0.5))
+    torch.testing.assert_close(torch.cat(generic), whole.mix_add(x, x.clone(), -0.5), rtol=0, atol=1e-12)
+    fused = _collective(shards, lambda s: s.broadcast(local(s)))
+    for got, expected in zip(_collective(shards, lambda s: Network.broadcast(s, local(s))), fused, strict=True):
+        assert torch.equal(got, expected)
+    partner = Scheduler("pairing", AgentRandom(5), n).plan(0, whole).partner
+    generic = _collective(shards, lambda s: Network.swap(s, local(s), partner[s.agent_ids]))
+    assert torch.equal(torch.cat(generic), whole.swap(x, partner))
+    pick = {s.shard: torch.randint(0, s.n_agents, (len(s.out_edges),)) for s in shards}
+    fused = _collective(shards, lambda s: s.exchange_rows(local(s), pick[s.shard]))
+    generic = _collective(shards, lambda s: Network.exchange_rows(s, local(s), pick[s.shard]))
+    for (rows, index), (fused_rows, fused_index) in zip(generic, fused, strict=True):
+        assert torch.equal(rows[index], fused_rows[fused_index])
 
 
 def test_every_network_gives_the_whole_public_graph() -> None:
@@ -331,7 +357,7 @@ def test_top_dp_resumes_from_shard_files_on_another_number_of_workers(tmp_path: 
     n, workers = experiment.data.n_agents, 2
     bounds = shard_bounds(n, workers)
     boxes = [Mailbox(timeout=60) for _ in range(workers)]
-    resumed = [make_shard(_copy(experiment), bounds, s, LocalTransport(s, boxes)) for s in range(workers)]
+    resumed = [make_shard(_copy(experiment.simulator), bounds, s, LocalTransport(s, boxes)) for s in range(workers)]
     parts = [read_shard_checkpoints(tmp_path, files, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
     for shard, part in zip(resumed, parts, strict=True):
         shard.load(part["ledger"], part["scheduler"], experiment.oracle.rng, experiment.oracle.agents_per_pass)

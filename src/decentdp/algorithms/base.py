@@ -7,13 +7,13 @@ and a :class:`RoundContext` with the only ways to reach the outside world:
 * ``ctx.oracle`` (:class:`~decentdp.privacy.oracle.DataOracle`): private data, clipping and noisy
   releases, charged to the ledger of the agent that released;
 * ``ctx.network`` (:class:`Network`): messages to neighbours, which must be releases or
-  post-processing of releases;
+  post-processing of releases (a backend implements three primitives; the rest is built on them);
 * ``ctx.plan`` (:class:`RoundPlan`): who is active this round and who pairs with whom;
 * ``ctx.public_generator``: public randomness (choices that need no secrecy).
 
 It never indexes other agents' rows, never touches data and never draws private randomness, so the
 same code runs in the simulator and in a sharded multi-machine engine.  The runtime implements the
-protocols declared here; imports only point down (runtime -> algorithms -> privacy).
+interfaces declared here; imports only point down (runtime -> algorithms -> privacy).
 
 An algorithm is one file: a subclass of :class:`Algorithm` decorated with
 :func:`~decentdp.algorithms.registry.register`, with its typed :class:`AlgorithmSettings`.
@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
@@ -91,13 +91,20 @@ class PublicGraph:
         return w
 
 
-class Network(Protocol):
+class Network(ABC):
     """Message passing among the agents an engine holds (message -> aggregate, as PyG's ``MessagePassing``).
 
     Rows are local (``agent_ids[r]`` is row ``r``'s global id); edges are directed ``(src, dst)``
     pairs of *global* ids, each undirected link appearing twice.  Messages are built in the order of
     ``out_edges`` (edges leaving local agents) and arrive in the order of ``in_edges`` (edges
     entering local agents); in one process both are the same list.
+
+    A backend describes its agents and edges (the attributes below) and implements three primitives:
+    :meth:`rows`, :meth:`exchange` (the one way a message moves) and :meth:`public_graph`.  Every other
+    method is built on them here, so a new backend gets it for free.  A backend may override one of them
+    with a fused version that returns the same values with less work (as PyG's ``message_and_aggregate``
+    replaces message then aggregate): the simulator mixes with one matrix product and lets receivers read
+    rows in place, a shard sends each peer shard its halo rows once per call instead of once per edge.
     """
 
     n_agents: int              # local agents (rows)
@@ -108,49 +115,83 @@ class Network(Protocol):
     in_weights: torch.Tensor   # (E_in,) mixing weight w_dst,src of each in-edge
     degrees: torch.Tensor      # (n_agents,) neighbours, excluding self
 
+    # -- the primitives every backend implements ----------------------------------------------------------
+
+    @abstractmethod
     def rows(self, agent_ids: torch.Tensor) -> torch.Tensor:
         """Local rows of global ids held here."""
-        ...
 
-    def mix(self, x: torch.Tensor) -> torch.Tensor:
-        """Gossip averaging ``x_i <- sum_j w_ij x_j`` with the mixing matrix W (a new tensor the caller owns)."""
-        ...
-
-    def mix_add(self, x: torch.Tensor, into: torch.Tensor, alpha: float) -> torch.Tensor:
-        """``W x + alpha * into``, computed in ``into``'s storage (a temporary the caller owns) and returned."""
-        ...
-
-    def neighbor_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """``sum_{j in N(i)} x_j`` over neighbours, excluding ``i`` itself."""
-        ...
-
-    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
-        """Each agent sends its row to all neighbours: ``(E_in, ...)`` as received."""
-        ...
-
+    @abstractmethod
     def exchange(self, messages: torch.Tensor) -> torch.Tensor:
         """Deliver per-edge messages ``(E_out, ...)`` built by each edge's sender: ``(E_in, ...)`` as received."""
-        ...
+
+    @abstractmethod
+    def public_graph(self) -> PublicGraph:
+        """The whole run's public graph on the host (every agent's edges, not only the local ones), the
+        same object for as long as this network lives."""
+
+    # -- built on the primitives; a backend may override each with a fused version ---------------------------
 
     def aggregate(self, received: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """Sum (weighted by ``(E_in,)`` weights if given) what each local agent received: ``(n_agents, ...)``."""
-        ...
+        if weights is not None:
+            received = received * weights.reshape(-1, *([1] * (received.dim() - 1)))
+        out = torch.zeros(self.n_agents, *received.shape[1:], dtype=received.dtype, device=received.device)
+        return out.index_add_(0, self.rows(self.in_edges[:, 1]), received)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Each agent sends its row to all neighbours: ``(E_in, ...)`` as received."""
+        return self.exchange(x[self.rows(self.out_edges[:, 0])])
+
+    def neighbor_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``sum_{j in N(i)} x_j`` over neighbours, excluding ``i`` itself."""
+        return self.aggregate(self.broadcast(x))
+
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
+        """Gossip averaging ``x_i <- sum_j w_ij x_j`` with the mixing matrix W (a new tensor the caller owns):
+        the neighbours' rows weighted by ``in_weights``, plus each agent's own row weighted by ``w_ii``."""
+        own = self._self_weights().to(x.dtype).reshape(-1, *([1] * (x.dim() - 1)))
+        return self.aggregate(self.broadcast(x), self.in_weights.to(x.dtype)).add_(own * x)
+
+    def mix_add(self, x: torch.Tensor, into: torch.Tensor, alpha: float) -> torch.Tensor:
+        """``W x + alpha * into``, computed in ``into``'s storage (a temporary the caller owns) and returned."""
+        return into.mul_(alpha).add_(self.mix(x))
 
     def swap(self, x: torch.Tensor, partner: torch.Tensor) -> torch.Tensor:
-        """Pairwise exchange: row ``i`` gets the row of global agent ``partner[i]`` (``partner[i]`` = own id: idle)."""
-        ...
+        """Pairwise exchange: row ``i`` gets the row of global agent ``partner[i]`` (``partner[i]`` = own id: idle).
+
+        Each agent sends its row on the edge to its partner, with a flag saying which edge that is, so that
+        a receiver takes a row only from a partner that chose it too; a pair that is not two neighbours
+        choosing each other raises ``ValueError``."""
+        sender, receiver = self.rows(self.out_edges[:, 0]), self.rows(self.in_edges[:, 1])
+        offered = self.exchange(partner[sender] == self.out_edges[:, 1])   # per in-edge: its sender chose its receiver
+        values = self.exchange(x[sender])
+        taken = partner[receiver] == self.in_edges[:, 0]                   # per in-edge: from the receiver's partner
+        got = torch.zeros(self.n_agents, dtype=torch.bool, device=partner.device)
+        got[receiver[taken & offered]] = True
+        lonely = (partner != self.agent_ids) & ~got
+        if bool(lonely.any()):
+            row = int(torch.nonzero(lonely)[0, 0])
+            raise ValueError(f"agents {int(self.agent_ids[row])} and {int(partner[row])} are not a pair of "
+                             "neighbours in this round")
+        out = x.clone()
+        out[receiver[taken]] = values[taken]
+        return out
 
     def exchange_rows(self, rows: torch.Tensor, pick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Out-edge ``e`` carries ``rows[pick[e]]``, where ``rows`` starts with the ``n_agents`` local rows
         (several edges may carry one row).  Returns ``(received, index)``: the rows the receivers hold,
         starting with ``rows`` itself, and per in-edge the index of the row it received.  What arrives is
-        :meth:`exchange` of ``rows[pick]``, but no ``(E, ...)`` message tensor need be formed."""
-        ...
+        :meth:`exchange` of ``rows[pick]`` (TOP-DP's last-round messages), which this builds; a fused version
+        need form no ``(E, ...)`` message tensor."""
+        arrived = self.exchange(rows.index_select(0, pick))
+        return torch.cat([rows, arrived]), len(rows) + torch.arange(len(arrived), device=pick.device)
 
-    def public_graph(self) -> PublicGraph:
-        """The whole run's public graph on the host (every agent's edges, not only the local ones), the
-        same object for as long as this network lives."""
-        ...
+    def _self_weights(self) -> torch.Tensor:
+        """``w_ii`` of each local row, from the public graph (once per graph), in ``in_weights``' dtype and device."""
+        return once_per_graph(self, "self weights", lambda: torch.as_tensor(
+            self.public_graph().self_weights[host_graph(self).agent_ids.numpy()], dtype=self.in_weights.dtype,
+            device=self.in_weights.device))
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from decentdp.algorithms.base import NoisePlan, PublicGraph, State
+from decentdp.algorithms.base import Network, NoisePlan, PublicGraph, State
 from decentdp.algorithms.components.schedules import Schedule
 from decentdp.audit.bounds import audit_bound, split_sizes
 from decentdp.config import ExperimentConfig
@@ -88,8 +88,9 @@ class BlockNetwork(SimulatedNetwork):
         """``(I_M (x) operator) @ x``: one batched product over the blocks."""
         return torch.matmul(operator, x.reshape(self.blocks, self.block_size, -1)).reshape(x.shape)
 
-    def mix_add(self, x: torch.Tensor, into: torch.Tensor, alpha: float) -> torch.Tensor:
-        return into.mul_(alpha).add_(self.mix(x))
+    #: The simulator's fused ``mix_add`` multiplies by the whole ``Mn x Mn`` matrix: the blocks take the helper
+    #: built on ``mix`` instead (one batched product, then the sum in ``into``).
+    mix_add = Network.mix_add
 
     def _build_public_graph(self) -> PublicGraph:
         """Every block's graph: the block's edges and weights tiled with offsets ``b * n`` (no ``Mn x Mn`` matrix)."""

@@ -51,6 +51,11 @@ class ExperimentSection(_Section):
     eval_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(0, ge=0, description="rounds between checkpoints; 0 = at evaluations only")
 
+    @property
+    def checkpoint_interval(self) -> int:
+        """Rounds between checkpoints: ``checkpoint_every``, else ``eval_every``."""
+        return self.checkpoint_every or self.eval_every
+
 
 class DataSection(_Section):
     dataset: DatasetName = "digits"

@@ -61,7 +61,7 @@ class Experiment:
     model: FlatModel
     algorithm: Algorithm
     oracle: DataOracle        # owns the run's ledger (``ledger`` below reads it)
-    simulator: Simulator
+    simulator: Simulator      # the run loop; engine.backend = "ray" puts a RaySimulator with its interface here
     evaluator: Evaluator
     noise_multipliers: torch.Tensor
     sample_rates: torch.Tensor

@@ -104,7 +104,8 @@ def _run(config: ExperimentConfig, folder: ResultsFolder | None, data_dir: str |
         threads = apply_threads(config.engine.threads, round_flops=experiment.round_flops)
     if config.engine.backend == "ray":  # agents sharded over Ray worker processes (the optional `ray` extra)
         from decentdp.runtime.distributed.ray_backend import distribute
-        distribute(experiment, log)
+        experiment.simulator = distribute(experiment.simulator, config.engine, config.experiment.checkpoint_interval,
+                                          log)
 
     path = folder.path if folder is not None else None
     tracker = open_tracker(config, path, resume=checkpoint is not None)
@@ -143,7 +144,7 @@ def _train(experiment: Experiment, folder: ResultsFolder | None, checkpoint: dic
     cfg = config.experiment
     rounds = cfg.rounds
     last = min(rounds, stop_after) if stop_after is not None else rounds
-    checkpoint_every = cfg.checkpoint_every or cfg.eval_every
+    checkpoint_every = cfg.checkpoint_interval
     emit = log or (lambda message: tqdm.write(message))
     _announce(experiment, emit)
     emit(threads.describe())

@@ -1,12 +1,12 @@
 """The in-process implementation of the message-passing protocol, and graphs that change per round.
 
 :class:`~decentdp.algorithms.base.Network` (declared beside the algorithms that use it) is the one
-interface through which agents exchange messages.  :class:`SimulatedNetwork` implements it with
-matrix products over all ``N`` agents of one process: agent ids equal rows, out-edges equal
-in-edges, and ``exchange`` and ``exchange_rows`` deliver every message unchanged (the latter without
-copying: the receivers read the senders' rows where they lie).  A multi-machine engine implements the
-same methods over the shard of agents a process holds.  :class:`GraphSequence` gives each round its
-network: the same one throughout, or a graph redrawn every few rounds (Muffliato).
+interface through which agents exchange messages.  :class:`SimulatedNetwork` implements its primitives
+for all ``N`` agents of one process (agent ids equal rows, out-edges equal in-edges, ``exchange``
+delivers every message unchanged) and overrides the helpers built on them with fused tensor operations:
+``mix``, ``mix_add`` and ``neighbor_sum`` are one matrix product each, ``swap`` one gather, and
+``exchange_rows`` lets the receivers read the senders' rows where they lie.  :class:`GraphSequence`
+gives each round its network: the same one throughout, or a graph redrawn every few rounds (Muffliato).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from decentdp.algorithms.base import PublicGraph
+from decentdp.algorithms.base import Network, PublicGraph
 from decentdp.topology import Topology
 
 #: Mixing uses a sparse (CSR) matrix when at most this fraction of its entries is non-zero.  Measured
@@ -26,7 +26,7 @@ from decentdp.topology import Topology
 _SPARSE_MAX_DENSITY = 0.15
 
 
-class SimulatedNetwork:
+class SimulatedNetwork(Network):
     """All agents in one process: every exchange is a tensor operation, messages arrive unchanged."""
 
     def __init__(self, topology: Topology, dtype: torch.dtype = torch.float32,
@@ -81,34 +81,29 @@ class SimulatedNetwork:
                                                                                                   beta=0)
 
     def mix(self, x: torch.Tensor) -> torch.Tensor:
+        """Fused: ``W x`` as one product, no message per edge."""
         return self._apply(self._mixing, x)
 
     def mix_add(self, x: torch.Tensor, into: torch.Tensor, alpha: float) -> torch.Tensor:
+        """Fused: ``W x + alpha * into`` as one ``addmm_`` into ``into``."""
         return into.addmm_(self._mixing, x, beta=alpha)
 
     def neighbor_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Fused: the adjacency matrix times ``x``, one product."""
         return self._apply(self._adjacency, x)
-
-    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
-        return self.exchange(x[self.out_edges[:, 0]])
 
     def exchange(self, messages: torch.Tensor) -> torch.Tensor:
         return messages
 
     def exchange_rows(self, rows: torch.Tensor, pick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The in-edges are the out-edges and messages arrive unchanged: the receivers read the rows in place."""
+        """Fused: the in-edges are the out-edges and messages arrive unchanged, so the receivers read the rows in
+        place (no ``(E, d)`` tensor)."""
         return rows, pick
 
-    def aggregate(self, received: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        if weights is not None:
-            received = received * weights.reshape(-1, *([1] * (received.dim() - 1)))
-        out = torch.zeros(self.n_agents, *received.shape[1:], dtype=received.dtype, device=received.device)
-        return out.index_add_(0, self.in_edges[:, 1], received)
-
     def swap(self, x: torch.Tensor, partner: torch.Tensor) -> torch.Tensor:
-        """Row ``i`` gets row ``partner[i]``.  The pairs are checked when ``partner`` is on the host, where
-        that is free; on an accelerator the check would read the device back in every pairing round, so
-        it is left to the scheduler, the one source of partners, which pairs only along the graph's
+        """Fused: row ``i`` gets row ``partner[i]``, one gather.  The pairs are checked when ``partner`` is on
+        the host, where that is free; on an accelerator the check would read the device back in every pairing
+        round, so it is left to the scheduler, the one source of partners, which pairs only along the graph's
         edges (``tests/privacy/test_release_boundary.py`` checks that)."""
         if partner.device.type == "cpu":
             check_pairs(partner.tolist(), self._neighbours)

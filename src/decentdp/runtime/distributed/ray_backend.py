@@ -1,13 +1,15 @@
 """``engine.backend = "ray"``: a run's agents sharded over Ray actor processes (the ``ray`` extra).
 
-:func:`distribute` turns a built :class:`~decentdp.experiment.build.Experiment` into a sharded one: it
-starts a local Ray instance bound to the loopback interface, or attaches to ``engine.address``,
-and starts ``engine.workers`` actors, each holding one contiguous shard of agents
-(:mod:`decentdp.runtime.distributed.sharded`).  The experiment's simulator is replaced by a
-:class:`RaySimulator` with the simulator's interface, so the runner (``experiment/loop.py``) drives the run
-unchanged: the driver starts each round on every worker, the workers exchange halo rows with their
-peers directly (gloo point-to-point messages in a torch.distributed process group formed by the
-workers: :class:`GlooTransport`), and the driver fetches rows only when the runner evaluates.
+:func:`distribute` shards the run of a built :class:`~decentdp.runtime.simulator.Simulator` (its algorithm,
+graphs, schedules and privacy stack, ``simulator.oracle``) as the config's
+:class:`~decentdp.config.EngineSection` says: it starts a local Ray instance bound to the loopback interface,
+or attaches to ``engine.address``, and starts ``engine.workers`` actors, each building one contiguous shard
+of agents from the simulator (:func:`~decentdp.runtime.distributed.sharded.make_shard`), the one blueprint Ray
+sends them.  It returns a :class:`RaySimulator` with the simulator's interface, which the runner
+(``experiment/loop.py``) puts in the simulator's place and drives unchanged: the driver starts each round on
+every worker, the workers exchange halo rows with their peers directly (gloo point-to-point messages in a
+torch.distributed process group formed by the workers: :class:`GlooTransport`), and the driver fetches rows
+only when the runner evaluates.
 
 Checkpoints are written by the workers: at each checkpoint round every worker writes its shard (state
 rows, ledger rows, scheduler) to ``shards/round-K/`` of the results folder (a temporary folder when
@@ -45,6 +47,7 @@ from typing import Any
 import torch
 
 from decentdp.algorithms.base import State
+from decentdp.config import EngineSection
 from decentdp.errors import ConfigError
 from decentdp.rng import AgentKeys
 from decentdp.runtime.distributed.sharded import (
@@ -61,7 +64,7 @@ from decentdp.runtime.distributed.sharded import (
     state_layout,
     write_shard_checkpoint,
 )
-from decentdp.runtime.simulator import unwrapped
+from decentdp.runtime.simulator import Simulator, unwrapped
 from decentdp.util.profiling import NO_TIMER, PhaseTimer
 
 LOCAL_RAY_ENVIRONMENT = {
@@ -153,23 +156,24 @@ def _exit_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
 
 
-def _without_keys(experiment: Any, put: Any) -> Any:
-    """``put(experiment)`` with a secure run's agent keys taken out while it is serialised: the blueprint
+def _without_keys(simulator: Simulator, put: Callable[[Simulator], Any]) -> Any:
+    """``put(simulator)`` with a secure run's agent keys taken out while it is serialised: the blueprint
     every worker receives holds no key (each worker is given its own agents' keys, see ``_shard_rng``)."""
-    rng = experiment.oracle.rng
+    rng = simulator.oracle.rng
     keys = getattr(rng, "keys", None)
     if keys is None:
-        return put(experiment)
+        return put(simulator)
     rng.keys = AgentKeys({})
     try:
-        return put(experiment)
+        return put(simulator)
     finally:
         rng.keys = keys
+
 
 class ShardWorker:
     """One Ray actor: a shard of the run (its state rows, oracle, ledger, scheduler) and its transport."""
 
-    def __init__(self, blueprint: Any, bounds: list[int], index: int, threads: int, rng: Any) -> None:
+    def __init__(self, blueprint: Simulator, bounds: list[int], index: int, threads: int, rng: Any) -> None:
         torch.set_num_threads(threads)
         self.transport = GlooTransport(index)
         self.shard = make_shard(blueprint, bounds, index, self.transport, rng)
@@ -382,9 +386,11 @@ class _RemoteScheduler:
 class RaySimulator:
     """The simulator's interface (``setup``, ``run``, ``schedule``, ``scheduler``) over Ray workers."""
 
-    def __init__(self, experiment: Any, ray: Any, owns_ray: bool, workers: int, local: bool = True,
+    def __init__(self, simulator: Simulator, engine: EngineSection, snapshot_every: int, ray: Any, owns_ray: bool,
                  log: Callable[[str], None] | None = None) -> None:
-        self.experiment = experiment
+        #: The run's privacy stack in this process (the replaced simulator's oracle): once the workers hold the
+        #: run, its ledger is theirs merged, and the last release's clipped fraction is theirs combined.
+        self.oracle = simulator.oracle
         #: Where a lost worker is announced, in one line of our own (the run's log; stderr by default).
         self.log = log or (lambda line: print(line, file=sys.stderr))
         #: Calls left waiting when a worker failed: collected after the restart, so that Ray never prints
@@ -393,23 +399,21 @@ class RaySimulator:
         self.lost: list[int] = []  # the workers found lost by the last check (announced by the recovery)
         self.ray = ray
         self.owns_ray = owns_ray
-        self.local = local  # every worker on this machine
+        self.local = not engine.address  # every worker on this machine
         self._directory = tempfile.mkdtemp(prefix="decentdp-ray-")
         # where the workers write their checkpoints: the results folder's shards/ once the runner names it
         self._store = Path(self._directory) / "shards"
         self._attached = False  # whether the store is the results folder's (else a temporary one)
         self._committed: Path | None = None  # the shard files the results folder's manifest names
         self._starts = 0
-        whole = experiment.simulator
-        self.schedule = whole.schedule
-        self.scheduler = _RemoteScheduler(self, whole.scheduler.state_dict())
+        self.schedule = simulator.schedule
+        self.scheduler = _RemoteScheduler(self, simulator.scheduler.state_dict())
         self.timer: PhaseTimer = NO_TIMER  # phases are timed inside the workers' processes, not here
         self.wrap_network: Callable[[object], object] = unwrapped
-        self.bounds = shard_bounds(experiment.data.n_agents, workers)
-        self.threads = max(1, torch.get_num_threads() // workers)
-        cfg = experiment.config.experiment
-        self.snapshot_every = cfg.checkpoint_every or cfg.eval_every
-        self.blueprint = _without_keys(experiment, ray.put)  # the whole run, as every worker starts from it
+        self.bounds = shard_bounds(self.oracle.n_agents, engine.workers)
+        self.threads = max(1, torch.get_num_threads() // engine.workers)
+        self.snapshot_every = snapshot_every  # rounds between the workers' snapshots: the run's checkpoints
+        self.blueprint = _without_keys(simulator, ray.put)  # what every worker builds its shard from
         self.workers: list[Any] = []
         self.launched = False
         self.version = 0  # rounds (and setup) run so far by this engine: the ledger view's cache key
@@ -476,28 +480,28 @@ class RaySimulator:
 
     def _load(self, snapshot: _Snapshot) -> None:
         """Every worker reads its rows of the snapshot's shard files (fresh workers, after a loss)."""
-        rng, passes = self.experiment.oracle.rng, self.experiment.oracle.agents_per_pass
+        rng, passes = self.oracle.rng, self.oracle.agents_per_pass
         self._wait([worker.read_checkpoint.remote(str(snapshot.directory), snapshot.files,
                                                   rng.for_agents(range(part.start, part.stop)), passes)
                     for worker, part in zip(self.workers, self._rows(), strict=True)])
 
     def _shard_rng(self, index: int) -> Any:
         """Worker ``index``'s random source: in a secure run, the keys of its own agents and no other's."""
-        return self.experiment.oracle.rng.for_agents(range(self.bounds[index], self.bounds[index + 1]))
+        return self.oracle.rng.for_agents(range(self.bounds[index], self.bounds[index + 1]))
 
     def _launch(self, state: State) -> None:
         """Give the workers the run as it stands (new, or resumed from a checkpoint: split here for this
         number of workers) and take its ledger over."""
-        experiment = self.experiment
+        oracle = self.oracle
         self._keys = list(state)
-        self._per_agent = per_agent_keys(state, experiment.data.n_agents)
-        ledger, scheduler = experiment.ledger.state_dict(), self.scheduler.state_dict()
-        rng, passes = experiment.oracle.rng, experiment.oracle.agents_per_pass
+        self._per_agent = per_agent_keys(state, oracle.n_agents)
+        ledger, scheduler = oracle.ledger.state_dict(), self.scheduler.state_dict()
+        rng, passes = oracle.rng, oracle.agents_per_pass
         self._wait([worker.load.remote(shard_state(state, self._per_agent, part), ledger, scheduler,
                                        rng.for_agents(range(part.start, part.stop)), passes)
                     for worker, part in zip(self.workers, self._rows(), strict=True)])
         self.launched = True
-        experiment.oracle.ledger = _ShardedLedger(self, type(experiment.ledger))
+        oracle.ledger = _ShardedLedger(self, type(oracle.ledger))
 
     def _stop_workers(self) -> None:
         for worker in self.workers:
@@ -515,7 +519,7 @@ class RaySimulator:
     # -- rounds --------------------------------------------------------------------------------------------
     def _collect(self, results: list[tuple[float, float]]) -> None:
         total = sum(weight for _, weight in results)
-        self.experiment.oracle.last_clipped_fraction = \
+        self.oracle.last_clipped_fraction = \
             sum(fraction * weight for fraction, weight in results) / total if total else 0.0
         self.version += 1
 
@@ -630,25 +634,26 @@ class RaySimulator:
                     self._take_snapshot(k + 1)
                 if not after_round(k + 1, view):
                     break
-            final, ledger = dict(view), self.experiment.ledger.current()  # kept once the workers are gone
+            final, ledger = dict(view), self.oracle.ledger.current()  # kept once the workers are gone
         finally:
             self.close()
-        self.experiment.oracle.ledger = ledger
+        self.oracle.ledger = ledger
         return final
 
 
-def distribute(experiment: Any, log: Callable[[str], None] | None = None) -> None:
-    """Shard ``experiment`` over ``engine.workers`` Ray workers (replacing its simulator), checking the
-    engine settings before anything is written; ``log`` receives the engine's own announcements (a lost
-    worker)."""
-    engine = experiment.config.engine
-    agents = experiment.data.n_agents
+def distribute(simulator: Simulator, engine: EngineSection, snapshot_every: int,
+               log: Callable[[str], None] | None = None) -> RaySimulator:
+    """The run that ``simulator`` runs in this process, sharded over ``engine.workers`` Ray workers: the
+    :class:`RaySimulator` that replaces it, taking a snapshot every ``snapshot_every`` rounds (the run's
+    checkpoints).  The engine settings are checked before anything is written; ``log`` receives the engine's
+    own announcements (a lost worker)."""
+    agents = simulator.oracle.n_agents
     if engine.workers > agents:
         raise ConfigError("engine.workers", f"{engine.workers} workers for {agents} agent(s): each worker holds "
                                             "at least one agent")
     ray, owns = connect(engine.address, engine.workers)
     try:
-        experiment.simulator = RaySimulator(experiment, ray, owns, engine.workers, local=not engine.address, log=log)
+        return RaySimulator(simulator, engine, snapshot_every, ray, owns, log=log)
     except BaseException:
         if owns and ray.is_initialized():
             ray.shutdown()

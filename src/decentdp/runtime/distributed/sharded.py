@@ -3,22 +3,24 @@
 A sharded run splits the global agent ids ``0..N-1`` into contiguous shards (:func:`shard_bounds`).
 Each shard holds its agents' rows of every state tensor, their data, batches, noise streams and
 ledger rows, and runs the *same* algorithm code as the simulator through :class:`ShardNetwork`,
-which implements every method of :class:`~decentdp.algorithms.base.Network` over the shard:
+which implements the primitives of :class:`~decentdp.algorithms.base.Network` over the shard and
+overrides the helpers built on them where sending less is faster:
 
+* ``exchange`` (a primitive) delivers per-edge messages: an edge's message crosses to the shard
+  holding its receiver only when that shard differs from the sender's;
 * ``mix``, ``mix_add``, ``neighbor_sum``, ``broadcast`` need the rows of remote neighbours: each
   shard sends each peer shard once per call the rows *its* neighbours there need (the halo of the
-  graph cut), never the whole ``(N, d)`` matrix;
-* ``exchange`` delivers per-edge messages: an edge's message crosses to the shard holding its
-  receiver only when that shard differs from the sender's;
+  graph cut), never one row per edge, nor the whole ``(N, d)`` matrix;
 * ``exchange_rows`` sends each peer shard, once, every distinct row its in-edges from here carry,
   with the index of the row each of those edges received;
-* ``swap`` sends each paired agent's row to the shard of its partner.
+* ``swap`` sends each paired agent's row to the shard of its partner, and nothing else;
+* ``aggregate`` is :class:`~decentdp.algorithms.base.Network`'s own: it sums what arrived, locally.
 
 ``public_graph`` is the whole run's graph (every shard holds the whole public topology).
 
-Every network call is a *collective*: all shards make the same calls in the same order (the
-algorithms do, since their control flow depends on public values only), and each call is one
-:meth:`Transport.exchange` with the shard's peers.  The transport is the only part that knows
+Every network call that moves rows is a *collective*: all shards make the same calls in the same
+order (the algorithms do, since their control flow depends on public values only), and each call is
+one :meth:`Transport.exchange` with the shard's peers.  The transport is the only part that knows
 processes exist (:mod:`decentdp.runtime.distributed.ray_backend` implements it with gloo messages between Ray
 worker processes; :class:`LocalTransport` with threads, for tests).
 
@@ -181,7 +183,6 @@ class ShardNetwork(SimulatedNetwork):
         self.in_weights = torch.tensor(topology.mixing[in_edges[:, 1], in_edges[:, 0]], dtype=dtype,
                                        device=self.device)
         self._in_source_column = as_tensor(column_of[in_edges[:, 0]])
-        self._in_rows = as_tensor(in_edges[:, 1] - lo)
 
         # Per-edge messages: edges between two shards, in global edge order on both sides.
         out_owner, in_owner = owner[out_edges[:, 1]], owner[in_edges[:, 0]]
@@ -239,12 +240,6 @@ class ShardNetwork(SimulatedNetwork):
             parts.append(values)
             offset += len(values)
         return torch.cat(parts) if len(parts) > 1 else rows, index
-
-    def aggregate(self, received: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        if weights is not None:
-            received = received * weights.reshape(-1, *([1] * (received.dim() - 1)))
-        out = torch.zeros(self.n_agents, *received.shape[1:], dtype=received.dtype, device=received.device)
-        return out.index_add_(0, self._in_rows, received)
 
     def swap(self, x: torch.Tensor, partner: torch.Tensor) -> torch.Tensor:
         """Row ``i`` gets agent ``partner[i]``'s row; a remote partner's shard sends that row with the
@@ -451,29 +446,29 @@ class Shard:
         self.oracle.agents_per_pass = agents_per_pass
 
 
-def make_shard(experiment: Any, bounds: list[int], index: int, transport: Transport,
+def make_shard(simulator: Simulator, bounds: list[int], index: int, transport: Transport,
                rng: AgentRandom | None = None) -> Shard:
-    """Shard ``index`` of a run from its fully built :class:`~decentdp.experiment.build.Experiment`: the same data,
-    model, calibration, algorithm and schedules, restricted to the agents ``bounds[index] ..
-    bounds[index+1]-1`` (keyed draws make their batches and noise the simulator's).  ``rng`` is the
-    shard's random source (a secure run's: its agents' keys only); by default the run's, restricted."""
+    """Shard ``index`` of the run that ``simulator`` runs in one process: its algorithm, graphs and schedules,
+    and its privacy stack (``simulator.oracle``: the agents' data and sampling rates, the gradient engine, the
+    calibrated mechanism, the ledger and the random streams), restricted to the agents ``bounds[index] ..
+    bounds[index+1]-1`` (keyed draws make their batches and noise the simulator's).  ``rng`` is the shard's
+    random source (a secure run's: its agents' keys only); by default the run's, restricted."""
     lo, hi = bounds[index], bounds[index + 1]
-    full = experiment.oracle
+    full = simulator.oracle
     device = full.device
     rng = rng if rng is not None else full.rng.for_agents(range(lo, hi))
-    sampler = ShardSampler(experiment.data, experiment.sample_rates, rng, lo, hi)
-    ledger = split_ledger(type(experiment.ledger), experiment.ledger.state_dict(), lo, hi)
+    sampler = ShardSampler(full.sampler.data, full.sample_rates, rng, lo, hi)
+    ledger = split_ledger(type(full.ledger), full.ledger.state_dict(), lo, hi)
     mechanism = None if full.mechanism is None else ShardMechanism(full.mechanism, lo)
     oracle = DataOracle(full.model, sampler, ledger, rng, mechanism, full.clip_norm,
                         agents_per_pass=full.agents_per_pass, agent_ids=torch.arange(lo, hi, device=device),
                         augmentation=full.augmentation)
-    whole = experiment.simulator
-    scheduler = ShardScheduler(whole.scheduler.kind, rng, whole.scheduler.n_total,
-                               whole.scheduler.offline_probability, whole.scheduler.participation, device=device)
-    graphs = ShardGraphs(whole.graphs, bounds, index, transport, device)
-    simulator = Simulator(experiment.algorithm, graphs, oracle, scheduler, whole.schedule, rng,
-                          averaging=whole.averaging)
-    return Shard(bounds, index, oracle, simulator)
+    whole = simulator.scheduler
+    scheduler = ShardScheduler(whole.kind, rng, whole.n_total, whole.offline_probability, whole.participation,
+                               device=device)
+    graphs = ShardGraphs(simulator.graphs, bounds, index, transport, device)
+    return Shard(bounds, index, oracle, Simulator(simulator.algorithm, graphs, oracle, scheduler, simulator.schedule,
+                                                  rng, averaging=simulator.averaging))
 
 
 def split_ledger(kind: type[PrivacyLedger], state: dict[str, Any], lo: int, hi: int) -> PrivacyLedger:
