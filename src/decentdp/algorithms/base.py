@@ -267,6 +267,8 @@ class NoisePlan:
     redrawn: bool                 # whether the graph is redrawn during the run (any agent may meet any other)
     public: PublicRun | None = None  # the run's public choices, replayable (None: plan for the worst case)
     colluding: list[list[int]] = field(default_factory=list)  # privacy.colluding: sets that pool their views
+    period: int | None = None     # cyclic sampling: b, the batches each agent's records are split into (None: Poisson)
+    noise: str = "simulation"     # privacy.noise
 
 
 @dataclass(frozen=True)
@@ -320,6 +322,13 @@ class Algorithm(ABC):
     #: Whether the round reads ``ctx.plan`` so that inactive agents neither send, receive nor move
     #: (required for ``schedule.offline_probability > 0``).
     follows_plan: ClassVar[bool] = False
+    #: How its agents may draw their batches (``data.sampling``); the first is its default.  ``poisson``:
+    #: independent Poisson batches every round (amplified by sampling); ``cyclic``: each agent's records split
+    #: once into ``b`` fixed batches, batch ``t mod b`` in round ``t`` (:class:`~decentdp.privacy.sampling.
+    #: CyclicSampler`; each release unsampled, and a record's rounds are those of its batch alone).
+    samplings: ClassVar[tuple[str, ...]] = ("poisson", "cyclic")
+    #: Why the samplings it lacks are refused (said with the refusal).
+    sampling_note: ClassVar[str] = ""
 
     @classmethod
     def from_settings(cls, settings: Any) -> Algorithm:
@@ -365,6 +374,11 @@ class Algorithm(ABC):
         """``(N, d)`` matrices a round allocates besides its state at its peak (gradient sums, mixing
         outputs, updates), with some slack for the allocator; the memory plan budgets them."""
         return 3
+
+    def memory_refusal(self, agents: int, dim: int, limit_bytes: int | None) -> Exception | None:
+        """A clearer refusal than the memory plan's own when what this algorithm keeps per agent cannot fit
+        ``limit_bytes`` (``None``: no limit known), e.g. a history of past noise; default none."""
+        return None
 
     def stability_warnings(self, topology: Topology, schedule: Schedule) -> list[str]:
         """Settings under which this algorithm's round diverges on the run's (first) graph with the run's
