@@ -60,7 +60,8 @@ def test_the_ledger_charges_one_release_per_pass_over_the_batches(tmp_path: Path
     assert privacy["releases"] == [3] * 4 and privacy["refused_releases"] == [0] * 4
     runs = privacy["ledger"]["agent_runs"][0]
     assert [(count, first, last) for _, count, first, last in runs] == [(3, 0, 8)]
-    assert privacy["ledger"]["events"][0] == {"type": "GaussianDpEvent", "noise_multiplier": setup["noise_multipliers"][0]}
+    sigma = setup["noise_multipliers"][0]
+    assert privacy["ledger"]["events"][0] == {"type": "GaussianDpEvent", "noise_multiplier": sigma}
     assert max(result.summary["epsilon_per_agent"]) <= 5.0 and min(result.summary["epsilon_per_agent"]) > 4.99
     assert "once per pass" in result.summary["epsilon_observer"]
 

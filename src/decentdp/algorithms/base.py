@@ -375,9 +375,10 @@ class Algorithm(ABC):
         outputs, updates), with some slack for the allocator; the memory plan budgets them."""
         return 3
 
-    def memory_refusal(self, agents: int, dim: int, limit_bytes: int | None) -> Exception | None:
-        """A clearer refusal than the memory plan's own when what this algorithm keeps per agent cannot fit
-        ``limit_bytes`` (``None``: no limit known), e.g. a history of past noise; default none."""
+    def memory_refusal(self, agents: int, dim: int, rounds: int, limit_bytes: int | None) -> Exception | None:
+        """For a private run of ``rounds`` rounds, a clearer refusal than the memory plan's own (and before any
+        calibration) when what this algorithm keeps per agent cannot fit ``limit_bytes`` (``None``: no limit
+        known), e.g. a history of past noise; default none."""
         return None
 
     def stability_warnings(self, topology: Topology, schedule: Schedule) -> list[str]:

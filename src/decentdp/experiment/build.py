@@ -184,11 +184,8 @@ def _plan_memory(config: ExperimentConfig, model: FlatModel, algorithm: Algorith
     per_sample = model.activation_bytes_per_sample(sample, data.y[data.indices[0][0]])
     batch = n_agents * width * (sample.numel() * sample.element_size() + 8 + 4)  # inputs, labels, mask
     limit = config.engine.memory_limit_gb
-    limit_bytes = int(limit * 2**30) if limit is not None else available_memory(device)
-    refusal = algorithm.memory_refusal(n_agents, model.dim, limit_bytes)
-    if refusal is not None:
-        raise refusal
-    return plan_memory(n_agents, model.dim, state, batch, per_sample, width, limit_bytes,
+    return plan_memory(n_agents, model.dim, state, batch, per_sample, width,
+                       int(limit * 2**30) if limit is not None else available_memory(device),
                        config.engine.agents_per_pass, algorithm.round_temporaries)
 
 
@@ -283,6 +280,12 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
 
     public = PublicRun(replayed_network, lambda k: rng.round_generator(k, Stream.PUBLIC),
                        (torch.tensor(rates, dtype=torch.float64) * torch.tensor(sizes)).float().double().numpy())
+    if private:  # what the algorithm keeps per agent, refused before its calibration's work
+        limit = config.engine.memory_limit_gb
+        refusal = algorithm.memory_refusal(len(parts), model.dim, config.experiment.rounds,
+                                           int(limit * 2**30) if limit is not None else available_memory(device))
+        if refusal is not None:
+            raise refusal
     own = algorithm.calibrate(_noise_plan(config, budgets, rates, sizes, model.dim, topology, public, period)) \
         if private else None
     sigmas = own.noise_multipliers if own is not None else \
