@@ -100,7 +100,10 @@ class Experiment:
 
     @property
     def planned_releases(self) -> int:
-        """Noisy releases each agent's noise is calibrated for: the setup phase's and every round's."""
+        """Noisy releases each agent's noise is calibrated for: the setup phase's and every round's (one for a
+        mechanism priced once for the whole run)."""
+        if getattr(self.oracle.mechanism, "prepaid", False):
+            return 1
         return planned_releases(self.config, self.algorithm, self.period)
 
 
@@ -290,6 +293,8 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
         if private else None
     sigmas = own.noise_multipliers if own is not None else \
         calibrate(budgets, rates, config, planned, sums, algorithm.joint_accounting) if private else [0.0] * len(parts)
+    if own is not None and getattr(own.mechanism, "prepaid", False):
+        planned = 1  # one event for the whole run (matrix-factorization noise), charged before round 0
     ledger = PrivacyLedger(len(parts), budgets, config.privacy.delta, budget_accountant=config.privacy.accountant,
                           relation=config.privacy.neighbouring)
     # host values, known before any round: the ledger and the events read them without a device round trip

@@ -55,9 +55,6 @@ PATIENCE = 5
 MAX_ITERATIONS = 150
 #: Backtracking trials per iteration (each shrinks the step by 4), as the authors' code.
 LINE_SEARCH = 30
-#: Rounds up to which the optimiser's linear algebra runs on one BLAS thread (small matrices, where more threads
-#: only wait for each other: tenfold slower on two busy cores); above it, on the run's threads.
-SINGLE_THREAD_ROUNDS = 256
 
 
 def participation_classes(rounds: int, period: int) -> np.ndarray:
@@ -252,15 +249,18 @@ def factorize(gram: np.ndarray, period: int, max_iterations: int = MAX_ITERATION
 def _cached(w_bytes: bytes, shape: tuple[int, int], rounds: int, period: int, offset: int,
             max_iterations: int) -> Factorization:
     w = np.frombuffer(w_bytes, dtype=np.float64).reshape(shape)
-    threads = 1 if rounds <= SINGLE_THREAD_ROUNDS else torch.get_num_threads()
-    with threadpool_limits(limits=threads, user_api="blas"):
+    with threadpool_limits(limits=1, user_api="blas"):  # see run_factorization
         return factorize(workload_gram(w, rounds, offset), period, max_iterations)
 
 
 def run_factorization(w: np.ndarray, rounds: int, period: int, offset: int = 1,
                       max_iterations: int = MAX_ITERATIONS) -> Factorization:
     """:func:`factorize` of the workload of mixing matrix ``w`` over ``rounds`` rounds, cached per
-    (``W``, ``T``, ``b``) in this process (a build, its audit and its privacy results ask for the same)."""
+    (``W``, ``T``, ``b``) in this process (a build, its audit and its privacy results ask for the same).
+
+    Its linear algebra runs on one BLAS thread: the result is then the same whatever the machine's cores, and on
+    two busy cores one thread was four times faster than two at ``T = 1000`` (20.7 s against 85.8 s; two threads
+    wait for each other; ``benchmarks/factorization.py``)."""
     w = np.ascontiguousarray(w, dtype=np.float64)
     return _cached(w.tobytes(), w.shape, rounds, period, offset, max_iterations)
 
