@@ -4,7 +4,9 @@ For each run this file digests what a run leaves: the checkpoint (state tensors,
 its wall time left out), ``summary.json`` and ``privacy.json`` (wall time and thread count left out), every
 metrics row (wall time left out) and the noise ``setup.json`` calibrated.  ``tests/golden/outputs.json`` holds
 the digests of the commit that wrote it.  A change that moves no result keeps every digest; a change meant to
-move results rewrites the file (``python tests/test_golden_outputs.py --write``) and says why in its commit.
+move results rewrites the file (``python tests/test_golden_outputs.py --write``) and says why in its commit; a newly
+registered algorithm is added alone (``--add NAME``), its entry naming the machine that computed it when that is not
+the file's.
 
 Floating-point results are bit-exact only on the same CPU features and torch build (one thread per run
 here), so on another machine the runs are compared by their metrics and ledger values to 1e-6 instead."""
@@ -119,7 +121,7 @@ def golden() -> dict[str, Any]:
 def test_results_ledgers_and_checkpoints_are_unchanged(name: str, golden: dict[str, Any], tmp_path: Path) -> None:
     assert name in golden["runs"], f"no golden outputs for {name!r}: rewrite {GOLDEN} (see this file's docstring)"
     expected, now = golden["runs"][name], outputs(name, tmp_path / name)
-    if golden["machine"] == machine():
+    if expected.get("machine", golden["machine"]) == machine():  # a run added later names its own machine
         assert now["digest"] == expected["digest"], f"{name}: its results, ledger or checkpoint changed"
     else:  # another CPU or torch build: values, not bits
         assert np.allclose(now["accuracy_mean"], expected["accuracy_mean"], rtol=1e-6, atol=1e-9)
@@ -135,10 +137,25 @@ def write(folder: Path) -> None:
     print(f"wrote {GOLDEN}: {len(runs)} runs on {machine()}")
 
 
+def add(folder: Path, name: str) -> None:
+    """Add one run (a newly registered algorithm) to the golden file, naming the machine that computed it; the
+    other runs keep their digests."""
+    golden = json.loads(GOLDEN.read_text())
+    if name in golden["runs"]:
+        sys.exit(f"{name} is already in {GOLDEN}: rewrite the whole file with --write")
+    golden["runs"][name] = {**outputs(name, folder / name), **({"machine": machine()}
+                                                                if machine() != golden["machine"] else {})}
+    GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+    print(f"added {name} to {GOLDEN} on {machine()}")
+
+
 if __name__ == "__main__":
     import tempfile
 
-    if sys.argv[1:] != ["--write"]:
-        sys.exit("usage: python tests/test_golden_outputs.py --write")
+    if sys.argv[1:] != ["--write"] and (len(sys.argv) != 3 or sys.argv[1] != "--add"):
+        sys.exit("usage: python tests/test_golden_outputs.py --write | --add ALGORITHM")
     with tempfile.TemporaryDirectory() as temporary:
-        write(Path(temporary))
+        if sys.argv[1] == "--write":
+            write(Path(temporary))
+        else:
+            add(Path(temporary), sys.argv[2])

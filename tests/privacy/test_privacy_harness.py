@@ -62,7 +62,11 @@ LINEAR_SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 #: Algorithms that report each ``privacy.colluding`` set's epsilon (``epsilon_colluding``).
-REPORTS_COLLUDING = {"decor", "muffliato", "zip-dl"}
+REPORTS_COLLUDING = {"decor", "mafalda-sgd", "muffliato", "zip-dl"}
+
+#: Algorithms that sample cyclically (``data.sampling = 'cyclic'``, ``b`` batches): the exact loss lets one record
+#: move the data terms of one participation class (round mod b) only.
+CYCLIC = {"mafalda-sgd"}
 
 #: Agents go offline and re-pair with earlier partners (TOP-DP's Alg. 2: the issue's item 3(B)).
 SCHEDULES = {"top-dp-async": {"kind": "pairing", "offline_probability": 0.3}}
@@ -76,14 +80,17 @@ class Sources:
         self.kind: list[str] = []
         self.agent: list[int] = []
         self.partner: list[int] = []   # the other end of an edge secret, -1 for an agent's own draw
+        self.round: list[int] = []     # the round a data term was released in (-1 for noise)
 
-    def fresh(self, kind: str, agents: list[int], partners: list[int] | None = None) -> torch.Tensor:
+    def fresh(self, kind: str, agents: list[int], partners: list[int] | None = None,
+              round_index: int = -1) -> torch.Tensor:
         start = len(self.kind)
         if start + len(agents) > self.capacity:
             raise RuntimeError("the harness's capacity is too small for this run")
         self.kind += [kind] * len(agents)
         self.agent += agents
         self.partner += partners if partners is not None else [-1] * len(agents)
+        self.round += [round_index] * len(agents)
         rows = torch.zeros(len(agents), self.capacity, dtype=torch.float64)
         rows[torch.arange(len(agents)), torch.arange(start, start + len(agents))] = 1.0
         return rows
@@ -97,6 +104,7 @@ class TracingNoiseDraw:
 
     def __init__(self, rng: Any, agent_ids: Any, round_index: int, release: int) -> None:
         self.agent_ids = agent_ids.tolist() if isinstance(agent_ids, torch.Tensor) else list(agent_ids)
+        self.round_index = round_index
 
     @property
     def dtype(self) -> torch.dtype:
@@ -117,7 +125,7 @@ class TracingOracle(DataOracle):
 
     def _compute(self, models: torch.Tensor, batch: Any, owners: Any, host: torch.Tensor, out: torch.Tensor,
                  index: int) -> None:
-        out.copy_(self.sources.fresh("data", self._host_ids[host].tolist()))
+        out.copy_(self.sources.fresh("data", self._host_ids[host].tolist(), round_index=self.round_index))
 
 
 class TracingNetwork:
@@ -171,10 +179,11 @@ VALUES = {"alpha": [0.25, 0.5, 0.75], "gossip_steps": [1, 2, 4]}
 
 def traced_run(name: str, n: int, p: float, seed: int, rounds: int, epsilon: float = 2.0, graph: str = "erdos-renyi",
                settings: dict[str, Any] | None = None, relation: str = "add-remove",
-               colluding: list[list[int]] | None = None,
+               colluding: list[list[int]] | None = None, data: dict[str, Any] | None = None,
                ) -> tuple[Any, Sources, list[tuple[np.ndarray, torch.Tensor]]]:
-    """Run ``rounds`` rounds of algorithm ``name`` with full batches on a random graph (or ``graph``), traced."""
-    raw = tiny_config(experiment={"rounds": rounds, "eval_every": rounds, "seed": seed},
+    """Run ``rounds`` rounds of algorithm ``name`` with full batches on a random graph (or ``graph``), traced
+    (``data``: e.g. cyclic sampling's ``{"sampling": "cyclic", "batches": b}``, each batch then a full share)."""
+    raw = tiny_config(experiment={"rounds": rounds, "eval_every": rounds, "seed": seed}, data=data or {},
                       topology={"graph": graph, "agents": n, **({"p": p} if graph == "erdos-renyi" else {})},
                       algorithm={"name": name, "batch_size": 10_000, "lr": 0.3, **LINEAR_SETTINGS.get(name, {}),
                                  **(settings or {})},
@@ -205,8 +214,10 @@ def traced_run(name: str, n: int, p: float, seed: int, rounds: int, epsilon: flo
 
 
 def exact_epsilon(sources: Sources, log: list[tuple[np.ndarray, torch.Tensor]], observer: list[int],
-                  sender: int, relation: str = "add-remove") -> float:
-    """The exact epsilon at DELTA of ``sender`` towards ``observer`` (see the module docstring)."""
+                  sender: int, relation: str = "add-remove", period: int | None = None) -> float:
+    """The exact epsilon at DELTA of ``sender`` towards ``observer`` (see the module docstring); with ``period``
+    (cyclic sampling) a record moves the data terms of the rounds of one class ``t mod period`` only, so the
+    supremum is the largest over the classes."""
     rows = [x[np.isin(receivers, observer)] for receivers, x in log
             if x.shape[-1] == sources.capacity]   # (narrower messages carry public values, e.g. batch sizes)
     seen = torch.cat(rows).numpy() if rows else np.zeros((0, sources.capacity))
@@ -214,7 +225,8 @@ def exact_epsilon(sources: Sources, log: list[tuple[np.ndarray, torch.Tensor]], 
     kind, agent = np.array(sources.kind + [""] * padding), np.array(sources.agent + [-1] * padding)
     partner = np.array(sources.partner + [-1] * padding)
     unknown = (kind == "noise") & ~np.isin(agent, observer) & ~np.isin(partner, observer)
-    a = seen[:, (kind == "data") & (agent == sender)]
+    own = (kind == "data") & (agent == sender)
+    a = seen[:, own]
     if not a.any():
         return 0.0
     b = seen[:, unknown]
@@ -223,7 +235,10 @@ def exact_epsilon(sources: Sources, log: list[tuple[np.ndarray, torch.Tensor]], 
     if not np.allclose(covariance @ inverse @ a, a, atol=1e-7 * np.abs(a).max()):
         return math.inf
     m = a.T @ inverse @ a
-    best = max(float(np.array(s) @ m @ np.array(s)) for s in itertools.product([-1.0, 1.0], repeat=m.shape[0]))
+    classes = np.array(sources.round + [-1] * padding)[own] % period if period else np.zeros(m.shape[0], dtype=int)
+    best = max(float(np.array(s) @ m[np.ix_(members, members)] @ np.array(s))
+               for members in (np.flatnonzero(classes == k) for k in np.unique(classes))
+               for s in itertools.product([-1.0, 1.0], repeat=len(members)))
     sensitivity = 2.0 if relation == "replace-one" else 1.0   # a replaced record moves a clipped sum by 2C
     return gaussian_dp_epsilon(sensitivity * math.sqrt(max(best, 0.0)), DELTA)
 
@@ -263,21 +278,23 @@ def test_reported_epsilon_is_at_least_every_observers_exact_loss(name: str, n: i
                                                                   choice: int, relation: str) -> None:
     settings = {VARIED[name]: VALUES[VARIED[name]][choice]} if name in VARIED else {}
     colluding = [0, n - 1]   # a named colluding set: its pooled view must stay below what is reported for it
+    period = min(rounds, 2) if name in CYCLIC else None
     experiment, sources, log = traced_run(name, n, 0.7, seed, rounds, settings=settings, relation=relation,
-                                          colluding=[colluding])
+                                          colluding=[colluding], data={"sampling": "cyclic", "batches": period}
+                                          if period else None)
     together, single, pairwise, sets = reported_epsilons(experiment, rounds)
     assert len(sets) == (name in REPORTS_COLLUDING)
     for sender in range(1, n - 1):
-        exact = exact_epsilon(sources, log, colluding, sender, relation)
+        exact = exact_epsilon(sources, log, colluding, sender, relation, period)
         assert single[sender] >= exact - 1e-6, (sender, "the colluding set", single[sender], exact)
         for reported in sets:
             assert reported[sender] >= exact - 1e-6, (sender, "epsilon_colluding", reported[sender], exact)
     for sender in range(n):
         others = [v for v in range(n) if v != sender]
-        everyone = exact_epsilon(sources, log, others, sender, relation)
+        everyone = exact_epsilon(sources, log, others, sender, relation, period)
         assert together[sender] >= everyone - 1e-6, (sender, "all others", together[sender], everyone)
         for v in others:
-            exact = exact_epsilon(sources, log, [v], sender, relation)
+            exact = exact_epsilon(sources, log, [v], sender, relation, period)
             assert single[sender] >= exact - 1e-6, (sender, v, single[sender], exact)
             if pairwise is not None:
                 assert pairwise[sender, v] >= exact - 1e-6, (sender, v, pairwise[sender, v], exact)
@@ -317,3 +334,64 @@ def test_the_recursive_accountant_is_never_below_an_observers_exact_loss(name: s
         for sender in (s for s in range(n) if s not in observer):
             exact = exact_epsilon(sources, log, observer, sender, relation)
             assert bound[sender, column] >= exact - 1e-6, (sender, observer, bound[sender, column], exact)
+
+
+def violations(experiment: Any, sources: Sources, log: list[tuple[np.ndarray, torch.Tensor]], rounds: int,
+               period: int | None, relation: str, colluding: list[int]) -> tuple[list[tuple[Any, ...]], np.ndarray]:
+    """Every reported epsilon below the exact loss of its observer (sender, observer, reported, exact), and each
+    sender's exact loss towards all the others together."""
+    n = experiment.data.n_agents
+    together, single, pairwise, sets = reported_epsilons(experiment, rounds)
+    found, everyone = [], np.zeros(n)
+    for sender in range(n):
+        others = [v for v in range(n) if v != sender]
+        everyone[sender] = exact_epsilon(sources, log, others, sender, relation, period)
+        checks = [("all others", together[sender], everyone[sender])]
+        for v in others:
+            exact = exact_epsilon(sources, log, [v], sender, relation, period)
+            checks += [(v, single[sender], exact)] + ([(v, pairwise[sender, v], exact)] if pairwise is not None else [])
+        if sender not in colluding:
+            exact = exact_epsilon(sources, log, colluding, sender, relation, period)
+            checks += [("colluding", reported[sender], exact) for reported in sets]
+        found += [(sender, observer, reported, exact) for observer, reported, exact in checks
+                  if reported < exact - 1e-6]
+    return found, everyone
+
+
+@pytest.mark.parametrize(("name", "n", "rounds", "period", "relation"), [
+    ("mafalda-sgd", 5, 8, 1, "add-remove"), ("mafalda-sgd", 4, 8, 2, "replace-one"),
+    ("mafalda-sgd", 5, 6, 6, "add-remove"), ("dp-dsgd", 4, 6, 2, "add-remove"), ("dp-dsgd", 4, 5, 5, "replace-one")])
+def test_cyclic_participation_is_priced_at_or_above_every_observers_exact_loss(name: str, n: int, rounds: int,
+                                                                               period: int, relation: str) -> None:
+    """Cyclic sampling (b batches, a record in the rounds t = c mod b of one class): the ledger's epsilon (the
+    whole-run Gaussian of mafalda-sgd's factorization; DP-D-SGD's ceil(T/b) unsampled releases) and the
+    observer-view accountant's pairwise and colluding epsilons are at least each observer's exact loss, the
+    supremum over one class's data terms at a time.  For mafalda-sgd the observer of every message (all the
+    others) learns exactly the whole-run Gaussian sens(C) / sigma: the ledger's epsilon is that loss."""
+    colluding = [0, n - 1]
+    experiment, sources, log = traced_run(name, n, 0.8, 3, rounds, relation=relation, colluding=[colluding],
+                                          data={"sampling": "cyclic", "batches": period})
+    assert experiment.ledger.releases().tolist() == [1 if name == "mafalda-sgd" else -(-rounds // period)] * n
+    found, everyone = violations(experiment, sources, log, rounds, period, relation, colluding)
+    assert not found, found
+    if name == "mafalda-sgd":
+        local = experiment.ledger.reported_epsilon()[0]
+        np.testing.assert_allclose(everyone, local, rtol=1e-3)
+
+
+def test_a_planted_bug_noise_scaled_down_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above has teeth: mafalda-sgd adding 0.7 of the noise it accounts for is reported below the exact
+    loss of some observer."""
+    from decentdp.privacy import factorization
+
+    original = factorization.MatrixFactorizationMechanism.__init__
+
+    def weaker(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.scales = self.scales * 0.7
+
+    monkeypatch.setattr(factorization.MatrixFactorizationMechanism, "__init__", weaker)
+    experiment, sources, log = traced_run("mafalda-sgd", 4, 0.8, 3, 6, colluding=[[0, 3]],
+                                          data={"sampling": "cyclic", "batches": 2})
+    found, _ = violations(experiment, sources, log, 6, 2, "add-remove", [0, 3])
+    assert found and any(observer == "all others" for _, observer, _, _ in found)

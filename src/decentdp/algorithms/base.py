@@ -308,6 +308,8 @@ class NoisePlan:
     redrawn: bool                 # whether the graph is redrawn during the run (any agent may meet any other)
     public: PublicRun | None = None  # the run's public choices, replayable (None: plan for the worst case)
     colluding: list[list[int]] = field(default_factory=list)  # privacy.colluding: sets that pool their views
+    period: int | None = None     # cyclic sampling: b, the batches each agent's records are split into (None: Poisson)
+    noise: str = "simulation"     # privacy.noise
 
 
 @dataclass(frozen=True)
@@ -361,6 +363,18 @@ class Algorithm(ABC):
     #: Whether the round reads ``ctx.plan`` so that inactive agents neither send, receive nor move
     #: (required for ``schedule.offline_probability > 0``).
     follows_plan: ClassVar[bool] = False
+    #: How its agents may draw their batches (``data.sampling``); the first is its default.  ``poisson``:
+    #: independent Poisson batches every round (amplified by sampling); ``cyclic``: each agent's records split
+    #: once into ``b`` fixed batches, batch ``t mod b`` in round ``t`` (:class:`~decentdp.privacy.sampling.
+    #: CyclicSampler`; each release unsampled, and a record's rounds are those of its batch alone).  Cyclic runs
+    #: charge each agent its first release of each pass over its batches, which covers an algorithm whose one
+    #: release a round uses the run's fixed mechanism for all its neighbours; an algorithm opts in once that holds
+    #: (per-receiver releases or noise that changes by round would need a charge per release instead).
+    samplings: ClassVar[tuple[str, ...]] = ("poisson",)
+    #: Why the samplings it lacks are refused (said with the refusal).
+    sampling_note: ClassVar[str] = ("cyclic runs charge an agent once per pass over its batches, which covers one "
+                                    "release a round with the run's fixed mechanism; this algorithm has not been "
+                                    "shown to release only that way")
 
     @classmethod
     def from_settings(cls, settings: Any) -> Algorithm:
@@ -406,6 +420,12 @@ class Algorithm(ABC):
         """``(N, d)`` matrices a round allocates besides its state at its peak (gradient sums, mixing
         outputs, updates), with some slack for the allocator; the memory plan budgets them."""
         return 3
+
+    def memory_refusal(self, agents: int, dim: int, rounds: int, limit_bytes: int | None) -> Exception | None:
+        """For a private run of ``rounds`` rounds, a clearer refusal than the memory plan's own (and before any
+        calibration) when what this algorithm keeps per agent cannot fit ``limit_bytes`` (``None``: no limit
+        known), e.g. a history of past noise; default none."""
+        return None
 
     def stability_warnings(self, topology: Topology, schedule: Schedule) -> list[str]:
         """Settings under which this algorithm's round diverges on the run's (first) graph with the run's

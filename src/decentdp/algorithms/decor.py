@@ -83,6 +83,8 @@ class Decor(OptimizerAlgorithm):
 
     name: ClassVar[str] = "decor"
     Settings = DecorSettings
+    samplings: ClassVar[tuple[str, ...]] = ("poisson",)
+    sampling_note: ClassVar[str] = "its own calibration plans for Poisson-sampled rounds"
 
     def __init__(self, optimizer: Optimizer, correlation: float, local_epsilon: float | None = None) -> None:
         super().__init__(optimizer)

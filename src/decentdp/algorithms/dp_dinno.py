@@ -97,6 +97,8 @@ class DiNNOSettings(OptimizerSettings):
 class DPDiNNO(OptimizerAlgorithm):
     """Consensus ADMM with an inexact, private primal solver."""
 
+    samplings: ClassVar[tuple[str, ...]] = ("poisson", "cyclic")  # one release a round, the run's mechanism
+
     name: ClassVar[str] = "dp-dinno"
     Settings = DiNNOSettings
 

@@ -22,6 +22,8 @@ from decentdp.algorithms.registry import register
 class DPDSGD(OptimizerAlgorithm):
     """Decentralized SGD with private gradients and synchronous gossip."""
 
+    samplings: ClassVar[tuple[str, ...]] = ("poisson", "cyclic")  # one release a round, the run's mechanism
+
     name: ClassVar[str] = "dp-dsgd"
 
     @property

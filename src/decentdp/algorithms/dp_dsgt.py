@@ -33,6 +33,8 @@ class DSGTSettings(AlgorithmSettings):
 class DPDSGT(Algorithm):
     """Distributed stochastic gradient tracking with private gradients."""
 
+    samplings: ClassVar[tuple[str, ...]] = ("poisson", "cyclic")  # one release a round, the run's mechanism
+
     name: ClassVar[str] = "dp-dsgt"
     Settings = DSGTSettings
 

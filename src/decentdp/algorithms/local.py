@@ -16,6 +16,8 @@ from decentdp.algorithms.registry import register
 class LocalTraining(OptimizerAlgorithm):
     """``theta_i <- optimizer_step(theta_i, G_i(theta_i))`` with no messages."""
 
+    samplings: ClassVar[tuple[str, ...]] = ("poisson", "cyclic")  # one release a round, the run's mechanism
+
     name: ClassVar[str] = "local"
 
     def round(self, state: State, ctx: RoundContext) -> State:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from decentdp.algorithms.base import Network, NoisePlan, PublicGraph, State
+from decentdp.algorithms.base import Network, NoisePlan, PublicGraph, PublicRun, State
 from decentdp.algorithms.components.schedules import Schedule
 from decentdp.audit.bounds import audit_bound, split_sizes
 from decentdp.config import ExperimentConfig
@@ -45,7 +45,7 @@ from decentdp.privacy.accounting import epsilon_of_history
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.privacy.mechanisms import GaussianMechanism, Mechanism
 from decentdp.privacy.oracle import DataOracle
-from decentdp.privacy.sampling import AgentData, PoissonSampler
+from decentdp.privacy.sampling import AgentData, CyclicSampler, PoissonSampler
 from decentdp.results.files import write_atomic
 from decentdp.rng import AgentRandom, Stream, round_stream_seed
 from decentdp.runtime.network import GraphSequence, SimulatedNetwork, topology_graph
@@ -187,35 +187,41 @@ def block_simulation(experiment: Experiment, x: torch.Tensor, y: torch.Tensor, p
     data = AgentData(x.to(device), y.to(device), tuple(indices))
     # rates and noise of the world with every audited record, in all worlds (add/remove DP: the mechanism is fixed)
     sizes = [len(rows) + (len(audited) if a == target else 0) for a, rows in enumerate(parts)]
-    rates = [min(1.0, config.algorithm.batch_size / size) for size in sizes]
+    period = experiment.period  # cyclic sampling: every release unsampled, a record in the rounds of its batch
+    rates = [min(1.0, config.algorithm.batch_size / size) for size in sizes] if period is None else [1.0] * block
     budgets = [min(config.privacy.budgets)] * block
-    planned = planned_releases(config, experiment.algorithm)
+    planned = planned_releases(config, experiment.algorithm, period)
     sums = experiment.algorithm.sums_per_batch(experiment.topology.adjacency().sum(axis=1).astype(np.int64))
     private = config.privacy.private
     adjacency = experiment.topology.adjacency()
     degrees = [int(d) for d in adjacency.sum(axis=1)]
     neighbours = [[int(j) + b * block for j in np.flatnonzero(row)] for b in range(blocks) for row in adjacency]
     schedule_cfg = config.schedule
+    rng = AgentRandom(seed, device=device)
+    network = BlockNetwork(experiment.topology, blocks, device=device)
+    # a cyclic run's algorithm may price the graph itself (mafalda-sgd's factorization): the blocks' graph is public
+    public = None if period is None else PublicRun(
+        lambda _: network, lambda k: rng.round_generator(k, Stream.PUBLIC),
+        (torch.tensor(sizes * blocks, dtype=torch.float64) / period).float().double().numpy())
     own = experiment.algorithm.calibrate(NoisePlan(
         budgets * blocks, config.privacy.delta, rates * blocks, sizes * blocks, config.experiment.rounds,
         experiment.model.dim, config.privacy.clip, config.privacy.accountant, config.privacy.neighbouring,
         (1 - schedule_cfg.offline_probability) * schedule_cfg.participation, degrees * blocks, neighbours,
-        bool(config.topology.redraw_every))) if private else None
+        bool(config.topology.redraw_every), public, period=period, noise=config.privacy.noise)) if private else None
     if own is not None:  # the algorithm's own mechanism (TOP-DP, Li18, ...), calibrated for every block agent
         sigmas, mechanism = list(own.noise_multipliers[:block]), own.mechanism
     else:
         sigmas = _sigmas(experiment, budgets, rates, planned, sums) if private else [0.0] * block
         mechanism = GaussianMechanism(torch.tensor(sigmas * blocks, dtype=torch.float32),
                                       config.privacy.clip) if private else None
-    rng = AgentRandom(seed, device=device)
     sample_rates = torch.tensor(rates * blocks, dtype=torch.float64)
     if mechanism is not None and wrap_mechanism is not None:
         mechanism = wrap_mechanism(mechanism)
     ledger = PrivacyLedger(blocks * block, float("inf"), config.privacy.delta,
                            budget_accountant=config.privacy.accountant, relation=config.privacy.neighbouring)
-    oracle = DataOracle(model or experiment.model, PoissonSampler(data, sample_rates, rng), ledger, rng, mechanism,
+    sampler = PoissonSampler(data, sample_rates, rng) if period is None else CyclicSampler(data, period, seed)
+    oracle = DataOracle(model or experiment.model, sampler, ledger, rng, mechanism,
                         config.privacy.clip, agents_per_pass=config.engine.agents_per_pass)
-    network = BlockNetwork(experiment.topology, blocks, device=device)
     scheduler = Scheduler(config.schedule_kind, rng, network.n_total, config.schedule.offline_probability,
                           config.schedule.participation, device=device)
     algo = config.algorithm

@@ -68,6 +68,16 @@ class DataSection(_Section):
     validation_fraction: float = Field(0.0, ge=0.0, le=0.5, description="hold out this fraction of each agent's "
                                        "training records and evaluate on them instead of the test set (for "
                                        "tuning, e.g. decentdp sweep); 0 = evaluate on the test set")
+    sampling: Literal["poisson", "cyclic"] | None = Field(
+        None, description="how agents draw batches: 'poisson' (each record independently in each round, with "
+                          "probability q = batch_size / |D_i|: amplified by sampling) or 'cyclic' (each agent's "
+                          "records split once into b fixed batches, each record to one batch by a keyed hash of "
+                          "its index; round t uses batch t mod b, every release unsampled); default: the "
+                          "algorithm's own (poisson, except mafalda-sgd)")
+    batches: int | None = Field(None, ge=1, description="cyclic sampling: b, the batches each agent's records are "
+                                                        "split into (default: the smallest agent's records over "
+                                                        "algorithm.batch_size, at least 1 and at most "
+                                                        "experiment.rounds)")
 
 
 class TopologySection(_Section):
@@ -372,6 +382,11 @@ class ExperimentConfig(_Section):
         return algorithm_class(self.algorithm.name).pools_data
 
     @property
+    def sampling_kind(self) -> str:
+        """How agents draw batches: the configured ``data.sampling``, or the algorithm's own default."""
+        return self.data.sampling or algorithm_class(self.algorithm.name).samplings[0]
+
+    @property
     def schedule_kind(self) -> str:
         """The round schedule that runs: the configured one, or the algorithm's own protocol."""
         kind = self.schedule.kind
@@ -400,6 +415,14 @@ class ExperimentConfig(_Section):
         if self.schedule_kind not in supported:
             raise _FieldError("schedule.kind", f"'{self.schedule_kind}' is not supported by algorithm '{algo.name}' "
                                                f"(supported: {', '.join(supported)})")
+        chosen = algorithm_class(algo.name)
+        if self.sampling_kind not in chosen.samplings:
+            note = f": {chosen.sampling_note}" if chosen.sampling_note else ""
+            raise _FieldError("data.sampling", f"'{self.sampling_kind}' is not supported by algorithm '{algo.name}' "
+                                               f"(supported: {', '.join(chosen.samplings)}){note}")
+        if self.data.batches is not None and self.sampling_kind != "cyclic":
+            raise _FieldError("data.batches", f"is used by data.sampling = 'cyclic' only (this run samples "
+                                              f"'{self.sampling_kind}'); remove it, e.g. --set ~data.batches")
         if self.schedule.offline_probability and not algorithm_class(algo.name).follows_plan:
             raise _FieldError("schedule.offline_probability", f"algorithm '{algo.name}' does not let agents go "
                                                                "offline (its rounds involve every agent)")

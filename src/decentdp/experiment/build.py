@@ -38,8 +38,8 @@ from decentdp.models import build_model, classification_loss, validate_for_dp
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.privacy.mechanisms import GaussianMechanism, calibrate_agents
 from decentdp.privacy.oracle import DataOracle
-from decentdp.privacy.report import PRIVATE_EVALUATION_NOTICE
-from decentdp.privacy.sampling import AgentData, PoissonSampler
+from decentdp.privacy.report import CYCLIC_AGENT_VIEW, PRIVATE_EVALUATION_NOTICE
+from decentdp.privacy.sampling import AgentData, CyclicSampler, PoissonSampler
 from decentdp.rng import Stream, agent_random, round_stream_seed
 from decentdp.runtime.averaging import IterateAverage
 from decentdp.runtime.evaluation import Evaluator, evaluation_chunk
@@ -71,6 +71,7 @@ class Experiment:
     schedule: Schedule        # the step size of each round
     setup: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # announced when the run starts
+    period: int | None = None  # cyclic sampling: b, the batches each agent's records are split into (None: Poisson)
 
     @property
     def ledger(self) -> PrivacyLedger:
@@ -93,18 +94,47 @@ class Experiment:
         forwards) of every agent's expected batch, augmented copies included.  What sizes the round's kernels
         when the run chooses its threads (:func:`decentdp.util.threads.apply_threads`)."""
         sizes = torch.tensor([len(owned) for owned in self.data.indices], dtype=torch.float64)
-        expected = float((self.sample_rates.double().cpu() * sizes).sum()) * self.config.augmentation.copies
+        rates = self.sample_rates.double().cpu() if self.period is None else torch.full_like(sizes, 1 / self.period)
+        expected = float((rates * sizes).sum()) * self.config.augmentation.copies
         return 3.0 * self.model.forward_flops_per_sample(self.data.x[self.data.indices[0][0]]) * expected
 
     @property
     def planned_releases(self) -> int:
-        """Noisy releases each agent's noise is calibrated for: the setup phase's and every round's."""
-        return planned_releases(self.config, self.algorithm)
+        """Noisy releases each agent's noise is calibrated for: the setup phase's and every round's (one for a
+        mechanism priced once for the whole run)."""
+        if getattr(self.oracle.mechanism, "prepaid", False):
+            return 1
+        return planned_releases(self.config, self.algorithm, self.period)
 
 
-def planned_releases(config: ExperimentConfig, algorithm: Algorithm) -> int:
-    """The setup phase's releases and every round's, per agent: what sigma is calibrated for."""
-    return config.experiment.rounds * algorithm.releases_per_round + algorithm.setup_releases
+def planned_releases(config: ExperimentConfig, algorithm: Algorithm, period: int | None = None) -> int:
+    """The setup phase's releases and every round's, per agent: what sigma is calibrated for.  Under cyclic sampling
+    of period ``b`` a record takes part in ``ceil(T / b)`` rounds at most, and the ledger charges each agent that
+    many (:meth:`~decentdp.privacy.oracle.DataOracle.release`)."""
+    rounds = config.experiment.rounds if period is None else -(-config.experiment.rounds // period)
+    return rounds * algorithm.releases_per_round + algorithm.setup_releases
+
+
+def cyclic_period(config: ExperimentConfig, algorithm: Algorithm, sizes: list[int]) -> int | None:
+    """``b`` of a cyclic run (``data.batches``, else the smallest agent's records over ``algorithm.batch_size``, at
+    least 1 and at most the rounds), checked against the rounds, the agents' data and the algorithm; ``None`` for
+    Poisson sampling."""
+    if config.sampling_kind != "cyclic":
+        return None
+    smallest, rounds = min(sizes), config.experiment.rounds
+    period = config.data.batches or min(rounds, max(1, smallest // config.algorithm.batch_size))
+    if period > rounds:
+        raise ConfigError("data.batches", f"is {period}, more than the {rounds} rounds (experiment.rounds): the "
+                                          f"records of {period - rounds} batch(es) would never be used")
+    if period > smallest:
+        raise ConfigError("data.batches", f"is {period}, but the smallest agent holds {smallest} records: each of its "
+                                          f"batches would be empty or nearly so; use at most {smallest}")
+    if algorithm.releases_per_round != 1 or algorithm.setup_releases:
+        raise ConfigError("data.sampling", f"'cyclic' charges each agent once per pass over its batches, one release "
+                                           f"per round; algorithm '{config.algorithm.name}' makes "
+                                           f"{algorithm.releases_per_round} per round and {algorithm.setup_releases} "
+                                           "before round 0: use 'poisson'")
+    return period
 
 
 def _agent_budgets(config: ExperimentConfig, n_agents: int) -> list[float]:
@@ -133,7 +163,7 @@ def _sums_per_batch(config: ExperimentConfig, algorithm: Algorithm, topology: To
 
 
 def _noise_plan(config: ExperimentConfig, budgets: list[float], rates: list[float], sizes: list[int], dim: int,
-                topology: Topology, public: PublicRun | None = None) -> NoisePlan:
+                topology: Topology, public: PublicRun | None = None, period: int | None = None) -> NoisePlan:
     """What an algorithm that calibrates its own noise (:meth:`Algorithm.calibrate`) is told of the run."""
     schedule = config.schedule
     adjacency = topology.adjacency()
@@ -142,7 +172,7 @@ def _noise_plan(config: ExperimentConfig, budgets: list[float], rates: list[floa
                      (1 - schedule.offline_probability) * schedule.participation,
                      [int(d) for d in adjacency.sum(axis=1)],
                      [np.flatnonzero(row).tolist() for row in adjacency], bool(config.topology.redraw_every), public,
-                     config.privacy.colluding)
+                     config.privacy.colluding, period, config.privacy.noise)
 
 
 def _plan_memory(config: ExperimentConfig, model: FlatModel, algorithm: Algorithm, data: AgentData,
@@ -237,9 +267,10 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     warnings = _privacy_warnings(config, sizes) if private else []
     if cfg_data.validation_fraction > 0 and private:
         warnings.append(PRIVATE_EVALUATION_NOTICE)
-    rates = [min(1.0, algo_cfg.batch_size / n) for n in sizes]
+    period = cyclic_period(config, algorithm, sizes)
+    rates = [min(1.0, algo_cfg.batch_size / n) for n in sizes] if period is None else [1.0] * len(sizes)
     budgets = _agent_budgets(config, len(parts))
-    planned = planned_releases(config, algorithm)
+    planned = planned_releases(config, algorithm, period)
     sums = _sums_per_batch(config, algorithm, topology)
     rng = agent_random(config.experiment.seed, config.privacy.noise == "secure", config.engine.noise_streams,
                        len(parts), device)
@@ -252,16 +283,24 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
 
     public = PublicRun(replayed_network, lambda k: rng.round_generator(k, Stream.PUBLIC),
                        (torch.tensor(rates, dtype=torch.float64) * torch.tensor(sizes)).float().double().numpy())
-    own = algorithm.calibrate(_noise_plan(config, budgets, rates, sizes, model.dim, topology, public)) \
+    if private:  # what the algorithm keeps per agent, refused before its calibration's work
+        limit = config.engine.memory_limit_gb
+        refusal = algorithm.memory_refusal(len(parts), model.dim, config.experiment.rounds,
+                                           int(limit * 2**30) if limit is not None else available_memory(device))
+        if refusal is not None:
+            raise refusal
+    own = algorithm.calibrate(_noise_plan(config, budgets, rates, sizes, model.dim, topology, public, period)) \
         if private else None
     sigmas = own.noise_multipliers if own is not None else \
         calibrate(budgets, rates, config, planned, sums, algorithm.joint_accounting) if private else [0.0] * len(parts)
+    if own is not None and getattr(own.mechanism, "prepaid", False):
+        planned = 1  # one event for the whole run (matrix-factorization noise), charged before round 0
     ledger = PrivacyLedger(len(parts), budgets, config.privacy.delta, budget_accountant=config.privacy.accountant,
                           relation=config.privacy.neighbouring)
     # host values, known before any round: the ledger and the events read them without a device round trip
     sample_rates = torch.tensor(rates, dtype=torch.float64)
     noise_multipliers = torch.tensor(sigmas, dtype=torch.float32)
-    sampler = PoissonSampler(data, sample_rates, rng)
+    sampler = PoissonSampler(data, sample_rates, rng) if period is None else CyclicSampler(data, period, seed)
     mechanism = own.mechanism if own is not None else \
         GaussianMechanism(noise_multipliers, config.privacy.clip) if private else None
     memory = _plan_memory(config, model, algorithm, data, rates, device)
@@ -286,7 +325,8 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     setup = {
         **({"paper_accounting": own.paper_accounting} if own is not None else {}),
         **({"calibration_details": own.details} if own is not None and own.details else {}),
-        **({"epsilon_observer": own.observer} if own is not None and own.observer else {}),
+        **({"epsilon_observer": own.observer} if own is not None and own.observer else
+           {"epsilon_observer": CYCLIC_AGENT_VIEW} if period is not None and private else {}),
         "n_agents": len(parts),
         "parameters": model.dim,
         "agent_sizes": sizes,
@@ -299,6 +339,10 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
         "joint_accounting": algorithm.joint_accounting,
         "planned_releases": planned,
         "schedule": config.schedule_kind,
+        "sampling": config.sampling_kind,
+        **({} if period is None else {
+            "batches": period, "expected_batches": oracle.expected_batch.double().tolist(),
+            "batch_sizes": sampler.batch_sizes.tolist()}),
         "calibration_accountant": config.privacy.accountant,
         "neighbouring": config.privacy.neighbouring,
         "noise": config.privacy.noise,
@@ -311,7 +355,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
                                                             "the agents' training data",
     }
     return Experiment(config, dataset, data, topology, model, algorithm, oracle, simulator, evaluator,
-                      noise_multipliers, sample_rates, histograms, memory, graphs, schedule, setup, warnings)
+                      noise_multipliers, sample_rates, histograms, memory, graphs, schedule, setup, warnings, period)
 
 
 def _privacy_warnings(config: ExperimentConfig, sizes: list[int]) -> list[str]:
@@ -328,7 +372,7 @@ def _privacy_warnings(config: ExperimentConfig, sizes: list[int]) -> list[str]:
     if delta > 0.1 / smallest:
         warnings.append(f"privacy.delta = {delta:g} is not well below 1/|D_i| = 1/{smallest} (the usual rule "
                         f"is delta << 1/n, e.g. {10 ** math.floor(math.log10(0.01 / smallest)):g})")
-    full = sum(config.algorithm.batch_size >= size for size in sizes)
+    full = sum(config.algorithm.batch_size >= size for size in sizes) if config.sampling_kind == "poisson" else 0
     if full:
         warnings.append(f"algorithm.batch_size = {config.algorithm.batch_size} is at least the data of {full} "
                         f"agent(s) (smallest |D_i| = {smallest}): their sampling rate is q = 1, so Poisson "

@@ -57,6 +57,8 @@ UNLIMITED = 1 << 40
 """Headroom of an agent without a budget."""
 
 _NO_EVENT = -1
+NEVER = -(1 << 62)
+""":meth:`PrivacyLedger.last_rounds` of an agent that has released nothing."""
 
 
 class _Accounts:
@@ -320,6 +322,11 @@ class PrivacyLedger:
     def releases(self) -> np.ndarray:
         """Number of releases per agent (agent view)."""
         return self._agents.releases()
+
+    def last_rounds(self) -> np.ndarray:
+        """Each agent's (local row) round of its latest charged release (agent view), or :data:`NEVER`."""
+        accounts = self._agents
+        return np.where(accounts.event != _NO_EVENT, accounts.last, NEVER)
 
     def history(self, agent: int) -> History:
         """Agent ``agent``'s (local row) releases in the agent view, as ``(event, count)`` runs."""

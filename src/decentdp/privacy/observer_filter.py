@@ -141,8 +141,10 @@ class RecursiveViewBuilder:
         """Fresh noise draws of this round (as :meth:`ViewBuilder.noise`)."""
         return self._current.noise(scales, holders)
 
-    def data(self, owners: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Fresh data terms of this round (as :meth:`ViewBuilder.data`)."""
+    def data(self, owners: Sequence[int] | np.ndarray, classes: Sequence[int] | np.ndarray | None = None
+             ) -> np.ndarray:
+        """Fresh data terms of this round (as :meth:`ViewBuilder.data`; ``classes`` are not used here, where every
+        term of a sender may move together: sound, and looser under cyclic participation)."""
         return self._current.data(owners)
 
     def send(self, receivers: Sequence[int] | np.ndarray, expressions: np.ndarray) -> None:

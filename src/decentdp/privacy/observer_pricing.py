@@ -45,7 +45,8 @@ class Builder(Protocol):
 
     def zeros(self, rows: int) -> np.ndarray: ...
     def noise(self, scales: Sequence[float] | np.ndarray, holders: Sequence[Collection[int]]) -> np.ndarray: ...
-    def data(self, owners: Sequence[int] | np.ndarray) -> np.ndarray: ...
+    def data(self, owners: Sequence[int] | np.ndarray, classes: Sequence[int] | np.ndarray | None = None
+             ) -> np.ndarray: ...
     def send(self, receivers: Sequence[int] | np.ndarray, expressions: np.ndarray) -> None: ...
     def carry(self, state: np.ndarray) -> np.ndarray: ...
 
@@ -62,6 +63,7 @@ class ViewRecipe:
     state_size: int
     round_sources: int
     unroll: Callable[[Builder], None]
+    recursive_form: bool = True  # whether unroll also serves the recursive builder (a bounded carried state)
 
     def dense(self) -> ViewBuilder:
         """The whole run unrolled into a dense :class:`ViewBuilder` (call ``.view()`` on it)."""
@@ -86,6 +88,10 @@ def priced_view(local: np.ndarray, recipe: ViewRecipe, observers: Sequence[Colle
     if cost <= VIEW_BUDGET_FLOPS and memory <= VIEW_BUDGET_BYTES:
         network = observer_mu(recipe.dense().view(), observers, relation).epsilon(delta)
         note = "the observer-view accountant over every message of the run"
+    elif not recipe.recursive_form:
+        note = (f"not computed: the explicit view needs {cost:.2g} floating-point operations and "
+                f"{memory / 2**30:.3g} GiB, beyond {VIEW_BUDGET_FLOPS:.2g} and {VIEW_BUDGET_BYTES / 2**30:.3g} GiB, "
+                "and has no round-by-round form; each sender's local epsilon")
     else:
         note = _recursive(recipe, observers, relation, delta, network)
     return np.minimum(network, np.asarray(local, dtype=float)[:, None]), note

@@ -65,7 +65,9 @@ class LinearView:
 
     ``noise_scale[k]`` is draw ``k``'s standard deviation in units of C, ``noise_holders[k, a]`` whether
     agent ``a`` knows draw ``k``; ``data_owner[x]`` is the agent whose clipped sum data term ``x`` is;
-    message ``m`` goes to agent ``receivers[m]`` and equals ``noise[m] . z + data[m] . x``."""
+    message ``m`` goes to agent ``receivers[m]`` and equals ``noise[m] . z + data[m] . x``.  ``data_class[x]``
+    is the participation class of data term ``x`` (cyclic sampling: its round mod ``b``): one record of an
+    agent takes part in the terms of one class of that agent only."""
 
     n_agents: int
     noise_scale: np.ndarray      # (Z,) float64
@@ -74,6 +76,7 @@ class LinearView:
     receivers: np.ndarray        # (M,) int64
     noise: np.ndarray            # (M, Z) float64
     data: np.ndarray             # (M, X) float64
+    data_class: np.ndarray | None = None  # (X,) int64: a record moves the terms of one class of its owner (None: all)
 
 
 class ViewBuilder:
@@ -95,6 +98,7 @@ class ViewBuilder:
         self._scale = np.zeros(self.capacity)
         self._holders = np.zeros((self.capacity, n_agents), dtype=bool)
         self._owner = np.full(self.capacity, -1, dtype=np.int64)
+        self._class = np.zeros(self.capacity, dtype=np.int64)
         self._messages: list[np.ndarray] = []
         self._receivers: list[np.ndarray] = []
 
@@ -120,11 +124,15 @@ class ViewBuilder:
             self._holders[column, list(agents)] = True
         return self._units(columns)
 
-    def data(self, owners: Sequence[int] | np.ndarray) -> np.ndarray:
-        """One fresh data term per entry: agent ``owners[i]``'s clipped sum of one release, over C."""
+    def data(self, owners: Sequence[int] | np.ndarray, classes: Sequence[int] | np.ndarray | None = None
+             ) -> np.ndarray:
+        """One fresh data term per entry: agent ``owners[i]``'s clipped sum of one release, over C, in participation
+        class ``classes[i]`` (default 0: one record may move every term of its owner)."""
         owners = np.asarray(owners, dtype=np.int64)
         columns = self._fresh(len(owners))
         self._owner[columns] = owners
+        if classes is not None:
+            self._class[columns] = np.broadcast_to(np.asarray(classes, dtype=np.int64), (len(owners),))
         return self._units(columns)
 
     def _units(self, columns: np.ndarray) -> np.ndarray:
@@ -167,7 +175,9 @@ class ViewBuilder:
         """The messages recorded so far, as one :class:`LinearView`."""
         receivers, messages = self.messages()
         _, noise, data = self.split(messages)
-        return LinearView(self.n_agents, *self.sources(), receivers, noise, data)
+        used = np.arange(self.reserved, self._used)
+        classes = self._class[used[~self._is_noise[used]]]
+        return LinearView(self.n_agents, *self.sources(), receivers, noise, data, classes)
 
 
 @dataclass(frozen=True)
@@ -215,11 +225,14 @@ def observer_mu(view: LinearView, observers: Sequence[Collection[int]], relation
         noise = view.noise[seen][:, unknown] * view.noise_scale[unknown]
         basis, singular = _range(noise)
         data = view.data[seen]
+        classes = np.zeros(len(view.data_owner), dtype=np.int64) if view.data_class is None else view.data_class
         for sender in range(view.n_agents):
             if sender in members:
                 continue
-            a = data[:, view.data_owner == sender]
-            mu[sender, column], aligned[sender, column] = _sender_mu(a, basis, singular)
+            own = view.data_owner == sender
+            values = [_sender_mu(data[:, own & (classes == k)], basis, singular) for k in np.unique(classes[own])]
+            mu[sender, column] = max((value[0] for value in values), default=0.0)  # a record is in one class
+            aligned[sender, column] = max((value[1] for value in values), default=0.0)
     return ObserverLoss(mu * scale, aligned * scale)
 
 

@@ -114,7 +114,7 @@ class DataOracle:
         self.augmentation = augmentation
         self.timer: PhaseTimer = NO_TIMER
         self.sample_rates = sampler.sample_rates
-        self.expected_batch = (sampler.sample_rates.double() * sampler.data.sizes).float()
+        self.expected_batch = sampler.expected_batches
         self.device = rng.device
         self.agent_ids = agent_ids if agent_ids is not None else torch.arange(len(self.sample_rates))
         # Host copies, read once: a round's bookkeeping (who is active, who owns a row, noise keys, the
@@ -124,6 +124,7 @@ class DataOracle:
         self._expected_batch_here = self.expected_batch.to(self.device)
         self._rates = self.sample_rates.numpy()
         self._event_cache: dict[tuple[int, bytes], tuple[Mechanism, np.ndarray]] = {}
+        self._prepaid: np.ndarray | None = None  # agents whose whole-run event is charged (prepaid mechanisms)
         self._spare: torch.Tensor | None = None  # the last gradient() call's params, reused once nobody holds them
         self._opened: int | None = None  # the last round opened: rounds open once, in increasing order
         self._reset(SETUP_ROUND, None)
@@ -299,20 +300,13 @@ class DataOracle:
         mechanism = mechanism if mechanism is not None else (self.mechanism or NoNoise())
         owners = torch.cat([item.owners for item in sums])  # on the host
         rows = np.bincount(owners.numpy(), minlength=self.n_agents)
-        events = self._event_ids(mechanism, rows)
         with self.timer.phase("ledger"):
-            if receivers is None:
-                authorized = self.ledger.charge(self.round_index, events, agents=rows > 0)
+            if getattr(mechanism, "prepaid", False):  # charged once for the whole run (prepay)
+                if receivers is not None:
+                    raise ValueError("a prepaid mechanism's releases go to every neighbour, not to single receivers")
+                authorized = self._paid_up(rows > 0)
             else:
-                senders, observers = owners.numpy(), receivers.cpu().numpy()  # (receivers: pass them on the host)
-                observed_by = getattr(mechanism, "observed_by", None)
-                if observed_by is not None:  # the mechanism says who observes what (not one receiver per row)
-                    senders, observers, observed = observed_by(senders, observers, self._rates)
-                else:
-                    observed = [mechanism.receiver_event(o, float(self._rates[o])) for o in owners.tolist()]
-                receiver_events = np.array([self.ledger.intern(event) for event in observed], dtype=np.int64)
-                authorized = self.ledger.charge(self.round_index, events, agents=rows > 0, senders=senders,
-                                                receivers=observers, receiver_events=receiver_events)
+                authorized = self._charge(mechanism, rows, owners, receivers)
         noise = NoiseDraw(self.rng, self._host_ids, self.round_index, self._releases)
         self._releases += 1
         self._released.add(key.index)
@@ -336,6 +330,65 @@ class DataOracle:
         self.last_batch_sizes = self._batches[key.index].sizes
         self._record_clipping(key.index, authorized)
         return tuple(released)
+
+    def _charge(self, mechanism: Mechanism, rows: np.ndarray, owners: torch.Tensor,
+                receivers: torch.Tensor | None) -> np.ndarray:
+        """Charge each owner of ``rows[o] > 0`` sums its joint event (and each receiver's event of a per-receiver
+        release); the authorised mask.  Under cyclic sampling an agent is charged once per pass over its ``b``
+        batches (its first release of the pass): a record is in one batch, so the releases of the pass's other
+        rounds are on other records, and what one record's owner pays is the ``ceil(T / b)`` releases of its
+        batch at most (``CyclicSampler``)."""
+        events = self._event_ids(mechanism, rows)
+        asking = rows > 0
+        covered = self._covered(asking)
+        if receivers is None:
+            return self.ledger.charge(self.round_index, events, agents=asking & ~covered) | covered
+        senders, observers = owners.numpy(), receivers.cpu().numpy()  # (receivers: pass them on the host)
+        observed_by = getattr(mechanism, "observed_by", None)
+        if observed_by is not None:  # the mechanism says who observes what (not one receiver per row)
+            senders, observers, observed = observed_by(senders, observers, self._rates)
+        else:
+            observed = [mechanism.receiver_event(o, float(self._rates[o])) for o in owners.tolist()]
+        receiver_events = np.array([self.ledger.intern(event) for event in observed], dtype=np.int64)
+        return self.ledger.charge(self.round_index, events, agents=asking & ~covered, senders=senders,
+                                  receivers=observers, receiver_events=receiver_events) | covered
+
+    def _covered(self, asking: np.ndarray) -> np.ndarray:
+        """Under cyclic sampling, the asking agents already charged in this pass over their batches (read from
+        the ledger, so a resumed run knows it too); no one under Poisson sampling."""
+        period = getattr(self.sampler, "period", None)
+        if period is None or self.round_index < 0:
+            return np.zeros(self.n_agents, dtype=bool)
+        last = self.ledger.last_rounds()
+        return asking & (last >= 0) & (last // period == self.round_index // period)
+
+    def prepay(self) -> np.ndarray:
+        """Charge every agent, once and before its first release, the whole-run event of the run's mechanism when
+        that mechanism prices its releases together (``prepaid``: a matrix-factorization mechanism, whose rounds
+        share noise); the authorised mask.  Its releases are then charged nothing more, and those of an agent
+        whose whole-run event did not fit its budget are refused."""
+        mechanism = self.mechanism
+        if mechanism is None or not getattr(mechanism, "prepaid", False):
+            return np.ones(self.n_agents, dtype=bool)
+        paid = self._paid_up(None)
+        events = np.array([self.ledger.intern(mechanism.run_event(int(agent))) for agent in self._host_ids.tolist()],
+                          dtype=np.int64)
+        authorized = self.ledger.charge(self.round_index, events, agents=~paid)
+        self._prepaid = None
+        return authorized | paid
+
+    def _paid_up(self, asking: np.ndarray | None) -> np.ndarray:
+        """The agents (of ``asking``; all when ``None``) whose ledger holds the run mechanism's whole-run event; the
+        other asking agents are refused (counted in the ledger's ``refused``)."""
+        if self._prepaid is None:
+            mechanism = self.mechanism
+            self._prepaid = np.array([mechanism is not None and any(
+                event == mechanism.run_event(int(agent)) for event, _ in self.ledger.history(row))
+                for row, agent in enumerate(self._host_ids.tolist())], dtype=bool)
+        if asking is None:
+            return self._prepaid.copy()
+        self.ledger.refused[asking & ~self._prepaid] += 1
+        return asking & self._prepaid
 
     def _record_clipping(self, index: int, authorized: np.ndarray) -> None:
         """Count the released per-sample gradients that were clipped (an operator's diagnostic), on the device:
@@ -405,13 +458,13 @@ class DataOracle:
         return torch.empty_like(params)
 
     # -- the common case -----------------------------------------------------------------------------------
-    def gradient(self, params: torch.Tensor) -> torch.Tensor:
+    def gradient(self, params: torch.Tensor, mechanism: Mechanism | None = None) -> torch.Tensor:
         """Every active agent's private stochastic gradient at its own ``params`` row (one fresh batch,
-        one release); the plain mean gradient of the batch in a non-private run."""
+        one release, by ``mechanism`` or the run's); the plain mean gradient of the batch in a non-private run."""
         out = self._take_spare(params)  # the round's largest block first, before the batch takes the memory
         self._spare = params
         key = self.batch()
-        (released,) = self.release(self.clip(key, params, out=out))
+        (released,) = self.release(self.clip(key, params, out=out), mechanism=mechanism)
         if self._active_rows is not None:  # inactive agents release nothing
             released = out.zero_().index_copy_(0, self._active_rows, released)
         if self.mechanism is not None:

@@ -34,6 +34,11 @@ PER_RECEIVER_VIEW = ("each receiver's messages composed alone, as if it knew no 
 AGENT_VIEW = ("everyone together: every message of the agent, every other agent's noise and data known; each batch's "
               "noisy copies priced as one joint release, rounds composed with Poisson amplification")
 
+#: What every ``epsilon`` budgets hold on names under cyclic participation (``data.sampling = 'cyclic'``).
+CYCLIC_AGENT_VIEW = ("everyone together: every message of the agent, every other agent's noise and data known; each "
+                     "agent charged once per pass over its b fixed batches (a record is in one batch, so in "
+                     "ceil(T / b) rounds at most), every release unsampled: no amplification")
+
 #: Said by a run whose metrics are measured on records held out of the agents' private data.
 PRIVATE_EVALUATION_NOTICE = ("data.validation_fraction > 0: the metrics are measured on records held out of the "
                              "agents' private training data, not on the public test set; they are not DP releases, "

@@ -1,4 +1,4 @@
-"""Agents' local datasets and Poisson subsampling of their batches.
+"""Agents' local datasets, Poisson subsampling of their batches, and cyclic participation.
 
 Poisson sampling (each record joins the batch independently with probability ``q``) is what the
 privacy amplification of the sampled Gaussian mechanism assumes, so batch sizes vary from round to
@@ -14,7 +14,9 @@ counts have long arrived.  The batches are the same, bit for bit, as when drawn 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from decentdp.rng import AgentRandom
@@ -120,6 +122,11 @@ class PoissonSampler:
         self._steps = 1  # batches per round seen so far: which batch comes next
 
     @property
+    def expected_batches(self) -> torch.Tensor:
+        """``(N,)`` float32 ``L_i = q_i |D_i|``, on the host: what a release is divided by."""
+        return (self.sample_rates.double() * self.data.sizes).float()
+
+    @property
     def n_slots(self) -> int:
         """Total number of owned records ``S`` (the length of a round's uniform draw)."""
         return len(self.records)
@@ -168,3 +175,95 @@ class PoissonSampler:
         x = self.data.x.index_select(0, flat).reshape(n_agents, width, *self.data.x.shape[1:])
         y = self.data.y.index_select(0, flat).reshape(n_agents, width, *self.data.y.shape[1:])
         return Batch(x, y, mask)
+
+
+def _splitmix64(values: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser (Steele, Lea & Flood 2014), element-wise on uint64: a keyed hash of each value."""
+    with np.errstate(over="ignore"):
+        z = values + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def cyclic_batches(records: np.ndarray, period: int, seed: int) -> np.ndarray:
+    """The batch (``0 .. period-1``) of each record, from a keyed hash of the record's index in the training set
+    and ``seed`` alone: a record's batch does not depend on which other records exist, so adding, removing or
+    replacing one record changes only the batch it is (or was) in."""
+    key = _splitmix64(np.asarray([seed], dtype=np.uint64))[0]
+    hashed = _splitmix64(np.asarray(records, dtype=np.uint64) ^ key)
+    return (hashed % np.uint64(period)).astype(np.int64)
+
+
+class CyclicSampler:
+    """Cyclic participation (``data.sampling = 'cyclic'``): each agent's records are split once into ``period``
+    (``b``) fixed batches, and round ``t`` uses batch ``t mod b`` of every agent (the authors' ``data_utils.py:
+    8-45`` of MAFALDA-SGD; Choquette-Choo et al.'s b-min-sep participation).
+
+    Each record's batch comes from a keyed hash of its index (:func:`cyclic_batches`), so a record's presence
+    moves no other record: one record takes part in the rounds ``t = c mod b`` of its batch ``c`` and in no
+    other, under add/remove and replace-one alike.  Batch sizes vary (about ``|D_i| / b`` each), as Poisson
+    batches do; a release is divided by the expected batch ``|D_i| / b``.  No amplification is claimed: every
+    release is an unsampled mechanism (``sample_rates`` are 1), and a record's ``ceil(T / b)`` releases at most
+    are composed (the oracle charges each agent once per pass over its batches: :class:`~decentdp.privacy.
+    oracle.DataOracle`).  ``record_ids`` (default ``data.indices``) are the records' indices in the training set
+    (a shard's local copy keeps them)."""
+
+    def __init__(self, data: AgentData, period: int, seed: int,
+                 record_ids: tuple[torch.Tensor, ...] | None = None) -> None:
+        if period < 1:
+            raise ValueError(f"cyclic sampling needs at least one batch, got {period}")
+        ids = data.indices if record_ids is None else record_ids
+        empty = [agent for agent, owned in enumerate(data.indices) if len(owned) == 0]
+        if empty:
+            raise ValueError(f"agent {empty[0]} owns no records; every agent needs at least one to sample from")
+        self.data = data
+        self.period = int(period)
+        self.seed = int(seed)
+        self.record_ids = ids
+        self.device = data.x.device
+        self.sample_rates = torch.ones(data.n_agents, dtype=torch.float64)
+        self.rng: Any = None  # no randomness of its own (set by a shard's resume like the Poisson sampler's)
+        classes = [cyclic_batches(identity.cpu().numpy(), self.period, self.seed) for identity in ids]
+        #: (N, b) records of each agent in each batch.
+        self.batch_sizes = np.array([np.bincount(c, minlength=self.period) for c in classes], dtype=np.int64
+                                    ).reshape(data.n_agents, self.period)
+        self._index: list[torch.Tensor] = []
+        self._mask: list[torch.Tensor] = []
+        for batch in range(self.period):
+            width = max(1, int(self.batch_sizes[:, batch].max()))
+            index = torch.empty(data.n_agents, width, dtype=torch.long)
+            mask = torch.zeros(data.n_agents, width)
+            for agent, (owned, c) in enumerate(zip(data.indices, classes, strict=True)):
+                chosen = owned.cpu().long()[torch.from_numpy(np.flatnonzero(c == batch))]
+                index[agent] = owned[0].cpu().long()  # padding reads one of the agent's own records, masked
+                index[agent, :len(chosen)] = chosen
+                mask[agent, :len(chosen)] = 1.0
+            self._index.append(index.to(self.device))
+            self._mask.append(mask.to(self.device))
+
+    @property
+    def expected_batches(self) -> torch.Tensor:
+        """``(N,)`` float32 ``L_i = |D_i| / b``, on the host: what a release is divided by."""
+        return (self.data.sizes / self.period).float()
+
+    def sample(self, round_index: int, step: int = 0) -> Batch:
+        """Batch ``round_index mod b`` of every agent (the same for every step of a round)."""
+        batch = round_index % self.period
+        index, mask = self._index[batch], self._mask[batch]
+        n_agents, width = index.shape
+        flat = index.reshape(-1)
+        x = self.data.x.index_select(0, flat).reshape(n_agents, width, *self.data.x.shape[1:])
+        y = self.data.y.index_select(0, flat).reshape(n_agents, width, *self.data.y.shape[1:])
+        return Batch(x, y, mask)
+
+    def shard(self, lo: int, hi: int) -> CyclicSampler:
+        """The sampler of agents ``lo .. hi-1`` over a copy of their records only (a process of a sharded run):
+        the same batches, since a record's batch depends on its index in the training set alone."""
+        owned = self.data.indices[lo:hi]
+        records = torch.cat([index.long() for index in owned])
+        starts = np.cumsum([0, *[len(index) for index in owned]])
+        local = tuple(torch.arange(start, stop, device=records.device)
+                      for start, stop in zip(starts[:-1], starts[1:], strict=True))
+        data = AgentData(self.data.x[records], self.data.y[records], local)
+        return CyclicSampler(data, self.period, self.seed, self.record_ids[lo:hi])

@@ -80,6 +80,8 @@ class SelectMix(Algorithm):
     Settings: ClassVar[type[AlgorithmSettings]] = SelectMixSettings
     schedules: ClassVar[tuple[str, ...]] = ("synchronous", "pairing")
     follows_plan: ClassVar[bool] = True
+    samplings: ClassVar[tuple[str, ...]] = ("poisson",)
+    sampling_note: ClassVar[str] = "its own calibration plans for Poisson-sampled rounds"
 
     def __init__(self, alpha: float) -> None:
         self.alpha = alpha

@@ -48,7 +48,7 @@ from decentdp.privacy.events import EventTable
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.privacy.mechanisms import Mechanism, NoiseDraw
 from decentdp.privacy.oracle import DataOracle
-from decentdp.privacy.sampling import AgentData, PoissonSampler
+from decentdp.privacy.sampling import AgentData, CyclicSampler, PoissonSampler
 from decentdp.rng import AgentRandom
 from decentdp.runtime.network import GraphSequence, SimulatedNetwork
 from decentdp.runtime.scheduler import Scheduler
@@ -457,7 +457,9 @@ def make_shard(simulator: Simulator, bounds: list[int], index: int, transport: T
     full = simulator.oracle
     device = full.device
     rng = rng if rng is not None else full.rng.for_agents(range(lo, hi))
-    sampler = ShardSampler(full.sampler.data, full.sample_rates, rng, lo, hi)
+    whole_sampler = full.sampler
+    sampler = whole_sampler.shard(lo, hi) if isinstance(whole_sampler, CyclicSampler) else \
+        ShardSampler(whole_sampler.data, full.sample_rates, rng, lo, hi)
     ledger = split_ledger(type(full.ledger), full.ledger.state_dict(), lo, hi)
     mechanism = None if full.mechanism is None else ShardMechanism(full.mechanism, lo)
     oracle = DataOracle(full.model, sampler, ledger, rng, mechanism, full.clip_norm,
