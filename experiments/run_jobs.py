@@ -87,6 +87,11 @@ def stop(running: dict[str, tuple[Job, subprocess.Popen[bytes], float]]) -> None
         print(f"stopped {job.name} at the deadline", flush=True)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM to the runner: leave the loop as Ctrl-C does."""
+    raise KeyboardInterrupt
+
+
 class _quiet:
     """Ignore a process group that has already gone."""
 
@@ -111,15 +116,19 @@ def main(argv: list[str] | None = None) -> None:
     waiting = [job for job in read_jobs(args.jobs) if not (args.log_dir / f"{job.name}.done").exists()]
     running: dict[str, tuple[Job, subprocess.Popen[bytes], float]] = {}
     print(f"{len(waiting)} jobs to run, {args.workers} at a time", flush=True)
-    while (waiting or running) and time.monotonic() < end:
-        while waiting and len(running) < args.workers:
-            job = waiting.pop(0)
-            running[job.name] = (job, start(job, args.log_dir), time.monotonic())
-        for name, (job, process, started) in list(running.items()):
-            if process.poll() is not None:
-                finish(job, process, started, args.log_dir)
-                del running[name]
-        time.sleep(0.5)
+    signal.signal(signal.SIGTERM, _interrupt)  # a stopped runner stops its jobs (each has a session of its own)
+    try:
+        while (waiting or running) and time.monotonic() < end:
+            while waiting and len(running) < args.workers:
+                job = waiting.pop(0)
+                running[job.name] = (job, start(job, args.log_dir), time.monotonic())
+            for name, (job, process, started) in list(running.items()):
+                if process.poll() is not None:
+                    finish(job, process, started, args.log_dir)
+                    del running[name]
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("interrupted: stopping the running jobs", flush=True)
     stop(running)
     print(f"{len(waiting)} jobs not started", flush=True)
 

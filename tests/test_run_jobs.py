@@ -5,6 +5,7 @@ running (and its children), and a malformed list is refused with its line number
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -68,6 +69,19 @@ def test_the_deadline_stops_running_jobs_and_their_children(run_jobs: ModuleType
     assert _ended(int(child.read_text()))  # the job's own child is stopped too, not only its shell
     assert not (tmp_path / "logs" / "slow.done").exists()
     assert not (tmp_path / "logs" / "waiting.log").exists()  # never started
+
+
+def test_a_stopped_runner_stops_its_jobs(tmp_path: Path) -> None:
+    """SIGTERM to the runner (a session's end, ``pkill``) reaches the jobs, which run in sessions of their own."""
+    child = tmp_path / "child.pid"
+    jobs = _jobs(tmp_path, [f"slow\tsleep 30 & echo $! > {child}; wait"])
+    runner = subprocess.Popen([sys.executable, str(SCRIPT), str(jobs), "--log-dir", str(tmp_path / "logs")])
+    end = time.monotonic() + 20
+    while not child.exists() and time.monotonic() < end:
+        time.sleep(0.1)
+    runner.terminate()
+    assert runner.wait(timeout=30) == 0
+    assert _ended(int(child.read_text()))
 
 
 @pytest.mark.parametrize(("line", "message"), [("no tab here", "jobs.tsv:3: expected NAME<TAB>COMMAND"),
