@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.metadata
 import os
 import platform
 import statistics
@@ -17,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from opacus import GradSampleModule
 
 from _machine import cpu_model
 from decentdp.algorithms.base import State
@@ -124,6 +124,10 @@ class OpacusLoopRunner:
         self.expected_batch = [rate * len(owned) for rate, owned in zip(self.rates, self.indices, strict=True)]
         mixing = experiment.topology.mixing
         self.neighbours = [[(j, float(mixing[i, j])) for j in np.flatnonzero(mixing[i])] for i in range(len(mixing))]
+        # Imported here: Opacus takes seconds to import, and only the reference loop needs it (not the child
+        # processes of scaling.py and the other scripts, each of which would pay for it).
+        from opacus import GradSampleModule
+
         self.models = [GradSampleModule(copy.deepcopy(experiment.model.module), loss_reduction="sum")
                        for _ in self.indices]
 
@@ -222,8 +226,6 @@ def interleaved_arguments(description: str, argv: list[str] | None, rounds: int,
 
 def machine_info() -> dict[str, Any]:
     """Where the figures were measured."""
-    import opacus
-
     return {
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -231,7 +233,7 @@ def machine_info() -> dict[str, Any]:
         "cpu_cores": os.cpu_count(),
         "torch_version": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "opacus_version": opacus.__version__,
+        "opacus_version": importlib.metadata.version("opacus"),
     }
 
 

@@ -49,13 +49,14 @@ def test_dsgt_learns_real_mnist_across_a_one_class_per_agent_split(
 @pytest.mark.parametrize("script,options,keys", [
     ("dp_overhead.py", [], {"dp_over_nonprivate", "speedup_vs_opacus_loop_convnet_n10",
                             "speedup_vs_opacus_loop_mlp_n100", "speedup_vs_opacus_loop_logistic_n1000"}),
-    ("scaling.py", ["--agents", "10", "100"], {"time_exponent", "peak_memory_ratio"}),
+    ("scaling.py", ["--agents", "4", "8", "--graphs", "ring"], {"time_exponent", "peak_memory_ratio"}),
 ])
 def test_benchmark_scripts_keep_their_interface(script: str, options: list[str], keys: set[str]) -> None:
     """The scripts end with one JSON line holding the figures later checks read (values not judged here).
 
-    ``--smoke`` (one timed round, no warm-up) reaches every key at a fraction of ``--quick``'s cost, whose
-    rounds are enough for a trustworthy ratio (dp_overhead's spend most of their time in the Opacus loop).
+    ``--smoke`` (one timed round, no warm-up; dp_overhead's settings at 4 agents) and scaling's two smallest
+    points on one graph reach every key at a fraction of ``--quick``'s cost, whose rounds are enough for a
+    trustworthy ratio.
     """
     command = [sys.executable, str(REPO / "benchmarks" / script), "--smoke", "--json", *options]
     result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
