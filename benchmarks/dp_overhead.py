@@ -58,10 +58,10 @@ from decentdp.util.allocator import retain_freed_memory
 
 #: Fresh processes a ``--quick`` measurement takes the median over.
 QUICK_PROCESSES = 3
-#: The summary's figures (the keys later checks read), and where they were measured.
 #: Agents of every setting under ``--smoke``: the reference loop's first round at N = 100 and 1000 alone took 60 s of
 #: the test suite's time, and a smoke run's figures are never read.
 SMOKE_AGENTS = 4
+#: The summary's figures (the keys later checks read), and where they were measured.
 RATIO_PREFIXES = ("dp_over_nonprivate", "speedup_vs_opacus_loop")
 MACHINE_KEYS = ("platform", "python", "cpu_model", "cpu_cores", "torch_version", "torch_threads", "opacus_version")
 
