@@ -1,13 +1,15 @@
-"""Keep the tuning studies in the repository: results/ is not committed, and a session's machine does not last.
+"""Keep tuning studies in the repository: results/ is not committed, and a session's machine does not last.
 
-For every finished or running study under ``results/dpdl-tuning/`` (a ``decentdp sweep`` output folder), copy its
-Optuna study (``study.db``, from which ``decentdp sweep`` resumes), ``best.md``/``best.toml`` where the sweep has
-written them, and a table of every trial (``trials.md``) to ``experiments/dpdl/tuning/studies/<study>/``; trial
-folders (checkpoints, metrics) stay behind.  ``--restore`` copies the studies back, so that the sweep commands in
-docs/reproduction.md resume where the last session stopped::
+For every finished or running study under a results folder (``decentdp sweep`` output folders; DPDL's Table I
+studies by default), copy its Optuna study (``study.db``, from which ``decentdp sweep`` resumes),
+``best.md``/``best.toml`` where the sweep has written them, and a table of every trial (``trials.md``) to
+``<archive>/<study>/``; trial folders (checkpoints, metrics) stay behind.  ``--restore`` copies the studies back,
+so that the sweep commands in docs/reproduction.md resume where the last session stopped::
 
-    python experiments/dpdl/tuning/archive.py             # after trials finish: then commit the folder
-    python experiments/dpdl/tuning/archive.py --restore   # on a fresh checkout, before resuming the sweeps
+    python experiments/archive_studies.py             # after trials finish: then commit the archive folder
+    python experiments/archive_studies.py --restore   # on a fresh checkout, before resuming the sweeps
+    python experiments/archive_studies.py --results results/correlated-tuning \
+        --archive experiments/correlated/tuning/studies   # the correlated-noise learning-rate studies
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from pathlib import Path
 
 import optuna
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results" / "dpdl-tuning"
-ARCHIVE = Path(__file__).resolve().parent / "studies"
+ARCHIVE = ROOT / "experiments" / "dpdl" / "tuning" / "studies"
 KEPT = ("study.db", "best.md", "best.toml")
 
 
@@ -40,9 +42,9 @@ def trials_table(study_file: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def archive() -> None:
-    for folder in sorted(path for path in RESULTS.iterdir() if (path / "study.db").is_file()):
-        target = ARCHIVE / folder.name
+def archive(results: Path, kept: Path) -> None:
+    for folder in sorted(path for path in results.iterdir() if (path / "study.db").is_file()):
+        target = kept / folder.name
         target.mkdir(parents=True, exist_ok=True)
         for name in KEPT:
             if (folder / name).is_file():
@@ -51,9 +53,9 @@ def archive() -> None:
         print(f"{folder} -> {target}")
 
 
-def restore() -> None:
-    for folder in sorted(path for path in ARCHIVE.iterdir() if (path / "study.db").is_file()):
-        target = RESULTS / folder.name
+def restore(results: Path, kept: Path) -> None:
+    for folder in sorted(path for path in kept.iterdir() if (path / "study.db").is_file()):
+        target = results / folder.name
         if (target / "study.db").exists():
             print(f"{target / 'study.db'} exists: left alone")
             continue
@@ -64,8 +66,11 @@ def restore() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--restore", action="store_true", help="copy the kept studies back into results/")
-    (restore if parser.parse_args().restore else archive)()
+    parser.add_argument("--restore", action="store_true", help="copy the kept studies back into the results folder")
+    parser.add_argument("--results", type=Path, default=RESULTS, help=f"the sweeps' output folders (default {RESULTS})")
+    parser.add_argument("--archive", type=Path, default=ARCHIVE, help=f"where they are kept (default {ARCHIVE})")
+    args = parser.parse_args()
+    (restore if args.restore else archive)(args.results, args.archive)
 
 
 if __name__ == "__main__":
