@@ -98,7 +98,11 @@ LR_STUDIES: dict[str, dict[str, tuple[float, ...]]] = {
        for method in ("dp-dsgd", "muffliato", "decor", "zip-dl")},
 }
 #: (method, graph) -> the learning rate its study chose (best validation accuracy), filled in as studies finish.
-TUNED: dict[tuple[str, str], float] = {}
+TUNED: dict[tuple[str, str], float] = {
+    ("dp-dsgd", "ring"): 0.25, ("dp-dsgd", "er"): 0.25,
+    ("muffliato", "ring"): 0.25, ("muffliato", "er"): 0.25,
+    ("central-dpsgd", "ring"): 1.0,
+}
 
 
 def run_line(name: str, config_path: str, seed: int, data_dir: str, out: str) -> str:
