@@ -102,7 +102,7 @@ TUNED: dict[tuple[str, str], float] = {
     ("dp-dsgd", "ring"): 0.25, ("dp-dsgd", "er"): 0.25,
     ("muffliato", "ring"): 0.25, ("muffliato", "er"): 0.25,
     ("decor", "ring"): 0.25, ("decor", "er"): 0.5,
-    ("zip-dl", "ring"): 0.25,
+    ("zip-dl", "ring"): 0.25, ("zip-dl", "er"): 0.25,
     ("central-dpsgd", "ring"): 1.0,
 }
 
