@@ -23,8 +23,8 @@ DECOR's a9a setting (``reproduce_libsvm.py``): the same network and batch with l
 per topology and user-level epsilon over T = 5000, which our example-level budgets do not match, so we keep
 their clip 1 and the MNIST grid's learning rate, untuned, for every method alike.
 
-Tuning (issue 32: "fair tuning for every method"): each MNIST method on each graph gets the same grid of four
-learning rates at epsilon 1, where the noise limits the MLP, over the full 1000 rounds on a 10 % validation split
+Tuning (issue 32: "fair tuning for every method"): each MNIST method on each graph gets the same grid of
+learning rates (``LR_STUDIES``) at epsilon 1, where the noise limits the MLP, over the full 1000 rounds on a 10 % validation split
 of the agents' training records (never the test set), one seed (``tuning/*.toml``, ``decentdp sweep``).  The
 winners go into ``TUNED`` by hand, from the studies' ``best.md``, and ``mnist-tuned/`` holds the configs they
 make.  Every run is one line of a job list for ``experiments/run_jobs.py`` (``jobs.tsv``: the grids, three seeds;
