@@ -4,6 +4,7 @@ benchmark scripts' interface."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +64,9 @@ def test_benchmark_scripts_keep_their_interface(script: str, options: list[str],
     assert result.returncode == 0, result.stderr[-2000:]
     figures = _last_json(result.stdout)
     assert keys <= set(figures)
-    assert all(isinstance(figures[key], float) and figures[key] > 0 for key in keys)
+    # Finite numbers only: one unwarmed round at 4 and 8 agents on a busy machine can time N = 8 faster
+    # than N = 4, or see no peak above the baseline (one CI run got a figure <= 0), so signs and sizes are
+    # left to the full runs.
+    assert all(isinstance(figures[key], float) and math.isfinite(figures[key]) for key in keys)
     assert "machine:" in result.stdout
     assert figures["smoke"] is True and figures["timed_rounds"] == 1  # marked: such figures are never recorded
