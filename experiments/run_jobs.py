@@ -54,6 +54,13 @@ def read_jobs(path: Path) -> list[Job]:
     return jobs
 
 
+def run_line(name: str, config: str, seed: int, data_dir: str, out: str) -> str:
+    """The job-list line of one seeded ``decentdp run`` (what the experiments' generators write): named
+    ``NAME-sSEED``, one compute thread, skipped once ``OUT/summary.json`` exists, wherever the list runs."""
+    return (f"{name}-s{seed}\t[ -f {out}/summary.json ] || decentdp run {config} --set experiment.seed={seed} "
+            f"--data-dir {data_dir} --out {out} --threads 1 --no-progress")
+
+
 def start(job: Job, log_dir: Path) -> subprocess.Popen[bytes]:
     """Start one job in its own process group (so that a stop reaches its children), output to its log."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")

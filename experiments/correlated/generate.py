@@ -26,9 +26,10 @@ their clip 1 and the MNIST grid's learning rate, untuned, for every method alike
 Tuning (issue 32: "fair tuning for every method"): each MNIST method on each graph gets the same grid of
 learning rates (``LR_STUDIES``) at each budget of ``TUNING_EPSILONS`` (epsilon 1, where the noise limits the MLP, and
 0.25), over the full 1000 rounds on a 10 % validation split of the agents' training records (never the test set), one
-seed (``tuning/*.toml``, ``decentdp sweep``).  The winners go into ``TUNED`` by hand, from the studies' ``best.md``, and ``mnist-tuned/`` holds the configs they
-make.  Every run is one line of a job list for ``experiments/run_jobs.py`` (``jobs.tsv``: the grids, three seeds;
-``tuning/jobs.tsv``: the studies, then the tuned configs' three seeds), skipped once its results exist::
+seed (``tuning/*.toml``, ``decentdp sweep``).  The winners go into ``TUNED`` by hand, from the studies' ``best.md``,
+and ``mnist-tuned/`` holds the configs they make. Every run is one line of a job list for ``experiments/run_jobs.py``
+(``jobs.tsv``: the grids, three seeds; ``tuning/jobs.tsv``: the studies, then the tuned configs' three seeds),
+skipped once its results exist::
 
     python experiments/correlated/generate.py
     A9A_DIR=/path/to/libsvm_data python experiments/run_jobs.py experiments/correlated/jobs.tsv --workers 2
@@ -37,12 +38,16 @@ make.  Every run is one line of a job list for ``experiments/run_jobs.py`` (``jo
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import tomli_w
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # experiments/: the job runner's line format
+from run_jobs import run_line  # noqa: E402
+
 GRAPHS: dict[str, dict[str, Any]] = {"ring": {"graph": "ring"}, "er": {"graph": "erdos-renyi", "p": 0.3}}
 EPSILONS = (1.0, 3.0, 10.0)
 METHODS: dict[str, dict[str, Any]] = {
@@ -114,12 +119,6 @@ TUNED: dict[tuple[str, str, float], float] = {
 }
 
 
-def run_line(name: str, config_path: str, seed: int, data_dir: str, out: str) -> str:
-    """One job: a run skipped once its summary exists, one compute thread."""
-    return (f"{name}-s{seed}\t[ -f {out}/summary.json ] || decentdp run {config_path} --set experiment.seed={seed} "
-            f"--data-dir {data_dir} --out {out} --threads 1 --no-progress")
-
-
 def write_grids() -> list[str]:
     """The MNIST and a9a configs; returns their job lines (seed 0 of every cell first)."""
     data_dirs = {"mnist": "${DATA_DIR:-../shared/data}", "a9a": "${A9A_DIR:?set A9A_DIR to the folder holding a9a}"}
@@ -158,8 +157,8 @@ def write_tuning() -> list[str]:
                          "space": {"algorithm.lr": {"values": list(rates)}}}
                 (folder / f"{name}{suffix}.toml").write_text(HEADER + tomli_w.dumps(study))
                 studies.append(f"tune-{name}{suffix}\tdecentdp sweep experiments/correlated/tuning/{name}{suffix}.toml "
-                               f"--data-dir ${{DATA_DIR:-../shared/data}} --out results/correlated-tuning/{name}{suffix} "
-                               "--no-progress")
+                               "--data-dir ${DATA_DIR:-../shared/data} "
+                               f"--out results/correlated-tuning/{name}{suffix} --no-progress")
             if (method, graph, budget) in TUNED:
                 tuned = config("mnist", method, graph, budget, f"{name}-tuned")
                 tuned["algorithm"]["lr"] = TUNED[method, graph, budget]
