@@ -100,13 +100,15 @@ TUNING_EPSILONS = (1.0, 0.25)
 #: epsilon 1: first the grid's 0.5 (central DP-SGD: 1.0) with a factor of 2 either side and 4; then, where the best
 #: lay at the bottom of that range (every decentralized method's did: 0.25), two lower values in a study of their own
 #: (a sweep refuses a changed space, and the first study's trials stay as they are).  At epsilon 0.25, four times the
-#: noise: the same four-point grid shifted one factor of 2 down, around epsilon 1's winners.
+#: noise: the same four-point grid shifted one factor of 2 down, around epsilon 1's winners; again the best lay at
+#: the bottom (DP-DSGD's and Muffliato's: 0.0625), and two lower values followed for every decentralized method.
 LR_STUDIES: dict[float, dict[str, dict[str, tuple[float, ...]]]] = {
     1.0: {"central-dpsgd": {"": (0.5, 1.0, 2.0, 4.0)},
           **{method: {"": (0.25, 0.5, 1.0, 2.0), "-low": (0.0625, 0.125)}
              for method in ("dp-dsgd", "muffliato", "decor", "zip-dl")}},
     0.25: {"central-dpsgd": {"": (0.25, 0.5, 1.0, 2.0)},
-           **{method: {"": (0.0625, 0.125, 0.25, 0.5)} for method in ("dp-dsgd", "muffliato", "decor", "zip-dl")}},
+           **{method: {"": (0.0625, 0.125, 0.25, 0.5), "-low": (0.015625, 0.03125)}
+              for method in ("dp-dsgd", "muffliato", "decor", "zip-dl")}},
 }
 #: (method, graph, epsilon) -> the learning rate its studies chose (best validation accuracy), filled in as they
 #: finish.
