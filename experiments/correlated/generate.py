@@ -101,12 +101,13 @@ TUNING_EPSILONS = (1.0, 0.25)
 #: lay at the bottom of that range (every decentralized method's did: 0.25), two lower values in a study of their own
 #: (a sweep refuses a changed space, and the first study's trials stay as they are).  At epsilon 0.25, four times the
 #: noise: the same four-point grid shifted one factor of 2 down, around epsilon 1's winners; again the best lay at
-#: the bottom (DP-DSGD's and Muffliato's: 0.0625), and two lower values followed for every decentralized method.
+#: the bottom (DP-DSGD's and Muffliato's: 0.0625; central DP-SGD's: 0.25), and two lower values followed for every
+#: method.
 LR_STUDIES: dict[float, dict[str, dict[str, tuple[float, ...]]]] = {
     1.0: {"central-dpsgd": {"": (0.5, 1.0, 2.0, 4.0)},
           **{method: {"": (0.25, 0.5, 1.0, 2.0), "-low": (0.0625, 0.125)}
              for method in ("dp-dsgd", "muffliato", "decor", "zip-dl")}},
-    0.25: {"central-dpsgd": {"": (0.25, 0.5, 1.0, 2.0)},
+    0.25: {"central-dpsgd": {"": (0.25, 0.5, 1.0, 2.0), "-low": (0.0625, 0.125)},
            **{method: {"": (0.0625, 0.125, 0.25, 0.5), "-low": (0.015625, 0.03125)}
               for method in ("dp-dsgd", "muffliato", "decor", "zip-dl")}},
 }
