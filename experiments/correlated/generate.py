@@ -119,6 +119,9 @@ TUNED: dict[tuple[str, str, float], float] = {
     ("decor", "ring", 1.0): 0.25, ("decor", "er", 1.0): 0.5,
     ("zip-dl", "ring", 1.0): 0.25, ("zip-dl", "er", 1.0): 0.25,
     ("central-dpsgd", "ring", 1.0): 1.0,
+    ("dp-dsgd", "ring", 0.25): 0.0625, ("dp-dsgd", "er", 0.25): 0.0625,
+    ("muffliato", "ring", 0.25): 0.0625, ("muffliato", "er", 0.25): 0.0625,
+    ("decor", "ring", 0.25): 0.0625, ("decor", "er", 0.25): 0.125,
 }
 
 
