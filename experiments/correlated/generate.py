@@ -129,6 +129,7 @@ TUNED: dict[tuple[str, str, float], float] = {
     ("muffliato", "ring", 0.25): 0.0625, ("muffliato", "er", 0.25): 0.0625,
     ("decor", "ring", 0.25): 0.0884, ("decor", "er", 0.25): 0.125,
     ("zip-dl", "ring", 0.25): 0.0625, ("zip-dl", "er", 0.25): 0.0625,
+    ("central-dpsgd", "ring", 0.25): 0.25,
 }
 
 
