@@ -102,7 +102,7 @@ TUNING_EPSILONS = (1.0, 0.25)
 #: (a sweep refuses a changed space, and the first study's trials stay as they are).  At epsilon 0.25, four times the
 #: noise: the same four-point grid shifted one factor of 2 down, around epsilon 1's winners; again the best lay at
 #: the bottom (DP-DSGD's and Muffliato's: 0.0625; central DP-SGD's: 0.25), and two lower values followed for every
-#: method.  The winners' validation curves are steep (DP-DSGD: 81.2 / 83.9 / 80.0 % at 0.03125 / 0.0625 / 0.125), so a
+#: method.  The winners' validation curves are steep (DP-DSGD, ER: 81.2 / 83.9 / 80.0 % at 0.031 / 0.0625 / 0.125), so a
 #: factor-2 grid can miss a baseline's best by a point, and the goal's 3 points are a difference between methods:
 #: a third pass puts the points halfway (a factor sqrt 2) between 0.03125 and 0.25 for the baselines the goal compares
 #: against (DP-DSGD, Muffliato) and for DECOR, the best correlated method in both passes, and beside central DP-SGD's
