@@ -106,7 +106,7 @@ TUNING_EPSILONS = (1.0, 0.25)
 #: factor-2 grid can miss a baseline's best by a point, and the goal's 3 points are a difference between methods:
 #: a third pass puts the points halfway (a factor sqrt 2) between 0.03125 and 0.25 for the baselines the goal compares
 #: against (DP-DSGD, Muffliato) and for DECOR, the best correlated method in both passes, and beside central DP-SGD's
-#: best (the goal's other yardstick).  Zip-DL (about 3 points below DECOR in both, at 4 minutes a trial) keeps the
+#: best (the goal's other yardstick).  Zip-DL (2-3 points below DECOR in both, at 4 minutes a trial) keeps the
 #: factor-2 grid, which can only understate it.
 LR_STUDIES: dict[float, dict[str, dict[str, tuple[float, ...]]]] = {
     1.0: {"central-dpsgd": {"": (0.5, 1.0, 2.0, 4.0)},
