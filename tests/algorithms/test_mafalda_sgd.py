@@ -32,10 +32,13 @@ def _config(rounds: int = 6, **sections: dict[str, Any]) -> dict[str, Any]:
                        data={"sampling": "cyclic", "batches": 2, **sections.pop("data", {})}, **sections)
 
 
-def test_each_rounds_noise_is_drawn_once_under_its_own_key_and_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Round t draws z_t under round t's release key (as DP-D-SGD's noise), once per agent; the history holds
-    exactly those draws, so no past key is drawn again; the release adds sigma C (C^{-1} Z)_t."""
-    experiment = build_experiment(validate_config(_config(rounds=5)))
+@pytest.mark.parametrize("bands", [None, 2])
+def test_each_rounds_noise_is_drawn_once_under_its_own_key_and_kept(monkeypatch: pytest.MonkeyPatch,
+                                                                    bands: int | None) -> None:
+    """Round t draws z_t under round t's release key (as DP-D-SGD's noise), once per agent, so no past key is drawn
+    again; the history keeps the outputs y_t = (C^{-1} Z)_t the release adds (sigma C_clip y_t), in row t mod
+    bands: all T of them for a dense C, the last two for a C of two bands, found by forward substitution."""
+    experiment = build_experiment(validate_config(_config(rounds=5, algorithm={"bands": bands})))
     drawn: list[tuple[int, int, int]] = []
     original = NoiseDraw.normal
 
@@ -48,11 +51,19 @@ def test_each_rounds_noise_is_drawn_once_under_its_own_key_and_kept(monkeypatch:
     state = experiment.simulator.run(state, 0, 5, lambda k, s: True)
     assert sorted(drawn) == [(agent, t, 0) for agent in range(4) for t in range(5)]
     history = state["noise_history"]
+    factorization = experiment.algorithm.factorization
+    rows = 5 if bands is None else bands
+    assert history.shape[1] == rows == factorization.bands
+    assert np.count_nonzero(np.tril(factorization.c, -rows)) == 0 and np.count_nonzero(np.diag(factorization.c, -1))
     fresh = AgentRandom(experiment.config.experiment.seed)
+    draws = []
     for t in range(5):
         expected = torch.empty(4, history.shape[2])
         NoiseDraw(fresh, range(4), t, 0).normal(list(range(4)), expected)
-        assert torch.equal(history[:, t], expected)
+        draws.append(expected.double())
+    outputs = torch.einsum("ts,sad->tad", torch.from_numpy(factorization.c_inverse), torch.stack(draws))
+    for t in range(5 - rows, 5):
+        torch.testing.assert_close(history[:, t % rows].double(), outputs[t], rtol=1e-5, atol=1e-5)
     with pytest.raises(Exception, match="drawn twice"):
         draw = NoiseDraw(fresh, range(4), 0, 0)
         draw.normal([0], torch.empty(1, 3))
@@ -112,6 +123,9 @@ def test_independent_noise_is_the_diagonal_factorization() -> None:
     ({"topology": {"graph": "complete", "agents": 1}}, "topology.graph"),
     ({"topology": {"graph": "erdos-renyi", "p": 0.9, "redraw_every": 2}}, "topology.redraw_every"),
     ({"engine": {"memory_limit_gb": 0.0005}, "experiment": {"rounds": 100}}, "experiment.rounds"),
+    ({"engine": {"memory_limit_gb": 0.0005}, "experiment": {"rounds": 100}, "algorithm": {"bands": 60}},
+     "algorithm.bands"),
+    ({"algorithm": {"bands": 0}}, "algorithm.bands"),
     ({"data": {"batches": 7}}, "data.batches"),
 ])
 def test_bad_input_is_one_error_naming_the_field(sections: dict[str, Any], field: str, tmp_path: Path) -> None:

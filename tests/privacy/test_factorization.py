@@ -68,3 +68,26 @@ def test_the_factorization_is_deterministic_and_cached() -> None:
     again = mf.factorize(mf.workload_gram(w, 20), 4)
     assert np.array_equal(again.c, first.c)
     assert scipy.linalg.norm(first.c_inverse @ first.c - np.eye(20)) < 1e-9
+
+
+@pytest.mark.parametrize(("rounds", "period", "bands"), [(12, 4, 2), (12, 4, 4), (13, 3, 5), (10, 10, 3)])
+def test_a_banded_factor_keeps_its_bands_the_constraints_and_lies_between_independent_and_dense_noise(
+        rounds: int, period: int, bands: int) -> None:
+    """A C of k diagonals (BandMF): C and C^T C vanish k or more rounds apart, sens(C) = 1 under the same mask,
+    and its noise lies between independent noise's and the dense optimum's (the dense problem has more freedom;
+    both optimisers start from independent noise)."""
+    gram = mf.workload_gram(_w(8, rounds), rounds)
+    banded = mf.factorize(gram, period, max_iterations=400, bands=bands)
+    dense = mf.factorize(gram, period, max_iterations=400)
+    c = banded.c
+    assert banded.bands == bands and dense.bands == rounds
+    assert np.array_equal(c, np.tril(c)) and np.count_nonzero(np.tril(c, -bands)) == 0
+    assert np.count_nonzero(np.diag(c, -(bands - 1)))
+    x = c.T @ c
+    classes = np.arange(rounds) % period
+    same = (classes[:, None] == classes[None, :]) & ~np.eye(rounds, dtype=bool)
+    assert np.abs(x[same]).max(initial=0.0) <= 1e-12 * np.abs(x).max()
+    assert banded.sensitivity == pytest.approx(1.0, abs=1e-12)
+    assert dense.loss * (1 - 1e-6) <= banded.loss <= banded.independent_loss * (1 + 1e-12)
+    full = mf.factorize(gram, period, max_iterations=400, bands=rounds + 3)
+    assert full.bands == rounds and np.array_equal(full.c, dense.c)

@@ -358,19 +358,20 @@ def violations(experiment: Any, sources: Sources, log: list[tuple[np.ndarray, to
     return found, everyone
 
 
-@pytest.mark.parametrize(("name", "n", "rounds", "period", "relation"), [
-    ("mafalda-sgd", 5, 8, 1, "add-remove"), ("mafalda-sgd", 4, 8, 2, "replace-one"),
-    ("mafalda-sgd", 5, 6, 6, "add-remove"), ("dp-dsgd", 4, 6, 2, "add-remove"), ("dp-dsgd", 4, 5, 5, "replace-one")])
-def test_cyclic_participation_is_priced_at_or_above_every_observers_exact_loss(name: str, n: int, rounds: int,
-                                                                               period: int, relation: str) -> None:
+@pytest.mark.parametrize(("name", "n", "rounds", "period", "relation", "settings"), [
+    ("mafalda-sgd", 5, 8, 1, "add-remove", {}), ("mafalda-sgd", 4, 8, 2, "replace-one", {}),
+    ("mafalda-sgd", 5, 6, 6, "add-remove", {}), ("mafalda-sgd", 4, 9, 3, "add-remove", {"bands": 2}),
+    ("dp-dsgd", 4, 6, 2, "add-remove", {}), ("dp-dsgd", 4, 5, 5, "replace-one", {})])
+def test_cyclic_participation_is_priced_at_or_above_every_observers_exact_loss(
+        name: str, n: int, rounds: int, period: int, relation: str, settings: dict[str, Any]) -> None:
     """Cyclic sampling (b batches, a record in the rounds t = c mod b of one class): the ledger's epsilon (the
-    whole-run Gaussian of mafalda-sgd's factorization; DP-D-SGD's ceil(T/b) unsampled releases) and the
-    observer-view accountant's pairwise and colluding epsilons are at least each observer's exact loss, the
-    supremum over one class's data terms at a time.  For mafalda-sgd the observer of every message (all the
+    whole-run Gaussian of mafalda-sgd's factorization, dense or banded; DP-D-SGD's ceil(T/b) unsampled releases)
+    and the observer-view accountant's pairwise and colluding epsilons are at least each observer's exact loss,
+    the supremum over one class's data terms at a time.  For mafalda-sgd the observer of every message (all the
     others) learns exactly the whole-run Gaussian sens(C) / sigma: the ledger's epsilon is that loss."""
     colluding = [0, n - 1]
     experiment, sources, log = traced_run(name, n, 0.8, 3, rounds, relation=relation, colluding=[colluding],
-                                          data={"sampling": "cyclic", "batches": period})
+                                          data={"sampling": "cyclic", "batches": period}, settings=settings)
     assert experiment.ledger.releases().tolist() == [1 if name == "mafalda-sgd" else -(-rounds // period)] * n
     found, everyone = violations(experiment, sources, log, rounds, period, relation, colluding)
     assert not found, found

@@ -9,9 +9,10 @@ the run's graph so that the noise left in the agents' *models* is smallest (auth
     x_u^{t+1/2} = x_u^t - eta g_u^t                                                   (local step)
     x_u^{t+1}   = sum_v w_uv x_v^{t+1/2}                                              (average_step, :111-133)
 
-with ``Z_u`` i.i.d. standard normal rows (row ``t`` drawn in round ``t``, kept in the state's noise history:
-``decentralized_simulation.py:67-106, :243``) and batches by cyclic participation (``data.sampling = 'cyclic'``,
-``b`` fixed batches, batch ``t mod b`` in round ``t``: ``data_utils.py:8-45``).  ``C`` minimises ``tr(G X^{-1})``,
+with ``Z_u`` i.i.d. standard normal rows (row ``t`` drawn in round ``t``: ``decentralized_simulation.py:67-106,
+:243``; ``(C^{-1} Z_u)_t`` by forward substitution from the previous outputs, which the state keeps) and batches
+by cyclic participation (``data.sampling = 'cyclic'``, ``b`` fixed batches, batch ``t mod b`` in round ``t``:
+``data_utils.py:8-45``).  ``C`` minimises ``tr(G X^{-1})``,
 ``X = C^T C``, under the participation's constraints (:mod:`decentdp.privacy.factorization`; workload ``p = 1``,
 the models after averaging: ``workloads_generator.py:507-509``), with ``W`` the run's own mixing matrix and the
 objective corrected (both explained there).  ``algorithm.factorization = 'independent'`` keeps ``C`` diagonal
@@ -28,10 +29,14 @@ participation class (:mod:`decentdp.privacy.observer_pricing`), capped by the lo
 sens(C) / sigma`` converted by their ``delta(epsilon)`` (``epsilon_computation.py:10-18``), is
 ``paper_epsilon_local``.
 
-**State.**  The dense ``C`` needs every past draw: ``noise_history`` keeps ``T`` rows of ``d`` per agent
-(``N T d`` numbers; a run whose history does not fit its memory plan is refused).  It is the agents' secret noise:
-a checkpoint that holds it, with the messages, reveals the gradients (treat it like the private data).  A buffered
-(BLT) factorization with a few rows per agent is future work.
+**State.**  A dense ``C`` needs every past output: ``noise_history`` keeps ``T`` rows of ``d`` per agent (``N T d``
+numbers: 6.5 GB at N = 16, T = 1000 and an MLP of 10^5 parameters).  ``algorithm.bands = k`` keeps ``C`` (and
+``X = C^T C``) to ``k`` diagonals, as banded matrix factorization does (BandMF, Choquette-Choo et al., NeurIPS
+2023), so the state holds ``k`` rows per agent; with ``k`` at most the participation period ``b``, the mask holds
+by itself.  On MNIST's 16-agent ring (T = 1000, b = 50) the models' noise ``tr(G X^{-1})`` is 0.053 of independent
+noise's dense, 0.062 with 50 bands and 0.073 with 32 (``benchmarks/factorization.py``, ``docs/reproduction.md``).  A run whose history does not fit its memory
+plan is refused.  The history is the agents' secret noise: a checkpoint that holds it, with the messages, reveals
+the gradients (treat it like the private data).
 """
 
 from __future__ import annotations
@@ -84,6 +89,8 @@ class MafaldaSettings(AlgorithmSettings):
     optimizer_iterations: int = Field(MAX_ITERATIONS, ge=1, le=10_000,
                                       description="most iterations of the factorization's optimiser (about "
                                                   "0.5 s each at T = 1000)")
+    bands: int | None = Field(None, ge=1, description="C's non-zero diagonals (banded factorization: each agent "
+                                                      "keeps this many past noise rows instead of T); unset: dense")
 
 
 @register
@@ -124,7 +131,8 @@ class MafaldaSGD(SettingsAlgorithm):
             raise ValueError("mafalda-sgd calibrates on the run's public graph (NoisePlan.public)")
         w = dense_mixing(plan.public.network(0))
         iterations = self.settings.optimizer_iterations if self.settings.factorization == "optimal" else 0
-        factorization = run_factorization(w, plan.rounds, plan.period, max_iterations=iterations)
+        factorization = run_factorization(w, plan.rounds, plan.period, max_iterations=iterations,
+                                          bands=self.settings.bands)
         self.factorization = factorization
         sens = factorization.sensitivity
         multipliers = [0.0 if math.isinf(budget) else calibrate_noise_multiplier(
@@ -139,32 +147,38 @@ class MafaldaSGD(SettingsAlgorithm):
                                              "sens(C) / sigma under cyclic participation, converted by delta(eps) = "
                                              "Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2) "
                                              "(epsilon_computation.py:10-18); add/remove, whatever the run's relation"}
-        details = {"factorization": self.settings.factorization, "rounds": plan.rounds, "batches": plan.period,
+        details = {"factorization": self.settings.factorization, "bands": factorization.bands,
+                   "rounds": plan.rounds, "batches": plan.period,
                    "epochs": -(-plan.rounds // plan.period), "sensitivity": sens, "noise_loss": factorization.loss,
                    "noise_loss_independent": factorization.independent_loss,
                    "noise_loss_ratio": factorization.loss / factorization.independent_loss,
                    "optimizer_iterations": factorization.iterations, "optimizer_seconds": factorization.seconds,
-                   "noise_history_bytes": 4 * len(plan.budgets) * plan.rounds * plan.dim}
+                   "noise_history_bytes": 4 * len(plan.budgets) * factorization.bands * plan.dim}
         return Calibrated(mechanism, sigmas.tolist(), paper, details, LOCAL_VIEW)
 
     @property
-    def rounds(self) -> int:
-        """The rounds the factorization was made for (0 before calibration: a non-private run keeps no history)."""
-        return 0 if self.factorization is None else len(self.factorization.c)
+    def history_rows(self) -> int:
+        """The past noise outputs each agent keeps (0 before calibration: a non-private run keeps no history)."""
+        return 0 if self.factorization is None else self.factorization.bands
 
     def memory_refusal(self, agents: int, dim: int, rounds: int, limit_bytes: int | None) -> ConfigError | None:
-        """The refusal of a run whose noise history (``N T d`` float32 numbers) does not fit the memory plan beside
-        one round's work, naming the rounds; asked before the factorization is computed."""
-        needed = 4 * agents * rounds * dim
+        """The refusal of a run whose noise history (``N min(T, bands) d`` float32 numbers) does not fit the memory
+        plan beside one round's work, naming the setting; asked before the factorization is computed."""
+        rows = rounds if self.settings.bands is None else min(self.settings.bands, rounds)
+        needed = 4 * agents * rows * dim
         if limit_bytes is None or needed + 4 * (self.round_temporaries + 1) * agents * dim <= limit_bytes:
             return None
-        return ConfigError("experiment.rounds", f"mafalda-sgd keeps each agent's {rounds} past noise draws of "
-                                                f"{dim} parameters: {needed / 2**30:.3g} GiB for {agents} agents, "
-                                                f"beyond the {limit_bytes / 2**30:.3g} GiB of the memory plan "
-                                                "(engine.memory_limit_gb); use fewer rounds, agents or parameters")
+        field, remedy = (("experiment.rounds", "set algorithm.bands (a banded C keeps that many rows), or use fewer "
+                          "rounds, agents or parameters") if self.settings.bands is None else
+                         ("algorithm.bands", "use fewer bands, agents or parameters"))
+        return ConfigError(field, f"mafalda-sgd keeps each agent's {rows} past noise rows of {dim} parameters: "
+                                  f"{needed / 2**30:.3g} GiB for {agents} agents, beyond the "
+                                  f"{limit_bytes / 2**30:.3g} GiB of the memory plan (engine.memory_limit_gb); "
+                                  f"{remedy}")
 
     def init_state(self, params: torch.Tensor) -> State:
-        history = torch.zeros(params.shape[0], self.rounds, params.shape[1], dtype=params.dtype, device=params.device)
+        history = torch.zeros(params.shape[0], self.history_rows, params.shape[1], dtype=params.dtype,
+                              device=params.device)
         return {"params": params, "noise_history": history}
 
     def setup(self, state: State, ctx: RoundContext) -> State:

@@ -71,6 +71,16 @@ def participation_mask(rounds: int, period: int) -> np.ndarray:
     return (classes[:, None] != classes[None, :]) | np.eye(rounds, dtype=bool)
 
 
+def band_mask(rounds: int, bands: int) -> np.ndarray:
+    """Where ``X = C^T C`` may be non-zero for a ``C`` of ``bands`` diagonals (BandMF, Choquette-Choo et al. 2023):
+    ``|r - s| < bands``.  A banded ``X`` has a banded Cholesky factor (no fill-in outside the band), so ``C`` has the
+    same ``bands`` diagonals and ``(C^{-1} Z)_t`` needs only the ``bands - 1`` previous outputs."""
+    if bands < 1:
+        raise ValueError(f"a factorization needs at least one band (the diagonal), got {bands}")
+    rounds_apart = np.abs(np.subtract.outer(np.arange(rounds), np.arange(rounds)))
+    return rounds_apart < bands
+
+
 def sensitivity(c: np.ndarray, period: int) -> float:
     """``sens(C)``: the largest ``sqrt(sum |X_st|)`` over a class's rounds, ``X = C^T C`` (a record's clipped
     gradient changes by at most one clip norm in each round of its class, and in no other round)."""
@@ -146,6 +156,7 @@ class Factorization:
     c: np.ndarray
     c_inverse: np.ndarray
     period: int
+    bands: int               # C's non-zero diagonals (len(c): dense)
     loss: float              # tr(G X^{-1})
     independent_loss: float  # the same for independent noise (X = I / k_c)
     iterations: int
@@ -157,13 +168,16 @@ class Factorization:
 
 
 def optimal_gram(gram: np.ndarray, period: int, max_iterations: int = MAX_ITERATIONS,
-                 tolerance: float = TOLERANCE) -> tuple[np.ndarray, int]:
+                 tolerance: float = TOLERANCE, bands: int | None = None) -> tuple[np.ndarray, int]:
     """``X`` minimising ``tr(G X^{-1})`` under the constraints of the module docstring (authors'
-    ``MatrixFactorizer.optimize``, objective corrected), from independent noise; and the iterations made."""
+    ``MatrixFactorizer.optimize``, objective corrected), from independent noise; and the iterations made.
+    ``bands``: ``X`` (hence ``C``) also kept to that many diagonals (:func:`band_mask`; ``None``: dense)."""
     rounds = len(gram)
     classes = participation_classes(rounds, period)
     counts = np.bincount(classes).astype(float)
     mask = participation_mask(rounds, period)
+    if bands is not None:
+        mask &= band_mask(rounds, bands)
     try:
         m = np.linalg.cholesky(gram).T                                   # M^T M = G
     except np.linalg.LinAlgError:
@@ -227,42 +241,45 @@ def factor_of(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(lower.T[::-1, ::-1])
 
 
-def factorize(gram: np.ndarray, period: int, max_iterations: int = MAX_ITERATIONS) -> Factorization:
+def factorize(gram: np.ndarray, period: int, max_iterations: int = MAX_ITERATIONS,
+              bands: int | None = None) -> Factorization:
     """The optimised factorization for workload Gram ``gram`` under cyclic participation of period ``period``,
-    scaled to sensitivity 1 exactly (``max_iterations = 0``: independent noise, ``C = sqrt(k_c)``-diagonal)."""
+    scaled to sensitivity 1 exactly (``max_iterations = 0``: independent noise, ``C = sqrt(k_c)``-diagonal), with
+    at most ``bands`` diagonals (``None``: dense)."""
     start = time.perf_counter()
     rounds = len(gram)
+    bands = rounds if bands is None else min(bands, rounds)
     if max_iterations > 0:
-        x, iterations = optimal_gram(gram, period, max_iterations)
+        x, iterations = optimal_gram(gram, period, max_iterations, bands=bands)
     else:
         x, iterations = independent_gram(rounds, period), 0
     c = factor_of(x)
     c /= sensitivity(c, period)                                            # rounding: sens(C) = 1 exactly
-    c = np.tril(c)
+    c = np.tril(c) * band_mask(rounds, bands)                              # exact zeros outside the band
     c_inverse = scipy.linalg.solve_triangular(c, np.eye(rounds), lower=True)
     x = c.T @ c
-    return Factorization(c, c_inverse, period, noise_loss(gram, x), noise_loss(gram, independent_gram(rounds, period)),
-                         iterations, time.perf_counter() - start)
+    return Factorization(c, c_inverse, period, bands, noise_loss(gram, x),
+                         noise_loss(gram, independent_gram(rounds, period)), iterations, time.perf_counter() - start)
 
 
 @lru_cache(maxsize=8)
 def _cached(w_bytes: bytes, shape: tuple[int, int], rounds: int, period: int, offset: int,
-            max_iterations: int) -> Factorization:
+            max_iterations: int, bands: int | None) -> Factorization:
     w = np.frombuffer(w_bytes, dtype=np.float64).reshape(shape)
     with threadpool_limits(limits=1, user_api="blas"):  # see run_factorization
-        return factorize(workload_gram(w, rounds, offset), period, max_iterations)
+        return factorize(workload_gram(w, rounds, offset), period, max_iterations, bands)
 
 
 def run_factorization(w: np.ndarray, rounds: int, period: int, offset: int = 1,
-                      max_iterations: int = MAX_ITERATIONS) -> Factorization:
+                      max_iterations: int = MAX_ITERATIONS, bands: int | None = None) -> Factorization:
     """:func:`factorize` of the workload of mixing matrix ``w`` over ``rounds`` rounds, cached per
-    (``W``, ``T``, ``b``) in this process (a build, its audit and its privacy results ask for the same).
+    (``W``, ``T``, ``b``, bands) in this process (a build, its audit and its privacy results ask for the same).
 
     Its linear algebra runs on one BLAS thread: the result is then the same whatever the machine's cores, and on
     two busy cores one thread was four times faster than two at ``T = 1000`` (20.7 s against 85.8 s; two threads
     wait for each other; ``benchmarks/factorization.py``)."""
     w = np.ascontiguousarray(w, dtype=np.float64)
-    return _cached(w.tobytes(), w.shape, rounds, period, offset, max_iterations)
+    return _cached(w.tobytes(), w.shape, rounds, period, offset, max_iterations, bands)
 
 
 class MatrixFactorizationMechanism:
@@ -273,9 +290,14 @@ class MatrixFactorizationMechanism:
     (``C x + sigma Z``, of which every message is post-processing), and no release after it.
 
     ``Z_i``'s row ``t`` is drawn in round ``t`` under that release's own key (:class:`~decentdp.privacy.mechanisms.
-    NoiseDraw`, once, like every release's noise) and kept in a history the algorithm's state holds, so that no
-    key is ever drawn twice: :meth:`with_history` binds a round's history (``(agents, T, d)``) and returns the
-    mechanism the release uses."""
+    NoiseDraw`, once, like every release's noise), and ``y_t = (C^{-1} Z_i)_t`` follows by forward substitution,
+
+        y_t = (z_t - sum_{t - bands < s < t} C_ts y_s) / C_tt,
+
+    from the previous outputs, which a history in the algorithm's state keeps (:attr:`history_rows` of them, a
+    ring: ``y_s`` in row ``s mod history_rows``).  A dense ``C`` needs all ``T``; a banded one ``bands``, so a
+    long run's state stays small.  :meth:`with_history` binds a round's history (``(agents, rows, d)``) and returns
+    the mechanism the release uses."""
 
     prepaid = True
 
@@ -285,11 +307,16 @@ class MatrixFactorizationMechanism:
         self.scales = round_up_to_float32(noise_multipliers.double() * self.sensitivity)
         self.factorization = factorization
         self.run_sensitivity = factorization.sensitivity
-        self.c_inverse = torch.from_numpy(factorization.c_inverse)
+        self.c = torch.from_numpy(factorization.c)
 
     @property
     def rounds(self) -> int:
-        return int(self.c_inverse.shape[0])
+        return int(self.c.shape[0])
+
+    @property
+    def history_rows(self) -> int:
+        """The past outputs ``y_s`` a round needs, with room for its own: ``C``'s bands (``T`` when dense)."""
+        return self.factorization.bands
 
     def run_event(self, agent: int) -> dp_accounting.DpEvent:
         """What every observer together learns of agent ``agent`` (global id) over the whole run: one Gaussian of
@@ -303,12 +330,16 @@ class MatrixFactorizationMechanism:
     receiver_event = agent_event
 
     def with_history(self, history: torch.Tensor) -> _BoundFactorization:
-        """This mechanism over a round's noise history (``(agents, T, d)``, local rows, the algorithm's state)."""
+        """This mechanism over a round's history of outputs (``(agents, history_rows, d)``, local rows, the
+        algorithm's state)."""
+        if history.shape[1] != self.history_rows:
+            raise ValueError(f"the history holds {history.shape[1]} rows; this factorization needs "
+                             f"{self.history_rows}")
         return _BoundFactorization(self, history)
 
 
 class _BoundFactorization:
-    """A :class:`MatrixFactorizationMechanism` with the noise history of the agents it releases for."""
+    """A :class:`MatrixFactorizationMechanism` with the history of outputs of the agents it releases for."""
 
     prepaid = True
 
@@ -321,31 +352,35 @@ class _BoundFactorization:
 
     def perturb(self, values: torch.Tensor, owners: torch.Tensor, noise: Any,
                 slots: Sequence[int] | None = None) -> None:
-        """Draw ``z_t`` for the rows (their round-``t`` key), keep it in the history, add
-        ``sigma_i C sum_{s <= t} (C^{-1})_{ts} z_s``."""
+        """Draw ``z_t`` for the rows (their round-``t`` key), solve for ``y_t = (C^{-1} Z)_t`` from the kept
+        outputs, keep it, add ``sigma_i C_clip y_t``."""
         if slots is not None:
             raise ValueError("a matrix-factorization release is one sum per agent (no slots)")
         t = int(noise.round_index)
-        if not 0 <= t < self.mechanism.rounds:
-            raise ValueError(f"round {t} is outside the {self.mechanism.rounds} rounds the factorization was made for")
-        history = self.history
+        mechanism = self.mechanism
+        if not 0 <= t < mechanism.rounds:
+            raise ValueError(f"round {t} is outside the {mechanism.rounds} rounds the factorization was made for")
+        history, ring = self.history, mechanism.history_rows
         rows = owners.tolist()
         fresh = torch.empty(len(rows), values.shape[1], dtype=noise.dtype, device=values.device)
         noise.normal(rows, fresh)
         index = owners.to(history.device)
         everyone = len(rows) == history.shape[0] and rows == list(range(len(rows)))
-        past = history[:, :t + 1] if everyone else history.index_select(0, index)[:, :t + 1]
+        used = min(t, ring)                                                # the ring's rows written so far
+        past = history[:, :used] if everyone else history.index_select(0, index)[:, :used]
+        weights = torch.zeros(used, dtype=torch.float64)
+        earlier = np.arange(max(0, t - ring + 1), t)                      # y_s with C_ts inside the band
+        weights[earlier % ring] = mechanism.c[t, torch.from_numpy(earlier)]  # row t mod ring (y_{t-ring}) weighs 0
+        combined = torch.matmul(weights.to(device=history.device, dtype=history.dtype), past)
+        output = (fresh.to(history.dtype) - combined) / float(mechanism.c[t, t])
         if everyone:
-            history[:, t] = fresh.to(history.dtype)
+            history[:, t % ring] = output
         else:
-            history[index, t] = fresh.to(history.dtype)
-            past[:, t] = fresh.to(history.dtype)
-        weights = self.mechanism.c_inverse[t, :t + 1].to(device=history.device, dtype=history.dtype)
-        combined = torch.matmul(weights, past)                                # (rows, d): (C^{-1} Z)_t
-        scales = self.mechanism.scales
+            history[index, t % ring] = output
+        scales = mechanism.scales
         agents = torch.as_tensor([noise.agent_ids[row] for row in rows], dtype=torch.long, device=scales.device)
         scale = scales[agents].to(values.device, non_blocking=True)
-        values.add_(combined.to(values.dtype).mul_(scale[:, None].to(values.dtype)))
+        values.add_(output.to(values.dtype).mul_(scale[:, None].to(values.dtype)))
 
     def agent_event(self, owner: int, sample_rate: float, rows: int) -> dp_accounting.DpEvent:
         return self.mechanism.agent_event(owner, sample_rate, rows)
