@@ -368,10 +368,10 @@ class _BoundFactorization:
         everyone = len(rows) == history.shape[0] and rows == list(range(len(rows)))
         used = min(t, ring)                                                # the ring's rows written so far
         past = history[:, :used] if everyone else history.index_select(0, index)[:, :used]
-        weights = torch.zeros(used, dtype=torch.float64)
-        earlier = np.arange(max(0, t - ring + 1), t)                      # y_s with C_ts inside the band
-        weights[earlier % ring] = mechanism.c[t, torch.from_numpy(earlier)]  # row t mod ring (y_{t-ring}) weighs 0
-        combined = torch.matmul(weights.to(device=history.device, dtype=history.dtype), past)
+        earlier = torch.arange(max(0, t - ring + 1), t)                   # y_s with C_ts inside the band
+        weights = torch.zeros(used, dtype=history.dtype, device=history.device)  # row t mod ring (y_{t-ring}): 0
+        weights[(earlier % ring).to(history.device)] = mechanism.c[t, earlier].to(history.device, history.dtype)
+        combined = torch.matmul(weights, past)
         output = (fresh.to(history.dtype) - combined) / float(mechanism.c[t, t])
         if everyone:
             history[:, t % ring] = output
