@@ -13,7 +13,7 @@ import pytest
 import tomli_w
 
 from decentdp.cli.main import main
-from decentdp.cli.report import build_report, find_runs, markdown, read_paper
+from decentdp.cli.report import build_report, epsilon_figure, find_runs, markdown, read_paper, round_figure
 from decentdp.config import validate_config
 
 from conftest import tiny_config
@@ -110,6 +110,22 @@ def test_out_writes_table_csv_json_and_figures(tmp_path: Path, capsys) -> None:
                                                      "accuracy_mean_vs_round.png", "accuracy_mean_vs_epsilon.png"}
     assert (out / "report.csv").read_text().splitlines()[0].startswith("privacy.epsilon,n,seeds,metric,mean,std")
     assert json.loads((out / "report.json").read_text())["rows"][1]["epsilon_spent"] is None
+
+
+def test_figures_tell_more_series_than_colours_apart(tmp_path: Path) -> None:
+    """Past the colour cycle's ten colours, every series of either figure still differs from every other in colour,
+    line style or marker, and the legend of so many stands beside the axes, not over the data."""
+    for lr in range(12):
+        fake_run(tmp_path / f"lr{lr}", 0.5 + lr / 100, epsilon=2.0, spent=1.8, algorithm={"lr": 0.01 * (lr + 1)})
+    report = build_report(find_runs([tmp_path])[0])
+    for figure in (epsilon_figure(report), round_figure(report)):
+        ax = figure.axes[0]
+        handles, _ = ax.get_legend_handles_labels()
+        lines = [handle[0] if isinstance(handle, tuple) else handle for handle in handles]  # an errorbar: its line
+        assert len(lines) == 12
+        looks = {(line.get_color(), line.get_linestyle(), line.get_marker()) for line in lines}
+        assert len(looks) == 12
+        assert ax.get_legend().get_bbox_to_anchor().x0 > ax.get_position().x1 * figure.bbox.width * 0.99
 
 
 def test_paper_rows_may_match_fields_these_runs_leave_unset(tmp_path: Path, capsys) -> None:

@@ -586,14 +586,12 @@ def round_figure(report: Report) -> Any | None:
 
     scale = _scale(report.metric)
     fig, ax = pyplot().subplots(figsize=(7, 4.5))
-    # Past the colour cycle's ten colours, a line style tells the series apart (colours repeat).
-    styles = ("-", "--", ":", "-.")
     for index, (row, group) in enumerate(zip(report.rows, report.groups, strict=True)):
         rounds, means, stds = _curve(group.runs, report.metric)
         if not rounds:
             continue
         line, = ax.plot(rounds, [scale * m for m in means], label=_label(row, report.labels, group),
-                        linestyle=styles[index // 10 % len(styles)])
+                        linestyle=SERIES_STYLES[index // 10 % len(SERIES_STYLES)][0])
         if len(group.runs) > 1:
             ax.fill_between(rounds, [scale * (m - s) for m, s in zip(means, stds, strict=True)],
                             [scale * (m + s) for m, s in zip(means, stds, strict=True)], alpha=0.2,
@@ -605,10 +603,25 @@ def round_figure(report: Report) -> Any | None:
     ax.set_ylabel(_ylabel(report.metric))
     ax.set_title(_figure_title(report, f"{report.metric} against round"), fontsize=9)
     ax.grid(alpha=0.3)
-    if len(report.rows) <= 20:
-        ax.legend(fontsize=7)
+    _legend(ax, len(report.rows))
     fig.tight_layout()
     return fig
+
+
+#: Past the colour cycle's ten colours, a line style and a marker tell the series apart (colours repeat).
+SERIES_STYLES = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"))
+
+
+def _legend(ax: Any, series: int) -> None:
+    """The legend, inside the axes for a few series, beside them for more (where it would hide the data); none
+    past 20 series (the table names them)."""
+    if series > 20:
+        return
+    if series <= 6:
+        ax.legend(fontsize=7)
+    else:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+        ax.figure.set_size_inches(11, 4.5)
 
 
 def epsilon_figure(report: Report) -> Any | None:
@@ -625,13 +638,14 @@ def epsilon_figure(report: Report) -> Any | None:
     for row, group in zip(report.rows, report.groups, strict=True):
         series.setdefault(_label(row, others, group), []).append(row)
     fig, ax = pyplot().subplots(figsize=(7, 4.5))
-    for name, rows in series.items():
+    for index, (name, rows) in enumerate(series.items()):
         private = sorted((row for row in rows if math.isfinite(row["epsilon_spent"])),
                          key=lambda row: row["epsilon_spent_mean"])
+        linestyle, marker = SERIES_STYLES[index // 10 % len(SERIES_STYLES)]
         line = ax.errorbar([row["epsilon_spent_mean"] for row in private],
                            [scale * row["mean"] for row in private],
-                           yerr=[scale * (row["std"] or 0.0) for row in private], marker="o", capsize=3,
-                           label=name)
+                           yerr=[scale * (row["std"] or 0.0) for row in private], marker=marker,
+                           linestyle=linestyle, capsize=3, label=name)
         for row in rows:
             if not math.isfinite(row["epsilon_spent"]):
                 ax.axhline(scale * row["mean"], linestyle="--", color=line[0].get_color(), alpha=0.7)
@@ -642,8 +656,7 @@ def epsilon_figure(report: Report) -> Any | None:
     dashed = "; dashed: non-private" if any(not math.isfinite(row["epsilon_spent"]) for row in report.rows) else ""
     ax.set_title(_figure_title(report, f"{report.metric} against ε spent{dashed}"), fontsize=9)
     ax.grid(alpha=0.3)
-    if len(series) <= 20:
-        ax.legend(fontsize=7)
+    _legend(ax, len(series))
     fig.tight_layout()
     return fig
 
