@@ -235,3 +235,9 @@ def test_skip_unfinished_leaves_out_running_and_stopped_runs_and_names_them(tmp_
     assert [(row["n"], row["mean"]) for row in rows] == [(2, pytest.approx(0.72))]
     err = captured.err
     assert "left out 2 unfinished run(s)" in err and "running" in err and "stopped" in err
+    (runs / "starting").mkdir()  # a run that has made its folder, not yet its config, given by name (a glob)
+    named = [str(folder) for folder in sorted(runs.iterdir())]
+    assert main(["report", *named, "--json"]) == 2
+    assert "no results folder under" in capsys.readouterr().err
+    assert main(["report", *named, "--skip-unfinished", "--json"]) == 0
+    assert "left out 3 unfinished run(s)" in capsys.readouterr().err

@@ -180,8 +180,10 @@ def find_runs(paths: Sequence[str | Path], *, skip_unfinished: bool = False) -> 
     other folder is searched), each once, in path order, and the folders left out.
 
     An unfinished run is an error unless ``skip_unfinished``; then it is left out and returned among
-    the folders left out, so that the caller can say what the table does not hold."""
+    the folders left out, so that the caller can say what the table does not hold.  So is, then, a folder given
+    by name that holds no run yet (a run that has just made its folder, before its config)."""
     folders: dict[Path, None] = {}
+    skipped: list[Path] = []
     for given in paths:
         path = Path(given)
         if not path.exists():
@@ -189,12 +191,13 @@ def find_runs(paths: Sequence[str | Path], *, skip_unfinished: bool = False) -> 
         if not path.is_dir():
             raise DecentDPError(f"{path} is a file; give results folders (or folders that hold them)")
         found = [path] if (path / CONFIG_FILE).is_file() else results_folders_under(path)
-        if not found:
+        if not found and skip_unfinished:
+            skipped.append(path.resolve())
+        elif not found:
             raise DecentDPError(f"no results folder under {path} (a results folder holds {CONFIG_FILE} and "
                                 f"{SUMMARY_FILE})")
         folders.update((folder.resolve(), None) for folder in found)
     runs: list[Run] = []
-    skipped: list[Path] = []
     for folder in folders:
         try:
             runs.append(read_run(folder))
