@@ -34,9 +34,9 @@ numbers: 6.5 GB at N = 16, T = 1000 and an MLP of 10^5 parameters).  ``algorithm
 ``X = C^T C``) to ``k`` diagonals, as banded matrix factorization does (BandMF, Choquette-Choo et al., NeurIPS
 2023), so the state holds ``k`` rows per agent; with ``k`` at most the participation period ``b``, the mask holds
 by itself.  On MNIST's 16-agent ring (T = 1000, b = 50) the models' noise ``tr(G X^{-1})`` is 0.053 of independent
-noise's dense, 0.062 with 50 bands and 0.073 with 32 (``benchmarks/factorization.py``, ``docs/reproduction.md``).  A run whose history does not fit its memory
-plan is refused.  The history is the agents' secret noise: a checkpoint that holds it, with the messages, reveals
-the gradients (treat it like the private data).
+noise's dense, 0.062 with 50 bands and 0.073 with 32 (``benchmarks/factorization.py``, ``docs/reproduction.md``).
+A run whose history does not fit its memory plan is refused.  The history is the agents' secret noise: a
+checkpoint that holds it, with the messages, reveals the gradients (treat it like the private data).
 """
 
 from __future__ import annotations
