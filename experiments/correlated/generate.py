@@ -173,6 +173,13 @@ def write_grids() -> list[str]:
     return lines
 
 
+#: Seeds beyond ``SEEDS`` for the tuned runs of one budget and graph (and central DP-SGD's at that budget), every
+#: method alike.  At epsilon 0.25 on Erdos-Renyi, DECOR's lead over Muffliato was 2.90 +- 0.23 points over three seeds
+#: against the goal's 3: two more seeds decide whether the miss is in the noise; their result is reported whichever way
+#: it falls.
+EXTRA_SEEDS: dict[float, tuple[str, tuple[int, ...]]] = {0.25: ("er", (3, 4))}
+
+
 def write_tuning() -> list[str]:
     """The learning-rate studies and the tuned configs; returns their job lines (each budget's studies, then its
     tuned runs, the budgets in ``TUNING_EPSILONS``' order)."""
@@ -200,9 +207,11 @@ def write_tuning() -> list[str]:
                 tuned["algorithm"]["lr"] = TUNED[method, graph, budget]
                 tuned_folder.mkdir(exist_ok=True)
                 (tuned_folder / f"{name}.toml").write_text(HEADER + tomli_w.dumps(tuned))
+                extra_graph, extra = EXTRA_SEEDS.get(budget, ("", ()))
+                seeds = SEEDS + (extra if extra_graph == graph or method == "central-dpsgd" else ())
                 runs += [run_line(f"{name}-tuned", f"experiments/correlated/mnist-tuned/{name}.toml", seed,
                                   "${DATA_DIR:-../shared/data}", f"experiments/correlated/results/{name}-tuned-s{seed}")
-                         for seed in SEEDS]
+                         for seed in seeds]
                 if (method, budget) in VARIANTS:
                     suffix, settings = VARIANTS[method, budget]
                     variant = f"{name}{suffix}"
