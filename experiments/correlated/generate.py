@@ -16,7 +16,9 @@ for central DP-SGD on the pooled data.  Learning rates: the authors' tuned value
 expected batch); three seeds per cell.  Central DP-SGD draws the agents' expected batches together (16 x 64 =
 1024 records a round from the pooled data): the same records per round as the network, one model.  Zip-DL's
 zero-sum noise has the quick start's sigma_z = 3; its budget is the local one (the zero-sum noise cancels for all
-of an agent's neighbours together), and its pairwise epsilon is reported beside it.
+of an agent's neighbours together), and its pairwise epsilon is reported beside it.  MAFALDA-SGD (Bellet, Cyffers et
+al.) needs cyclic batches (its factorization is made for them) and keeps its C to ``MAFALDA_BANDS`` diagonals so that
+its noise history fits; its budget is the local one too.
 
 DECOR's a9a setting (``reproduce_libsvm.py``): the same network and batch with logistic regression (the
 ``linear`` model over a9a's 123 binary features), on the ring only; the authors tuned the learning rate and clip
