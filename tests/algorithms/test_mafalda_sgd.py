@@ -99,8 +99,11 @@ def test_an_agent_whose_whole_run_does_not_fit_its_budget_releases_nothing() -> 
     assert not torch.equal(state["params"][0], before[0])
 
 
-def test_a_run_resumes_exactly_with_its_noise_history(tmp_path: Path) -> None:
-    config = validate_config(_config())
+@pytest.mark.parametrize("bands", [None, 2])
+def test_a_run_resumes_exactly_with_its_noise_history(tmp_path: Path, bands: int | None) -> None:
+    """A run stopped after round 3 and resumed ends exactly as one run: the history (all T outputs, or a ring of
+    two that has wrapped by then) travels in the checkpoint."""
+    config = validate_config(_config(algorithm={"bands": bands}))
     whole = run_experiment(config, tmp_path / "whole", progress=False)
     run_experiment(config, tmp_path / "split", progress=False, stop_after=3)
     resumed = run_experiment(config, tmp_path / "split", progress=False, resume=True)
