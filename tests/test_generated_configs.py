@@ -1,17 +1,16 @@
 """Every experiment folder's generator reproduces the files committed beside it: a config edited by hand, or a
 generator changed without re-running it (so that an algorithm that landed since has no config), fails here.
 
-Each generator runs, in this process (decentdp is imported once), on a copy of its folder without the results,
-kept studies and audit chunks it does not write; every file of the copy must then equal the committed one, and
+Each generator runs in a fresh process (this one's registry holds the tests' own algorithms) on a copy of its
+folder without the results, kept studies and audit chunks it does not write; every file of the copy must then
+equal the committed one, and
 none may be new."""
 
 from __future__ import annotations
 
-import contextlib
 import filecmp
-import io
-import runpy
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -34,18 +33,9 @@ def test_each_generator_reproduces_its_committed_files(folder: str, tmp_path: Pa
     copy = tmp_path / "experiments" / folder
     shutil.copytree(source, copy, ignore=shutil.ignore_patterns(*NOT_GENERATED))
     shutil.copy(REPO / "experiments" / "run_jobs.py", tmp_path / "experiments")
-    path, run_jobs = list(sys.path), sys.modules.get("run_jobs")  # a generator puts experiments/ on the path
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            runpy.run_path(str(copy / "generate.py"), run_name="__main__")
-    except SystemExit as exit_:
-        assert not exit_.code, f"experiments/{folder}/generate.py exited with {exit_.code}"
-    finally:
-        sys.path[:] = path
-        if run_jobs is None:
-            sys.modules.pop("run_jobs", None)
-        else:
-            sys.modules["run_jobs"] = run_jobs
+    done = subprocess.run([sys.executable, str(copy / "generate.py")], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
     before, after = _files(source), _files(copy)
     assert after == before, f"added {sorted(after - before)}, removed {sorted(before - after)}"
     changed = [str(name) for name in sorted(after) if not filecmp.cmp(source / name, copy / name, shallow=False)]

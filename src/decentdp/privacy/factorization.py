@@ -368,7 +368,7 @@ class _BoundFactorization:
         everyone = len(rows) == history.shape[0] and rows == list(range(len(rows)))
         used = min(t, ring)                                                # the ring's rows written so far
         past = history[:, :used] if everyone else history.index_select(0, index)[:, :used]
-        earlier = torch.arange(max(0, t - ring + 1), t)                   # y_s with C_ts inside the band
+        earlier = torch.arange(max(0, t - ring + 1), t, device=mechanism.c.device)  # y_s, C_ts in the band
         weights = torch.zeros(used, dtype=history.dtype, device=history.device)  # row t mod ring (y_{t-ring}): 0
         weights[(earlier % ring).to(history.device)] = mechanism.c[t, earlier].to(history.device, history.dtype)
         combined = torch.matmul(weights, past)
