@@ -269,7 +269,7 @@ def gaussian_dp_epsilon(mu: float, delta: float) -> float:
     high = 1.0
     while excess(high) > 0:
         high *= 2
-    return _narrow(excess, high / 2 if high > 1 else 0.0, high, 1e-9)
+    return narrow_bracket(excess, high / 2 if high > 1 else 0.0, high, 1e-9)
 
 
 def _pld_interval(history: History, delta: float, relation: str) -> float:
@@ -355,7 +355,7 @@ def calibrate_scale(event_of: Callable[[float], dp_accounting.DpEvent], count: i
     """Smallest noise multiplier ``s`` such that ``count`` releases of ``event_of(s)`` stay within
     (target_epsilon, delta): the calibration of any mechanism whose event grows more private with ``s``.
 
-    A bracketing search (:func:`_narrow`) that always returns the *safe* end of its bracket, so the
+    A bracketing search (:func:`narrow_bracket`) that always returns the *safe* end of its bracket, so the
     result never overshoots the target under the same accountant (budget enforcement and reporting
     rely on this); within ``tolerance`` (relative) of the exact root.  PLD compositions cost
     milliseconds to tenths of a second each, RDP's microseconds, so for ``tight`` and ``pld`` the
@@ -393,10 +393,10 @@ def calibrate_scale(event_of: Callable[[float], dp_accounting.DpEvent], count: i
     if high is None:
         low, high = grow(fits)
     # (an epsilon of exactly 0, a noise far beyond the target's, counts as the smallest positive float)
-    return _narrow(lambda scale: math.log(max(eps(scale), 5e-324) / target_epsilon), low, high, tolerance)
+    return narrow_bracket(lambda scale: math.log(max(eps(scale), 5e-324) / target_epsilon), low, high, tolerance)
 
 
-def _narrow(excess: Callable[[float], float], low: float, high: float, tolerance: float) -> float:
+def narrow_bracket(excess: Callable[[float], float], low: float, high: float, tolerance: float) -> float:
     """Shrink ``[low, high]`` (``excess(low) > 0 >= excess(high)``, decreasing) to ``tolerance * high`` and
     return its safe end ``high``.  Regula falsi with the Illinois correction on log epsilon, which is
     nearly linear in sigma there: about five accountant calls instead of a bisection's dozen.  Each

@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from decentdp.privacy.accounting import RDP_ORDERS, calibrate_scale, rdp_curve
+from decentdp.privacy.accounting import RDP_ORDERS, calibrate_scale, narrow_bracket, rdp_curve
 from decentdp.privacy.events import gaussian_event
 
 
@@ -51,6 +51,10 @@ def udp_noise_multiplier(epsilon: float, delta: float, rounds: int, sample_rate:
     return 2 * sample_rate * math.sqrt(2 * participation * rounds * math.log(1 / delta)) / epsilon
 
 
+#: Relative precision of the moments accountant's sigma (what a 40-step bisection from [0, 1] reached before).
+MOMENTS_TOLERANCE = 1e-10
+
+
 def moments_accountant_epsilon(rdp: np.ndarray, delta: float) -> float:
     """The moments accountant's classical RDP conversion: ``min_a RDP(a) + log(1/delta) / (a - 1)``."""
     usable = RDP_ORDERS > 1
@@ -61,17 +65,19 @@ def moments_accountant_epsilon(rdp: np.ndarray, delta: float) -> float:
 
 
 def moments_accountant_noise_multiplier(epsilon: float, delta: float, sample_rate: float, releases: int) -> float:
-    """Smallest sigma whose ``releases`` sampled Gaussian releases meet (epsilon, delta) by the moments accountant."""
+    """Smallest sigma whose ``releases`` sampled Gaussian releases meet (epsilon, delta) by the moments accountant,
+    to ``MOMENTS_TOLERANCE`` (relative), always from the safe side.  Each trial sigma costs one RDP curve (tenths
+    of a second), so the root is narrowed by regula falsi (:func:`narrow_bracket`, about 12 curves) rather than
+    bisected (about 40)."""
+
+    def excess(sigma: float) -> float:
+        spent = moments_accountant_epsilon(releases * rdp_curve(gaussian_event(sigma, sample_rate)), delta)
+        return math.log(max(spent, 5e-324) / epsilon)
+
     low, high = 0.0, 1.0
-    while moments_accountant_epsilon(releases * rdp_curve(gaussian_event(high, sample_rate)), delta) > epsilon:
+    while excess(high) > 0:
         low, high = high, 2 * high
-    for _ in range(40):
-        middle = (low + high) / 2
-        if moments_accountant_epsilon(releases * rdp_curve(gaussian_event(middle, sample_rate)), delta) > epsilon:
-            low = middle
-        else:
-            high = middle
-    return high
+    return narrow_bracket(excess, low, high, MOMENTS_TOLERANCE)
 
 
 def optimal_noise_multiplier(epsilon: float, delta: float, sample_rate: float, releases: int) -> float:
