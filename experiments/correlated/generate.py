@@ -127,6 +127,9 @@ STUDY_BASE_EPSILON = 1.0
 #: epsilon 1's noise: a factor-2 grid around the grid's 0.5 (epsilon 1's winners, 0.25-0.5, at its bottom, since less
 #: noise allows longer steps), MAFALDA-SGD's shifted down as at epsilon 1 (its winner there: 0.0625); a winner at an
 #: end of its grid gets the next value in a study of its own, as before.
+#: Studies above a factor-2 grid whose best lay at its top, by (method, budget): DECOR's at epsilon 3 (1.0, on both
+#: graphs; less of its noise reaches the average, so it takes longer steps, as at epsilon 0.25 and 1).
+HIGHER: dict[tuple[str, float], dict[str, tuple[float, ...]]] = {("decor", 3.0): {"-high": (2.0, 4.0)}}
 LR_STUDIES: dict[float, dict[str, dict[str, tuple[float, ...]]]] = {
     1.0: {"central-dpsgd": {"": (0.5, 1.0, 2.0, 4.0)},
           **{method: {"": (0.25, 0.5, 1.0, 2.0), "-low": (0.0625, 0.125),
@@ -137,7 +140,8 @@ LR_STUDIES: dict[float, dict[str, dict[str, tuple[float, ...]]]] = {
                        **({"-fine": (0.0442, 0.0884, 0.177)} if method not in ("zip-dl", "mafalda-sgd") else {})}
               for method in ("dp-dsgd", "muffliato", "decor", "zip-dl", "mafalda-sgd")}},
     **{budget: {"central-dpsgd": {"": (0.5, 1.0, 2.0)}, "mafalda-sgd": {"": (0.0625, 0.125, 0.25, 0.5)},
-                **{method: {"": (0.25, 0.5, 1.0)} for method in ("dp-dsgd", "muffliato", "decor", "zip-dl")}}
+                **{method: {"": (0.25, 0.5, 1.0), **HIGHER.get((method, budget), {})}
+                   for method in ("dp-dsgd", "muffliato", "decor", "zip-dl")}}
        for budget in (3.0, 10.0)},
 }
 #: (method, graph, epsilon) -> the learning rate its studies chose (best validation accuracy), filled in as they
