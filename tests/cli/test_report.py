@@ -13,7 +13,15 @@ import pytest
 import tomli_w
 
 from decentdp.cli.main import main
-from decentdp.cli.report import build_report, epsilon_figure, find_runs, markdown, read_paper, round_figure
+from decentdp.cli.report import (
+    build_report,
+    epsilon_figure,
+    field_figure,
+    find_runs,
+    markdown,
+    read_paper,
+    round_figure,
+)
 from decentdp.config import validate_config
 
 from conftest import tiny_config
@@ -147,6 +155,51 @@ def test_consensus_paper_file_reads_and_names_config_fields() -> None:
                                                       "privacy.epsilon": 1.0, "topology.graph": "complete",
                                                       "data.overlap_t": 1.0}]
     assert [row.value for row in dsgt_eps1] == [pytest.approx(0.8924)]
+
+
+def test_against_draws_the_metric_over_a_config_field_with_the_papers_values(tmp_path: Path, capsys) -> None:
+    """Bayrooti et al.'s Fig. 1 shape: accuracy against the normalized Fiedler value, one series per algorithm, the
+    paper's values as open markers; the complete graph (no Fiedler target) is left out and said to be."""
+    values = {("dp-dsgt", 0.06): 0.90, ("dp-dsgt", 0.7): 0.92, ("dp-dsgd", 0.06): 0.75, ("dp-dsgd", 0.7): 0.88}
+    for (algorithm, fiedler), accuracy in values.items():
+        for seed in range(2):
+            fake_run(tmp_path / "runs" / f"{algorithm}-{fiedler}-s{seed}", accuracy + seed / 100, seed=seed,
+                     algorithm={"name": algorithm}, topology={"graph": "fiedler", "fiedler": fiedler, "agents": 6})
+    fake_run(tmp_path / "runs" / "complete", 0.93, algorithm={"name": "dp-dsgt"},
+             topology={"graph": "complete", "agents": 6})
+    paper = tmp_path / "paper.toml"
+    paper.write_text('source = "test paper"\nunit = "percent"\nrow = [\n'
+                     '  { value = 89.0, std = 0.5, match = { "algorithm.name" = "dp-dsgt", '
+                     '"topology.fiedler" = 0.06 } },\n]\n')
+    out = tmp_path / "report"
+    assert main(["report", str(tmp_path / "runs"), "--paper", str(paper), "--out", str(out),
+                 "--against", "topology.fiedler"]) == 0
+    assert (out / "accuracy_mean_vs_topology.fiedler.png").stat().st_size > 0
+    report = build_report(find_runs([tmp_path / "runs"])[0], paper_file=paper)
+    ax = field_figure(report, "topology.fiedler").axes[0]
+    ours = {label: line for line, label in zip(*ax.get_legend_handles_labels(), strict=True)}
+    assert set(ours) == {"algorithm=dp-dsgd", "algorithm=dp-dsgt"}
+    x, y = ours["algorithm=dp-dsgd"][0].get_data()
+    assert list(x) == [0.06, 0.7] and list(y) == pytest.approx([75.5, 88.5])
+    open_markers = [line for line in ax.lines if line.get_markerfacecolor() == "none"]
+    assert len(open_markers) == 1 and list(open_markers[0].get_ydata()) == [89.0]
+    assert "1 group(s) without topology.fiedler left out" in ax.get_title()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--against", "topology.fiedler"], "--against: topology.fiedler is not a config field that differs"),
+    (["--against", "algorithm.name"], "--against: algorithm.name is not a number in any group"),
+])
+def test_against_names_a_field_that_cannot_be_drawn(tmp_path: Path, capsys, args: list[str], message: str) -> None:
+    fake_run(tmp_path / "runs" / "a", 0.7, algorithm={"name": "dp-dsgt"})
+    fake_run(tmp_path / "runs" / "b", 0.6, algorithm={"name": "dp-dsgd"})
+    out = tmp_path / "out"
+    assert main(["report", str(tmp_path / "runs"), *args, "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "Traceback" not in captured.err
+    assert not out.exists()
+    assert main(["report", str(tmp_path / "runs"), "--against", "algorithm.lr"]) == 2
+    assert "--against: draws a figure: give --out DIR as well" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("setup", "args", "message"), [

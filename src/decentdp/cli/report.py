@@ -9,8 +9,9 @@ spent) and ``metrics.jsonl`` (one row per evaluation); see :mod:`decentdp.experi
 3. gives each group the mean and sample standard deviation over seeds of the final metric, the worst
    agent, the epsilon spent (the largest over agents and seeds, as the run's accountant reports it),
    and optionally the paper's value read from a small TOML file (``--paper``);
-4. writes a Markdown table, a CSV file and two figures (metric against round, metric against epsilon
-   spent) to ``--out``, or prints the table (``--json``: one JSON line with one object per group).
+4. writes a Markdown table, a CSV file and figures (metric against round, metric against epsilon
+   spent, and against any numeric config field named by ``--against``, e.g. ``topology.fiedler``) to
+   ``--out``, or prints the table (``--json``: one JSON line with one object per group).
 
 Runs that cannot share a table are refused with a message naming the folders: runs on different
 datasets (their accuracies are on different test sets), unfinished runs (unless ``--skip-unfinished``,
@@ -664,17 +665,71 @@ def epsilon_figure(report: Report) -> Any | None:
     return fig
 
 
+def check_against(report: Report, axis_field: str) -> None:
+    """``--against FIELD`` needs a config field that differs between these groups and is a number in some of them."""
+    if axis_field not in report.fields:
+        raise ConfigError("--against", f"{axis_field} is not a config field that differs between these runs' groups "
+                                       f"(they differ in: {', '.join(report.fields) or 'nothing'})")
+    if not any(_is_number(row[axis_field]) for row in report.rows):
+        raise ConfigError("--against", f"{axis_field} is not a number in any group of these runs")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def field_figure(report: Report, axis_field: str) -> Any:
+    """The metric against a numeric config field (``topology.fiedler``: Bayrooti et al.'s Fig. 1), mean ± std over
+    seeds, one series per setting of the other label fields; groups where the field is unset (a complete graph has
+    no Fiedler target) are left out and named in the title.  With a paper file, the paper's values of the same
+    groups stand beside ours as open markers of the series' colour, with their std where the paper gives one."""
+    from decentdp.results.files import pyplot
+
+    scale = _scale(report.metric)
+    drawn = [(row, group) for row, group in zip(report.rows, report.groups, strict=True) if _is_number(row[axis_field])]
+    others = [name for name in report.labels  # the label fields that tell the drawn groups apart
+              if name != axis_field and len({_hashable(row[name]) for row, _ in drawn}) > 1]
+    series: dict[str, list[dict[str, Any]]] = {}
+    for row, group in drawn:
+        series.setdefault(_label(row, others, group), []).append(row)
+    left_out = len(report.rows) - len(drawn)
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
+    for index, (name, rows) in enumerate(series.items()):
+        rows = sorted(rows, key=lambda row: row[axis_field])
+        linestyle, marker = SERIES_STYLES[index // 10 % len(SERIES_STYLES)]
+        line = ax.errorbar([row[axis_field] for row in rows], [scale * row["mean"] for row in rows],
+                           yerr=[scale * (row["std"] or 0.0) for row in rows], marker=marker, linestyle=linestyle,
+                           capsize=3, label=name)
+        paper = [row for row in rows if row.get("paper") is not None]
+        if paper:
+            ax.errorbar([row[axis_field] for row in paper], [scale * row["paper"] for row in paper],
+                        yerr=[scale * (row["paper_std"] or 0.0) for row in paper], marker=marker, linestyle="none",
+                        markerfacecolor="none", color=line[0].get_color(), capsize=2, alpha=0.8)
+    ax.set_xlabel(_column_names([axis_field])[axis_field] + f" ({axis_field})")
+    ax.set_ylabel(_ylabel(report.metric))
+    notes = ([f"open markers: {report.paper_source}"] if any(row.get("paper") is not None for row in report.rows)
+             else []) + ([f"{left_out} group(s) without {axis_field} left out"] if left_out else [])
+    ax.set_title(_figure_title(report, f"{report.metric} against {axis_field}" + "".join(f"; {n}" for n in notes)),
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    _legend(ax, len(series))
+    fig.tight_layout()
+    return fig
+
+
 def _ylabel(metric: str) -> str:
     return metric + (" (%)" if _scale(metric) == 100 else "")
 
 
-def plot_report(report: Report, out: Path) -> list[Path]:
-    """``{metric}_vs_round.png`` (:func:`round_figure`) and, when some run is private,
-    ``{metric}_vs_epsilon.png`` (:func:`epsilon_figure`)."""
+def plot_report(report: Report, out: Path, against: Sequence[str] = ()) -> list[Path]:
+    """``{metric}_vs_round.png`` (:func:`round_figure`), when some run is private ``{metric}_vs_epsilon.png``
+    (:func:`epsilon_figure`), and ``{metric}_vs_{field}.png`` for each field of ``against`` (:func:`field_figure`)."""
     from decentdp.results.files import pyplot
 
+    figures = [("round", round_figure), ("epsilon", epsilon_figure)]
+    figures += [(name, lambda report, name=name: field_figure(report, name)) for name in against]
     written = []
-    for suffix, make in (("round", round_figure), ("epsilon", epsilon_figure)):
+    for suffix, make in figures:
         fig = make(report)
         if fig is not None:
             written.append(_save(fig, out / f"{report.metric}_vs_{suffix}.png"))
@@ -727,6 +782,9 @@ def add_parser(commands: Any) -> None:
                         help="write report.md, report.csv, report.json and the figures here")
     report.add_argument("--json", action="store_true", help="print one JSON line with a 'rows' list instead of "
                                                             "the table")
+    report.add_argument("--against", action="append", default=[], metavar="FIELD",
+                        help="with --out, also a figure of the metric against this numeric config field, e.g. "
+                             "topology.fiedler (repeatable)")
     report.add_argument("--skip-unfinished", action="store_true",
                         help="leave out runs that have not finished (still running, killed) and name them on "
                              "stderr, instead of refusing the report")
@@ -736,6 +794,10 @@ def run(args: argparse.Namespace) -> int:
     """``decentdp report``: read, check, group; print the table or JSON; write files with ``--out``."""
     runs, skipped = find_runs(args.results, skip_unfinished=args.skip_unfinished)
     report = build_report(runs, args.metric, args.ignore, args.paper)
+    for name in args.against:
+        if args.out is None:
+            raise ConfigError("--against", "draws a figure: give --out DIR as well")
+        check_against(report, name)
     if skipped:
         print(f"left out {len(skipped)} unfinished run(s): {_paths(skipped)}", file=sys.stderr)
     table = markdown(report)
@@ -747,7 +809,7 @@ def run(args: argparse.Namespace) -> int:
         write_atomic(args.out / "report.md", table)
         write_atomic(args.out / "report.csv", csv_text(report))
         write_atomic(args.out / "report.json", json.dumps(json_rows(report), indent=2) + "\n")
-        plot_report(report, args.out)
+        plot_report(report, args.out, args.against)
     if args.json:
         print(json.dumps(json_rows(report)))
     else:
