@@ -681,7 +681,7 @@ def _is_number(value: Any) -> bool:
 def field_figure(report: Report, axis_field: str) -> Any:
     """The metric against a numeric config field (``topology.fiedler``: Bayrooti et al.'s Fig. 1), mean ± std over
     seeds, one series per setting of the other label fields; groups where the field is unset (a complete graph has
-    no Fiedler target) are left out and named in the title.  With a paper file, the paper's values of the same
+    no Fiedler target) are left out and counted in the title.  With a paper file, the paper's values of the same
     groups stand beside ours as open markers of the series' colour, with their std where the paper gives one."""
     from decentdp.results.files import pyplot
 
