@@ -74,9 +74,12 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def child(graph: str, agents: int, warmup: int, rounds: int, data_dir: Path) -> dict[str, Any]:
-    """Measure one (graph, N) point in this process."""
+def child(graph: str, agents: int, warmup: int, rounds: int, data_dir: Path, smoke: bool = False) -> dict[str, Any]:
+    """Measure one (graph, N) point in this process (``smoke``: the noise calibrated by RDP alone, which is quicker;
+    a smoke run's figures are never read)."""
     raw = experiment_config("mlp", agents, BATCH, EPSILON, graph, "iid", None)
+    if smoke:
+        raw["privacy"]["accountant"] = "rdp"
     if graph == "erdos-renyi":
         raw["topology"]["p"] = min(1.0, ER_DEGREE_FACTOR * math.log(agents) / agents)
     factory = ExperimentFactory(data_dir)
@@ -154,7 +157,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child[0], int(args.child[1]), args.warmup, args.rounds, args.data_dir)))
+        print(json.dumps(child(args.child[0], int(args.child[1]), args.warmup, args.rounds, args.data_dir,
+                               args.smoke)))
         return
     machine = machine_info()
     print_machine(machine)
@@ -167,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     for graph in args.graphs:
         for agents in args.agents:
             command = [sys.executable, __file__, "--child", graph, str(agents), "--rounds", str(args.rounds),
-                       "--warmup", str(args.warmup), "--data-dir", str(args.data_dir)]
+                       "--warmup", str(args.warmup), "--data-dir", str(args.data_dir), *(["--smoke"] * args.smoke)]
             output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
             point = json.loads(output.strip().splitlines()[-1])
             points.append(point)
