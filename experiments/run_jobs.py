@@ -56,9 +56,12 @@ def read_jobs(path: Path) -> list[Job]:
 
 def run_line(name: str, config: str, seed: int, data_dir: str, out: str) -> str:
     """The job-list line of one seeded ``decentdp run`` (what the experiments' generators write): named
-    ``NAME-sSEED``, one compute thread, skipped once ``OUT/summary.json`` exists, wherever the list runs."""
+    ``NAME-sSEED``, one compute thread, skipped once ``OUT/summary.json`` exists, wherever the list runs, and
+    continued with ``--resume`` where a stopped run left its checkpoint (``decentdp run`` refuses a folder that
+    holds files otherwise)."""
     return (f"{name}-s{seed}\t[ -f {out}/summary.json ] || decentdp run {config} --set experiment.seed={seed} "
-            f"--data-dir {data_dir} --out {out} --threads 1 --no-progress")
+            f"--data-dir {data_dir} --out {out} --threads 1 --no-progress"
+            f" $([ -f {out}/checkpoint.pt ] && echo --resume)")
 
 
 def start(job: Job, log_dir: Path) -> subprocess.Popen[bytes]:

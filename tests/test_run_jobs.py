@@ -5,6 +5,8 @@ running (and its children), and a malformed list is refused with its line number
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import subprocess
 import sys
 import time
@@ -12,6 +14,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import tomli_w
 
 SCRIPT = Path(__file__).resolve().parent.parent / "experiments" / "run_jobs.py"
 
@@ -69,6 +72,34 @@ def test_the_deadline_stops_running_jobs_and_their_children(run_jobs: ModuleType
     assert _ended(int(child.read_text()))  # the job's own child is stopped too, not only its shell
     assert not (tmp_path / "logs" / "slow.done").exists()
     assert not (tmp_path / "logs" / "waiting.log").exists()  # never started
+
+
+def test_a_generated_run_line_resumes_a_stopped_run_and_skips_a_finished_one(
+        run_jobs: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The line the experiments' generators write (``run_line``) continues a run that a deadline stopped, whose
+    folder holds its checkpoint, instead of refusing the folder; the result is the uninterrupted run's."""
+    from decentdp.config import load_config
+    from decentdp.experiment.loop import run_experiment
+
+    from conftest import tiny_config
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(tomli_w.dumps(tiny_config(experiment={"rounds": 6, "eval_every": 2, "checkpoint_every": 2})))
+    quiet = {"progress": False, "log": lambda _line: None}
+    out = tmp_path / "run"
+    run_experiment(load_config(config, ["experiment.seed=1", "engine.threads=1"]), out, stop_after=2, **quiet)
+    assert (out / "checkpoint.pt").exists() and not (out / "summary.json").exists()
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{os.environ['PATH']}")  # where `decentdp` lives
+    jobs = _jobs(tmp_path, [run_jobs.run_line("tiny", str(config), 1, str(tmp_path), str(out))])
+    run_jobs.main([str(jobs), "--log-dir", str(tmp_path / "logs")])
+    assert (tmp_path / "logs" / "tiny-s1.done").exists(), (tmp_path / "logs" / "tiny-s1.log").read_text()
+    whole = run_experiment(load_config(config, ["experiment.seed=1", "engine.threads=1"]), tmp_path / "whole", **quiet)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["accuracy_mean"] == whole.summary["accuracy_mean"]
+    assert summary["epsilon_per_agent"] == whole.summary["epsilon_per_agent"]
+    (tmp_path / "logs" / "tiny-s1.done").unlink()  # forgotten by the runner: the finished folder still skips it
+    run_jobs.main([str(jobs), "--log-dir", str(tmp_path / "logs")])
+    assert json.loads((out / "summary.json").read_text()) == summary
 
 
 def test_a_stopped_runner_stops_its_jobs(tmp_path: Path) -> None:
