@@ -27,11 +27,11 @@ their clip 1 and the MNIST grid's learning rate, untuned, for every method alike
 
 Tuning (issue 32: "fair tuning for every method"): each MNIST method on each graph gets the same grid of
 learning rates (``LR_STUDIES``) at each budget of ``TUNING_EPSILONS`` (epsilon 1, where the noise limits the MLP,
-0.25, then the grid's 3 and 10), over the full 1000 rounds on a 10 % validation split of the agents' training records (never the test set), one
-seed (``tuning/*.toml``, ``decentdp sweep``).  The winners go into ``TUNED`` by hand, from the studies' ``best.md``,
-and ``mnist-tuned/`` holds the configs they make. Every run is one line of a job list for ``experiments/run_jobs.py``
-(``jobs.tsv``: the grids, three seeds; ``tuning/jobs.tsv``: the studies, then the tuned configs' three seeds),
-skipped once its results exist::
+0.25, then the grid's 3 and 10), over the full 1000 rounds on a 10 % validation split of the agents' training
+records (never the test set), one seed (``tuning/*.toml``, ``decentdp sweep``).  The winners go into ``TUNED`` by
+hand, from the studies' ``best.md``, and ``mnist-tuned/`` holds the configs they make. Every run is one line of a
+job list for ``experiments/run_jobs.py`` (``jobs.tsv``: the grids, three seeds; ``tuning/jobs.tsv``: the studies, then
+the tuned configs' three seeds), skipped once its results exist::
 
     python experiments/correlated/generate.py
     A9A_DIR=/path/to/libsvm_data python experiments/run_jobs.py experiments/correlated/jobs.tsv --workers 2
@@ -128,8 +128,10 @@ STUDY_BASE_EPSILON = 1.0
 #: noise allows longer steps), MAFALDA-SGD's shifted down as at epsilon 1 (its winner there: 0.0625); a winner at an
 #: end of its grid gets the next value in a study of its own, as before.
 #: Studies above a factor-2 grid whose best lay at its top, by (method, budget): DECOR's at epsilon 3 (1.0, on both
-#: graphs; less of its noise reaches the average, so it takes longer steps, as at epsilon 0.25 and 1).
-HIGHER: dict[tuple[str, float], dict[str, tuple[float, ...]]] = {("decor", 3.0): {"-high": (2.0, 4.0)}}
+#: graphs; less of its noise reaches the average, so it takes longer steps, as at epsilon 0.25 and 1), and central
+#: DP-SGD's at epsilon 3 (2.0).
+HIGHER: dict[tuple[str, float], dict[str, tuple[float, ...]]] = {("decor", 3.0): {"-high": (2.0, 4.0)},
+                                                                  ("central-dpsgd", 3.0): {"-high": (4.0, 8.0)}}
 LR_STUDIES: dict[float, dict[str, dict[str, tuple[float, ...]]]] = {
     1.0: {"central-dpsgd": {"": (0.5, 1.0, 2.0, 4.0)},
           **{method: {"": (0.25, 0.5, 1.0, 2.0), "-low": (0.0625, 0.125),
@@ -139,7 +141,8 @@ LR_STUDIES: dict[float, dict[str, dict[str, tuple[float, ...]]]] = {
            **{method: {"": (0.0625, 0.125, 0.25, 0.5), "-low": (0.015625, 0.03125),
                        **({"-fine": (0.0442, 0.0884, 0.177)} if method not in ("zip-dl", "mafalda-sgd") else {})}
               for method in ("dp-dsgd", "muffliato", "decor", "zip-dl", "mafalda-sgd")}},
-    **{budget: {"central-dpsgd": {"": (0.5, 1.0, 2.0)}, "mafalda-sgd": {"": (0.0625, 0.125, 0.25, 0.5)},
+    **{budget: {"central-dpsgd": {"": (0.5, 1.0, 2.0), **HIGHER.get(("central-dpsgd", budget), {})},
+                "mafalda-sgd": {"": (0.0625, 0.125, 0.25, 0.5)},
                 **{method: {"": (0.25, 0.5, 1.0), **HIGHER.get((method, budget), {})}
                    for method in ("dp-dsgd", "muffliato", "decor", "zip-dl")}}
        for budget in (3.0, 10.0)},
@@ -159,6 +162,11 @@ TUNED: dict[tuple[str, str, float], float] = {
     ("central-dpsgd", "ring", 0.25): 0.25,
     ("mafalda-sgd", "ring", 1.0): 0.0625, ("mafalda-sgd", "er", 1.0): 0.0625,
     ("mafalda-sgd", "ring", 0.25): 0.03125, ("mafalda-sgd", "er", 0.25): 0.03125,
+    ("dp-dsgd", "ring", 3.0): 0.5, ("dp-dsgd", "er", 3.0): 0.5,
+    ("muffliato", "ring", 3.0): 0.5, ("muffliato", "er", 3.0): 0.5,
+    ("decor", "ring", 3.0): 1.0, ("decor", "er", 3.0): 2.0,
+    ("zip-dl", "ring", 3.0): 0.5, ("zip-dl", "er", 3.0): 0.5,
+    ("mafalda-sgd", "ring", 3.0): 0.25, ("mafalda-sgd", "er", 3.0): 0.25,
 }
 #: Tuned configs run again with one setting changed, to measure what a piece is worth, by (method, budget): the name's
 #: suffix and the algorithm settings.  MAFALDA-SGD with C diagonal (independent noise at the same cyclic batches and
@@ -195,12 +203,13 @@ EXTRA_SEEDS: dict[float, tuple[str, tuple[int, ...]]] = {0.25: ("er", (3, 4))}
 
 def write_tuning() -> list[str]:
     """The learning-rate studies and the tuned configs; returns their job lines (each budget's studies, then its
-    tuned runs, the budgets in ``TUNING_EPSILONS``' order)."""
+    tuned runs seed by seed, every cell's seed 0 first, the budgets in ``TUNING_EPSILONS``' order)."""
     folder, tuned_folder = HERE / "tuning", HERE / "mnist-tuned"
     folder.mkdir(exist_ok=True)
     lines = []
     for budget in TUNING_EPSILONS:
-        studies, runs = [], []
+        studies: list[str] = []
+        runs: list[tuple[int, str]] = []
         for method, graph, epsilon, base in cells("mnist"):
             if epsilon != STUDY_BASE_EPSILON:
                 continue
@@ -222,8 +231,9 @@ def write_tuning() -> list[str]:
                 (tuned_folder / f"{name}.toml").write_text(HEADER + tomli_w.dumps(tuned))
                 extra_graph, extra = EXTRA_SEEDS.get(budget, ("", ()))
                 seeds = SEEDS + (extra if extra_graph == graph or method == "central-dpsgd" else ())
-                runs += [run_line(f"{name}-tuned", f"experiments/correlated/mnist-tuned/{name}.toml", seed,
-                                  "${DATA_DIR:-../shared/data}", f"experiments/correlated/results/{name}-tuned-s{seed}")
+                runs += [(seed, run_line(f"{name}-tuned", f"experiments/correlated/mnist-tuned/{name}.toml", seed,
+                                         "${DATA_DIR:-../shared/data}",
+                                         f"experiments/correlated/results/{name}-tuned-s{seed}"))
                          for seed in seeds]
                 if (method, budget) in VARIANTS:
                     suffix, settings = VARIANTS[method, budget]
@@ -231,10 +241,11 @@ def write_tuning() -> list[str]:
                     tuned["experiment"]["name"] = f"{variant}-tuned"
                     tuned["algorithm"].update(settings)
                     (tuned_folder / f"{variant}.toml").write_text(HEADER + tomli_w.dumps(tuned))
-                    runs += [run_line(f"{variant}-tuned", f"experiments/correlated/mnist-tuned/{variant}.toml", seed,
-                                      "${DATA_DIR:-../shared/data}",
-                                      f"experiments/correlated/results/{variant}-tuned-s{seed}") for seed in SEEDS]
-        lines += studies + runs
+                    runs += [(seed, run_line(f"{variant}-tuned", f"experiments/correlated/mnist-tuned/{variant}.toml",
+                                             seed, "${DATA_DIR:-../shared/data}",
+                                             f"experiments/correlated/results/{variant}-tuned-s{seed}"))
+                             for seed in SEEDS]
+        lines += studies + [line for _, line in sorted(runs, key=lambda run: run[0])]
     return lines
 
 
