@@ -167,6 +167,7 @@ TUNED: dict[tuple[str, str, float], float] = {
     ("decor", "ring", 3.0): 1.0, ("decor", "er", 3.0): 2.0,
     ("zip-dl", "ring", 3.0): 0.5, ("zip-dl", "er", 3.0): 0.5,
     ("mafalda-sgd", "ring", 3.0): 0.25, ("mafalda-sgd", "er", 3.0): 0.25,
+    ("central-dpsgd", "ring", 3.0): 4.0,
 }
 #: Tuned configs run again with one setting changed, to measure what a piece is worth, by (method, budget): the name's
 #: suffix and the algorithm settings.  MAFALDA-SGD with C diagonal (independent noise at the same cyclic batches and
