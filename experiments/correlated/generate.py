@@ -31,7 +31,8 @@ learning rates (``LR_STUDIES``) at each budget of ``TUNING_EPSILONS`` (epsilon 1
 records (never the test set), one seed (``tuning/*.toml``, ``decentdp sweep``).  The winners go into ``TUNED`` by
 hand, from the studies' ``best.md``, and ``mnist-tuned/`` holds the configs they make. Every run is one line of a
 job list for ``experiments/run_jobs.py`` (``jobs.tsv``: the grids, three seeds; ``tuning/jobs.tsv``: the studies, then
-the tuned configs' three seeds), skipped once its results exist::
+the tuned configs' three seeds, except where a winner is the grid's own rate at a grid budget: the grid's runs of
+that cell, ``results/<cell>-s<seed>``, are then its tuned runs), skipped once its results exist::
 
     python experiments/correlated/generate.py
     A9A_DIR=/path/to/libsvm_data python experiments/run_jobs.py experiments/correlated/jobs.tsv --workers 2
@@ -232,6 +233,8 @@ def write_tuning() -> list[str]:
                 (tuned_folder / f"{name}.toml").write_text(HEADER + tomli_w.dumps(tuned))
                 extra_graph, extra = EXTRA_SEEDS.get(budget, ("", ()))
                 seeds = SEEDS + (extra if extra_graph == graph or method == "central-dpsgd" else ())
+                if budget in EPSILONS and TUNED[method, graph, budget] == METHODS[method]["lr"]:
+                    seeds = ()  # the grid's config but for its name: the grid's runs are this cell's tuned runs
                 runs += [(seed, run_line(f"{name}-tuned", f"experiments/correlated/mnist-tuned/{name}.toml", seed,
                                          "${DATA_DIR:-../shared/data}",
                                          f"experiments/correlated/results/{name}-tuned-s{seed}"))
