@@ -130,9 +130,10 @@ STUDY_BASE_EPSILON = 1.0
 #: end of its grid gets the next value in a study of its own, as before.
 #: Studies above a factor-2 grid whose best lay at its top, by (method, budget): DECOR's at epsilon 3 (1.0, on both
 #: graphs; less of its noise reaches the average, so it takes longer steps, as at epsilon 0.25 and 1), and central
-#: DP-SGD's at epsilon 3 (2.0).
+#: DP-SGD's at epsilon 3 (2.0); DP-DSGD's at epsilon 10 (1.0, on both graphs).
 HIGHER: dict[tuple[str, float], dict[str, tuple[float, ...]]] = {("decor", 3.0): {"-high": (2.0, 4.0)},
-                                                                  ("central-dpsgd", 3.0): {"-high": (4.0, 8.0)}}
+                                                                  ("central-dpsgd", 3.0): {"-high": (4.0, 8.0)},
+                                                                  ("dp-dsgd", 10.0): {"-high": (2.0, 4.0)}}
 LR_STUDIES: dict[float, dict[str, dict[str, tuple[float, ...]]]] = {
     1.0: {"central-dpsgd": {"": (0.5, 1.0, 2.0, 4.0)},
           **{method: {"": (0.25, 0.5, 1.0, 2.0), "-low": (0.0625, 0.125),
