@@ -49,7 +49,6 @@ NOT_TRACED = {
             "are checked in test_dpdl.py",
     "dp-cga": "the quadratic-program projection is not linear",
     "li18": "Laplace noise: not a linear-Gaussian view",
-    "li18-ma": "Laplace noise: not a linear-Gaussian view",
     "central-dpsgd": "one pooled agent: there is no other agent to observe it",
     "no-noise": "non-private: every reported epsilon is infinite",
 }
