@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from decentdp.privacy import accounting
 from decentdp.privacy import ledger as ledger_module
 from decentdp.privacy.accounting import calibrate_noise_multiplier, epsilon_of_history
 from decentdp.privacy.events import gaussian_event, laplace_event
@@ -404,3 +405,20 @@ def test_tight_headroom_takes_a_few_compositions(monkeypatch: pytest.MonkeyPatch
     assert exact and len(counted) <= 6
     assert epsilon_of_history(((event, room),), 1e-5, "tight", "add-remove") <= 4.0
     assert epsilon_of_history(((event, room + 1),), 1e-5, "tight", "add-remove") > 4.0
+
+
+def test_alternating_runs_are_priced_as_their_composition_in_any_order() -> None:
+    """TOP-DP's joint releases alternate between a few events round by round. The history is priced with its runs
+    merged (one distribution per distinct event): the same epsilon as dp_accounting composing every run in order, by
+    PLD at the same discretisation and by RDP, and one value (one cache entry) for any order of the same runs."""
+    events = [gaussian_event(sigma, 0.02) for sigma in (1.1, 1.6, 2.3)]
+    pattern = [0, 1, 0, 2, 1, 0, 2, 1]
+    history = tuple((events[e], count) for e, count in zip(pattern, [3, 5, 1, 4, 2, 7, 6, 1], strict=True))
+    assert len(accounting.merged_history(history)) == 3
+    composed = dp_accounting.ComposedDpEvent([dp_accounting.SelfComposedDpEvent(e, c) for e, c in history])
+    interval = accounting._pld_interval(history, 1e-5, "add-remove")
+    pld = accounting.make_accountant("pld", "add-remove", interval).compose(composed).get_epsilon(1e-5)
+    rdp = dp_accounting.rdp.RdpAccountant(list(accounting.RDP_ORDERS)).compose(composed).get_epsilon(1e-5)
+    assert epsilon_of_history(history, 1e-5, "pld") == pytest.approx(pld, rel=1e-9)
+    assert epsilon_of_history(history, 1e-5, "rdp") == pytest.approx(rdp, rel=1e-9)
+    assert epsilon_of_history(history[::-1], 1e-5, "tight") == epsilon_of_history(history, 1e-5, "tight")

@@ -200,13 +200,31 @@ def rdp_total(history: History) -> np.ndarray | int:
     return sum(count * rdp_curve(event) for event, count in history if count > 0)
 
 
-@lru_cache(maxsize=4096)
+def merged_history(history: History) -> History:
+    """One entry per distinct event, its counts summed, in a fixed order (by the event's ``repr``).
+
+    Composition does not depend on the order of the releases (RDP curves add; PLDs convolve), so this is the
+    same guarantee, but a history whose events alternate (TOP-DP's joint releases change with each round's
+    covers: hundreds of short runs of a handful of events) is priced with one PLD per distinct event instead of
+    one per run, and agents whose runs differ only in order share one cache entry."""
+    counts: dict[dp_accounting.DpEvent, int] = {}
+    for event, count in history:
+        if count > 0:
+            counts[event] = counts.get(event, 0) + count
+    return tuple(sorted(counts.items(), key=lambda run: repr(run[0])))
+
+
 def epsilon_of_history(history: History, delta: float, accountant: str = "tight",
                        relation: str = DEFAULT_RELATION) -> float:
-    """Epsilon spent at ``delta`` by a history of releases under ``relation``; cached because agents
-    share histories.  ``tight`` is the smaller of PLD and RDP, skipping one that cannot price the
-    history (RDP under replace-one with sampling; PLD below :data:`PLD_MIN_NOISE_MULTIPLIER`)."""
-    history = tuple((event, count) for event, count in history if count > 0)
+    """Epsilon spent at ``delta`` by a history of releases under ``relation``.  ``tight`` is the smaller of
+    PLD and RDP, skipping one that cannot price the history (RDP under replace-one with sampling; PLD below
+    :data:`PLD_MIN_NOISE_MULTIPLIER`).  The history's runs are merged first (:func:`merged_history`)."""
+    return _epsilon_of_merged(merged_history(history), delta, accountant, relation)
+
+
+@lru_cache(maxsize=4096)
+def _epsilon_of_merged(history: History, delta: float, accountant: str, relation: str) -> float:
+    """:func:`epsilon_of_history` of a merged history; cached because agents share histories."""
     if not history:
         return 0.0
     if any(isinstance(event, dp_accounting.NonPrivateDpEvent) for event, _ in history):
@@ -215,7 +233,7 @@ def epsilon_of_history(history: History, delta: float, accountant: str = "tight"
         values, errors = [], []
         for name in ("pld", "rdp"):
             try:
-                values.append(epsilon_of_history(history, delta, name, relation))
+                values.append(_epsilon_of_merged(history, delta, name, relation))
             except PrivacyError as error:
                 errors.append(str(error))
         if not values:

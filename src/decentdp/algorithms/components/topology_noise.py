@@ -47,7 +47,7 @@ from pydantic import Field
 from decentdp.algorithms.base import Calibrated, Network, NoisePlan
 from decentdp.algorithms.components.select_mix import SelectMixSettings
 from decentdp.errors import ConfigError
-from decentdp.privacy.accounting import calibrate_scale
+from decentdp.privacy.accounting import calibrate_scale, narrow_bracket
 from decentdp.privacy.baselines.paper import theorem1_epsilon, theorem1_noise_multiplier
 from decentdp.privacy.discrete import grid_gaussian_release
 from decentdp.privacy.events import gaussian_event
@@ -204,14 +204,14 @@ def _replayed_calibration(plan: NoisePlan, alpha: float, gamma: float, period: i
         keys, counts = np.unique(np.stack([epochs, _rounded_up(history)]), axis=1, return_counts=True)
         coefficients = np.concatenate([np.ones(int(setup_releases > 0)), gamma ** keys[0] / np.sqrt(keys[1])])
         weights = np.concatenate([[setup_releases] if setup_releases else [], counts]).astype(np.float64)
+
+        def excess(scale: float) -> float:  # log(spent / budget): decreasing in scale, nearly linear near the root
+            return math.log(max(_history_epsilon(scale, coefficients, weights, rate, plan.delta), 1e-300) / epsilon)
+
         low, high = 1e-3, 1.0
-        while _history_epsilon(high, coefficients, weights, rate, plan.delta) > epsilon:
+        while excess(high) > 0:
             low, high = high, high * 2
-        for _ in range(60):
-            middle = (low + high) / 2
-            low, high = (middle, high) if _history_epsilon(middle, coefficients, weights, rate, plan.delta) > epsilon \
-                else (low, middle)
-        return high
+        return narrow_bracket(excess, low, high, REPLAY_TOLERANCE)
 
     def need(sigmas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         factors = replayed_factors(plan, alpha, sigmas, gamma, period)
@@ -230,6 +230,8 @@ def _replayed_calibration(plan: NoisePlan, alpha: float, gamma: float, period: i
     return None
 
 
+#: Relative width to which the replay's sigma_0 is found (its safe end is kept, then raised by 1e-7).
+REPLAY_TOLERANCE = 1e-12
 #: Integer RDP orders of :func:`_history_epsilon` (a subset of orders only makes the converted epsilon larger).
 INTEGER_ORDERS = np.arange(2, 129)
 _LOG_BINOMIAL = np.array([[math.lgamma(a + 1) - math.lgamma(k + 1) - math.lgamma(a - k + 1) if k <= a else -np.inf
