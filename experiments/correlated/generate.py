@@ -130,10 +130,12 @@ STUDY_BASE_EPSILON = 1.0
 #: end of its grid gets the next value in a study of its own, as before.
 #: Studies above a factor-2 grid whose best lay at its top, by (method, budget): DECOR's at epsilon 3 (1.0, on both
 #: graphs; less of its noise reaches the average, so it takes longer steps, as at epsilon 0.25 and 1), and central
-#: DP-SGD's at epsilon 3 (2.0); DP-DSGD's at epsilon 10 (1.0, on both graphs).
+#: DP-SGD's at epsilon 3 (2.0); DP-DSGD's, Muffliato's and DECOR's at epsilon 10 (1.0, on both graphs; DP-DSGD's
+#: study above found 1.0 again).
 HIGHER: dict[tuple[str, float], dict[str, tuple[float, ...]]] = {("decor", 3.0): {"-high": (2.0, 4.0)},
                                                                   ("central-dpsgd", 3.0): {"-high": (4.0, 8.0)},
-                                                                  ("dp-dsgd", 10.0): {"-high": (2.0, 4.0)}}
+                                                                  **{(method, 10.0): {"-high": (2.0, 4.0)}
+                                                                     for method in ("dp-dsgd", "muffliato", "decor")}}
 LR_STUDIES: dict[float, dict[str, dict[str, tuple[float, ...]]]] = {
     1.0: {"central-dpsgd": {"": (0.5, 1.0, 2.0, 4.0)},
           **{method: {"": (0.25, 0.5, 1.0, 2.0), "-low": (0.0625, 0.125),
@@ -170,6 +172,7 @@ TUNED: dict[tuple[str, str, float], float] = {
     ("zip-dl", "ring", 3.0): 0.5, ("zip-dl", "er", 3.0): 0.5,
     ("mafalda-sgd", "ring", 3.0): 0.25, ("mafalda-sgd", "er", 3.0): 0.25,
     ("central-dpsgd", "ring", 3.0): 4.0,
+    ("dp-dsgd", "ring", 10.0): 1.0, ("dp-dsgd", "er", 10.0): 1.0,
 }
 #: Tuned configs run again with one setting changed, to measure what a piece is worth, by (method, budget): the name's
 #: suffix and the algorithm settings.  MAFALDA-SGD with C diagonal (independent noise at the same cyclic batches and
