@@ -14,7 +14,8 @@ runs them as the simulator does, and times:
 * pricing every agent's ledger (``tight``: the smaller of PLD and RDP), caches cleared, two ways:
   *per run*, one PLD per run of the ledger, as dp_accounting composes the runs in order (what the ledger
   did before its histories were merged), and *merged*, one PLD per distinct event
-  (``accounting.merged_history``, what it does now).  Both give the same epsilons (checked to 1e-9).
+  (``accounting.merged_history``, what it does now).  Both are PLD upper bounds of the same composition;
+  they differ only in how often the distributions are discretised and truncated (printed).
 
 Run from the repository root (MNIST from ``../shared/data``, synthetic data of its size if missing)::
 
@@ -86,7 +87,7 @@ def main() -> None:
     per_run, per_run_seconds = timed(lambda: price_per_run(ledger))
     accounting._epsilon_of_merged.cache_clear()
     merged, merged_seconds = timed(lambda: ledger.epsilon("tight"))
-    assert np.allclose(per_run, merged, rtol=1e-9, atol=0), "the two ways of pricing disagree"
+    difference = (merged - per_run) / per_run  # both are PLD upper bounds; they differ by discretisation only
     figures = {
         "rounds": args.rounds, "synthetic_data": factory.synthetic,
         "build_seconds": {"top-dp": top_dp_build, "optimal": optimal_build},
@@ -97,6 +98,7 @@ def main() -> None:
         "pricing_seconds": {"per_run": per_run_seconds, "merged": merged_seconds},
         "per_run_over_merged": per_run_seconds / merged_seconds,
         "epsilon_max": float(merged.max()),
+        "merged_minus_per_run_relative": {"min": float(difference.min()), "max": float(difference.max())},
         "machine": machine,
     }
     print(f"TOP-DP, {args.rounds} rounds (N = 30, alpha = 0.25, epsilon 1): build {top_dp_build:.1f} s (Optimal's "
@@ -105,7 +107,8 @@ def main() -> None:
     print(f"ledger: {figures['ledger_runs_per_agent']['median']:.0f} runs of "
           f"{figures['ledger_events_per_agent']['median']:.0f} distinct events per agent (median); pricing every "
           f"agent: per run {per_run_seconds:.1f} s, merged {merged_seconds:.1f} s "
-          f"({figures['per_run_over_merged']:.1f}x), epsilon max {merged.max():.4f} both ways")
+          f"({figures['per_run_over_merged']:.1f}x); epsilon max {merged.max():.6f} merged, {per_run.max():.6f} per run "
+          f"(merged / per run - 1 from {difference.min():.1e} to {difference.max():.1e})")
     if args.json:
         print(json.dumps(figures, indent=2))
 
