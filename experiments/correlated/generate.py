@@ -130,12 +130,13 @@ STUDY_BASE_EPSILON = 1.0
 #: end of its grid gets the next value in a study of its own, as before.
 #: Studies above a factor-2 grid whose best lay at its top, by (method, budget): DECOR's at epsilon 3 (1.0, on both
 #: graphs; less of its noise reaches the average, so it takes longer steps, as at epsilon 0.25 and 1), and central
-#: DP-SGD's at epsilon 3 (2.0); DP-DSGD's, Muffliato's and DECOR's at epsilon 10 (1.0, on both graphs; DP-DSGD's
-#: study above found 1.0 again).
+#: DP-SGD's at epsilon 3 (2.0); DP-DSGD's, Muffliato's, DECOR's and Zip-DL's at epsilon 10 (1.0, on both graphs;
+#: DP-DSGD's study above found 1.0 again).
 HIGHER: dict[tuple[str, float], dict[str, tuple[float, ...]]] = {("decor", 3.0): {"-high": (2.0, 4.0)},
                                                                   ("central-dpsgd", 3.0): {"-high": (4.0, 8.0)},
                                                                   **{(method, 10.0): {"-high": (2.0, 4.0)}
-                                                                     for method in ("dp-dsgd", "muffliato", "decor")}}
+                                                                     for method in ("dp-dsgd", "muffliato", "decor",
+                                                                                    "zip-dl")}}
 LR_STUDIES: dict[float, dict[str, dict[str, tuple[float, ...]]]] = {
     1.0: {"central-dpsgd": {"": (0.5, 1.0, 2.0, 4.0)},
           **{method: {"": (0.25, 0.5, 1.0, 2.0), "-low": (0.0625, 0.125),
