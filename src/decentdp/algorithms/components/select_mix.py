@@ -103,9 +103,10 @@ class SelectMix(Algorithm):
         if plan is not None and plan.partner is not None:      # Alg. 2: the partner's estimate, exchanged
             other = net.swap(x, plan.partner)
             return other, plan.active & (plan.partner != net.agent_ids)
-        received = net.broadcast(x)                             # Alg. 1: every estimate to every neighbour
+        senders = once_per_graph(net, "out-edge senders", lambda: net.rows(net.out_edges[:, 0]))
+        received, index = net.exchange_rows(x, senders)         # Alg. 1: every estimate to every neighbour
         chosen = self.in_edges(net).choose(ctx.public_generator())  # line 18: j* uniformly among N_i
-        other = received.index_select(0, chosen)
+        other = received.index_select(0, index.index_select(0, chosen))
         if plan is None:
             return other, torch.ones(net.n_agents, dtype=torch.bool, device=x.device)
         sender_online = plan.active[net.rows(net.in_edges[chosen, 0])]  # an offline neighbour sends nothing
