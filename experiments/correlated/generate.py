@@ -131,12 +131,14 @@ STUDY_BASE_EPSILON = 1.0
 #: Studies above a factor-2 grid whose best lay at its top, by (method, budget): DECOR's at epsilon 3 (1.0, on both
 #: graphs; less of its noise reaches the average, so it takes longer steps, as at epsilon 0.25 and 1), and central
 #: DP-SGD's at epsilon 3 (2.0); DP-DSGD's, Muffliato's, DECOR's and Zip-DL's at epsilon 10 (1.0, on both graphs;
-#: DP-DSGD's study above found 1.0 again).
+#: DP-DSGD's and Muffliato's studies above found 1.0 again), MAFALDA-SGD's (0.5) and central DP-SGD's (2.0).
 HIGHER: dict[tuple[str, float], dict[str, tuple[float, ...]]] = {("decor", 3.0): {"-high": (2.0, 4.0)},
                                                                   ("central-dpsgd", 3.0): {"-high": (4.0, 8.0)},
                                                                   **{(method, 10.0): {"-high": (2.0, 4.0)}
                                                                      for method in ("dp-dsgd", "muffliato", "decor",
-                                                                                    "zip-dl")}}
+                                                                                    "zip-dl")},
+                                                                  ("mafalda-sgd", 10.0): {"-high": (1.0, 2.0)},
+                                                                  ("central-dpsgd", 10.0): {"-high": (4.0, 8.0)}}
 LR_STUDIES: dict[float, dict[str, dict[str, tuple[float, ...]]]] = {
     1.0: {"central-dpsgd": {"": (0.5, 1.0, 2.0, 4.0)},
           **{method: {"": (0.25, 0.5, 1.0, 2.0), "-low": (0.0625, 0.125),
@@ -147,7 +149,7 @@ LR_STUDIES: dict[float, dict[str, dict[str, tuple[float, ...]]]] = {
                        **({"-fine": (0.0442, 0.0884, 0.177)} if method not in ("zip-dl", "mafalda-sgd") else {})}
               for method in ("dp-dsgd", "muffliato", "decor", "zip-dl", "mafalda-sgd")}},
     **{budget: {"central-dpsgd": {"": (0.5, 1.0, 2.0), **HIGHER.get(("central-dpsgd", budget), {})},
-                "mafalda-sgd": {"": (0.0625, 0.125, 0.25, 0.5)},
+                "mafalda-sgd": {"": (0.0625, 0.125, 0.25, 0.5), **HIGHER.get(("mafalda-sgd", budget), {})},
                 **{method: {"": (0.25, 0.5, 1.0), **HIGHER.get((method, budget), {})}
                    for method in ("dp-dsgd", "muffliato", "decor", "zip-dl")}}
        for budget in (3.0, 10.0)},
@@ -174,6 +176,7 @@ TUNED: dict[tuple[str, str, float], float] = {
     ("mafalda-sgd", "ring", 3.0): 0.25, ("mafalda-sgd", "er", 3.0): 0.25,
     ("central-dpsgd", "ring", 3.0): 4.0,
     ("dp-dsgd", "ring", 10.0): 1.0, ("dp-dsgd", "er", 10.0): 1.0,
+    ("muffliato", "ring", 10.0): 1.0,
 }
 #: Tuned configs run again with one setting changed, to measure what a piece is worth, by (method, budget): the name's
 #: suffix and the algorithm settings.  MAFALDA-SGD with C diagonal (independent noise at the same cyclic batches and
