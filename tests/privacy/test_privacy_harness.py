@@ -35,7 +35,7 @@ from decentdp.config import validate_config
 from decentdp.experiment.build import build_experiment
 from decentdp.experiment.loop import run_facts
 from decentdp.privacy import oracle as oracle_module
-from decentdp.privacy.accounting import gaussian_dp_epsilon
+from decentdp.privacy.accounting import gaussian_dp_epsilon, merged_history
 from decentdp.privacy.observer_filter import recursive_mu
 from decentdp.privacy.oracle import DataOracle
 from decentdp.runtime.network import GraphSequence, SimulatedNetwork
@@ -314,6 +314,25 @@ def test_top_dp_per_receiver_view_is_below_a_single_receivers_exact_loss() -> No
         assert local[sender] >= exact - 1e-6
         gaps.append(exact - per_receiver[sender, v])
     assert max(gaps) > 0.05
+
+
+def test_top_dp_alternating_joint_releases_are_priced_above_every_observers_exact_loss() -> None:
+    """TOP-DP's joint release changes with each round's covers, so an agent's history alternates between events
+    (A, B, A, ...), and the ledger prices it with its runs merged (``merged_history``). On a graph where covers
+    vary, for agents whose histories do alternate, the merged epsilon is still at least the exact loss of every
+    single observer and of all other agents together."""
+    n, rounds = 6, 8
+    experiment, sources, log = traced_run("top-dp", n, 0.6, 0, rounds)
+    ledger = experiment.ledger
+    alternating = [a for a in range(n) if len(ledger.history(a)) > len(merged_history(ledger.history(a)))]
+    assert alternating, "this graph and seed no longer give an alternating history: pick another"
+    reported = ledger.reported_epsilon()[0]
+    for sender in alternating:
+        others = [v for v in range(n) if v != sender]
+        checks = [(others, exact_epsilon(sources, log, others, sender))]
+        checks += [([v], exact_epsilon(sources, log, [v], sender)) for v in others]
+        for observer, exact in checks:
+            assert reported[sender] >= exact - 1e-6, (sender, observer, reported[sender], exact)
 
 
 @pytest.mark.parametrize("name", ["muffliato", "zip-dl"])
