@@ -102,6 +102,10 @@ class EngineRunner:
             self.state = self.experiment.algorithm.round(self.state, ctx)
         self.round_index += 1
 
+    def evaluate(self) -> None:
+        """One evaluation of the agents' current models on the test set, as the run loop makes it."""
+        self.experiment.evaluator(self.state["params"]).summary()
+
 
 class OpacusLoopRunner:
     """The reference approach: one ``GradSampleModule`` per agent and Python loops over agents.

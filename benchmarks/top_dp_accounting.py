@@ -107,7 +107,8 @@ def main() -> None:
     print(f"ledger: {figures['ledger_runs_per_agent']['median']:.0f} runs of "
           f"{figures['ledger_events_per_agent']['median']:.0f} distinct events per agent (median); pricing every "
           f"agent: per run {per_run_seconds:.1f} s, merged {merged_seconds:.1f} s "
-          f"({figures['per_run_over_merged']:.1f}x); epsilon max {merged.max():.6f} merged, {per_run.max():.6f} per run "
+          f"({figures['per_run_over_merged']:.1f}x); epsilon max {merged.max():.6f} merged, "
+          f"{per_run.max():.6f} per run "
           f"(merged / per run - 1 from {difference.min():.1e} to {difference.max():.1e})")
     if args.json:
         print(json.dumps(figures, indent=2))

@@ -13,20 +13,22 @@ which is the book-keeping form of ghost clipping (Bu et al. 2023): the ``(N, B, 
 gradients of the ``torch.func`` path are never built, except for small layers where building them
 is the cheaper way to the norm (then they also give the weighted sum).
 
-Models with a module outside this vocabulary keep the ``torch.func`` path of :class:`FlatModel`;
-:func:`gradient_model` logs the reason.
+Per-sample modules with a faster CPU kernel (Mish, max-pooling; :mod:`decentdp.gradients.cpu_kernels`) run
+through it on CPU tensors.  Models with a module outside this vocabulary keep the ``torch.func`` path of
+:class:`FlatModel`; :func:`gradient_model` logs the reason.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from decentdp.gradients.clipping import clip_factors
+from decentdp.gradients.cpu_kernels import cpu_kernel
 from decentdp.gradients.flat_model import FlatModel, LossFn, check_copies, saved_bytes_per_sample
 from decentdp.gradients.layers import PER_SAMPLE_MODULES, ParamLayer, Recorded, Unsupported, stacked_layer
 from decentdp.models import Residual
@@ -63,7 +65,10 @@ class _Params:
 
 @dataclass(frozen=True)
 class _PerSample:
+    """A module that acts on each sample alone, and how to apply it (its faster CPU kernel, if it has one)."""
+
     module: nn.Module
+    apply: Callable[[Tensor], Tensor]
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,7 @@ def _compile(module: nn.Module, prefix: str, slots: dict[str, _Slot]) -> _Node:
     if not own and not list(module.children()):
         if isinstance(module, PER_SAMPLE_MODULES) or (
                 isinstance(module, nn.GroupNorm | nn.LayerNorm) and not list(module.parameters())):
-            return _PerSample(module)
+            return _PerSample(module, cpu_kernel(module) or module)
         raise Unsupported(f"{where.rstrip('.')} ({type(module).__name__}) is not known to act on each sample alone")
     if list(module.children()):
         raise Unsupported(f"{where.rstrip('.')} ({type(module).__name__}) is a container without a stacked rule")
@@ -158,8 +163,8 @@ class StackedModel(FlatModel):
             return x + body, shared and body_shared  # a shared x broadcasts over the agent dimension
         if isinstance(node, _PerSample):
             if shared:
-                return node.module(x), True
-            return _per_sample_apply(node.module, x), False
+                return node.apply(x), True
+            return _per_sample_apply(node.apply, x), False
         n_agents = params.shape[0]
         layer_params = [params[:, s.offset:s.offset + s.numel].view(n_agents, *s.shape) for s in node.slots]
         saved, out = node.layer.forward(layer_params, x, shared)
@@ -307,7 +312,7 @@ def agent_groups(mask: Tensor, bytes_per_sample: int, budget: int) -> list[tuple
     return groups
 
 
-def _per_sample_apply(module: nn.Module, x: Tensor) -> Tensor:
+def _per_sample_apply(module: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     """``module`` on activations ``(N, B, ...)`` with agents and samples merged into one batch dimension.
 
     Any order of the merged samples will do, since the module treats them independently; so the
