@@ -1,6 +1,6 @@
-"""The CPU kernels for Mish and max-pooling agree with ATen's: Mish to a few units in the last place (forward and
-backward), max-pooling bit for bit (values and the gradient's routing, ties and NaN windows included), in any
-chunking; modules they do not cover keep their own forward."""
+"""The CPU kernels for Mish and pooling agree with ATen's: Mish to a few units in the last place (forward and
+backward), max- and average pooling bit for bit (ties, NaN windows and uncovered edges included), in any chunking;
+modules they do not cover keep their own forward."""
 
 from __future__ import annotations
 
@@ -118,6 +118,24 @@ def test_max_pool_equals_atens_bit_for_bit_and_leaves_gradients_to_aten(kernel: 
         assert torch.equal(ours_in.grad, atens_in.grad)  # ties go to the window's first maximum, as in ATen
 
 
+@pytest.mark.parametrize("kernel", [2, 3, (2, 3)])
+def test_average_pooling_equals_atens_bit_for_bit_forward_and_backward(kernel: int | tuple[int, int],
+                                                                       chunk: int) -> None:
+    """ATen adds a window's values in row-major order in the input's dtype, then divides: so do the kernels; the
+    backward pass spreads the output gradient over each window (zero on rows and columns no window covers)."""
+    module = nn.AvgPool2d(kernel)
+    fast = cpu_kernel(module)
+    assert fast is not None
+    for x in _pool_inputs():
+        ours_in, atens_in = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ours, atens = fast(ours_in), module(atens_in)
+        assert torch.equal(ours, atens)
+        upstream = torch.randn(atens.shape, dtype=x.dtype, generator=torch.Generator().manual_seed(2))
+        ours.backward(upstream)
+        atens.backward(upstream)
+        assert torch.equal(ours_in.grad, atens_in.grad)
+
+
 def test_max_pool_propagates_nan_as_aten_does(chunk: int) -> None:
     x = torch.randn(2, 2, 6, 6)
     x[0, 1, 2, 3] = x[1, 0, 0, 0] = x[1, 0, 1, 1] = math.nan
@@ -130,7 +148,8 @@ def test_max_pool_propagates_nan_as_aten_does(chunk: int) -> None:
 
 @pytest.mark.parametrize("module", [
     nn.MaxPool2d(2, stride=1), nn.MaxPool2d(2, padding=1), nn.MaxPool2d(2, dilation=2), nn.MaxPool2d(2, ceil_mode=True),
-    nn.MaxPool2d(2, return_indices=True), nn.MaxPool1d(2), nn.Tanh(), nn.ReLU(), nn.AvgPool2d(2),
+    nn.MaxPool2d(2, return_indices=True), nn.MaxPool1d(2), nn.Tanh(), nn.ReLU(), nn.AvgPool2d(2, stride=1),
+    nn.AvgPool2d(2, padding=1), nn.AvgPool2d(2, ceil_mode=True), nn.AvgPool2d(2, divisor_override=3),
 ])
 def test_modules_without_a_faster_kernel_keep_their_own(module: nn.Module) -> None:
     assert cpu_kernel(module) is None
@@ -151,18 +170,19 @@ def test_other_devices_and_dtypes_use_the_module(monkeypatch: pytest.MonkeyPatch
     assert calls == ["meta torch.float32", "cpu torch.bfloat16"]
 
 
-def test_the_stacked_convnet_gives_the_same_clipped_sums_with_and_without_the_kernels(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The paper's ConvNet (Mish, max-pooling) through the stacked engine: the kernels change its clipped
-    gradient sums and norms by rounding only, and its predictions not at all beyond it."""
-    model = build_model("convnet", (1, 32, 32), 10, seed=0)
+@pytest.mark.parametrize("name,shape", [("convnet", (1, 32, 32)), ("lenet5", (1, 28, 28))])
+def test_the_stacked_engine_gives_the_same_clipped_sums_with_and_without_the_kernels(
+        name: str, shape: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The consensus paper's ConvNet (Mish, max-pooling) and LeNet-5 (average pooling) through the stacked engine:
+    the kernels change their clipped gradient sums, norms and predictions by rounding only."""
+    model = build_model(name, shape, 10, seed=0)
     fast = StackedModel(model, classification_loss)
     monkeypatch.setattr("decentdp.gradients.stacked_model.cpu_kernel", lambda module: None)
     plain = StackedModel(model, classification_loss)
     generator = torch.Generator().manual_seed(3)
     params = torch.stack([fast.initial_parameters() + 0.05 * torch.randn(fast.dim, generator=generator)
                           for _ in range(3)])
-    x = torch.randn(3, 8, 1, 32, 32, generator=generator)
+    x = torch.randn(3, 8, *shape, generator=generator)
     y = torch.randint(0, 10, (3, 8), generator=generator)
     mask = torch.ones(3, 8)
     fast_sums, fast_norms = fast.clipped_gradient_sums(params, x, y, mask, 1.0)

@@ -1,7 +1,7 @@
-"""Faster CPU kernels for the two per-sample modules that dominate small convolutional models on the CPU.
+"""Faster CPU kernels for per-sample modules that dominate small convolutional models on the CPU.
 
-On this project's CPU build of torch (AVX2; one thread per run in the grids) two ATen kernels cost far more than
-their arithmetic (``benchmarks/cpu_kernels.py``; BENCHMARKS.md, "CPU kernels for Mish and max-pooling"):
+On this project's CPU build of torch (AVX2; one thread per run in the grids) some ATen kernels cost far more than
+their arithmetic (``benchmarks/cpu_kernels.py``; BENCHMARKS.md, "CPU kernels for Mish and pooling"):
 
 * **Mish**, ``x * tanh(softplus(x))``, evaluates an exp, a log1p and a tanh per element through SLEEF, about
   seven times the cost of one ``exp``.  The same function needs one exp: with ``e = exp(x)``,
@@ -12,11 +12,14 @@ their arithmetic (``benchmarks/cpu_kernels.py``; BENCHMARKS.md, "CPU kernels for
   carry (evaluation) its values are the elementwise maximum of the window's strided views, exactly.  With one,
   ATen's kernel stays: its backward pass needs those indices, and routing the gradient another way (to the first
   maximum of each window, as ATen does) cost more than it saved.
+* **Average pooling** with the kernel equal to the stride is the sum of the same views in ATen's order (row-major,
+  in the input's dtype) divided by the window's size, bit for bit; its backward pass repeats the scaled output
+  gradient over each window.
 
-Both work through their input in cache-sized chunks with preallocated scratch buffers, so that no intermediate
-streams through memory.  They take float32 and float64 tensors on the CPU; anything else (another device, where
+Their forward passes work through the input in cache-sized chunks (Mish's in both directions, with preallocated
+scratch buffers), so that no intermediate streams through memory.  They take float32 and float64 tensors on the CPU; anything else (another device, where
 ATen's fused kernels are the fast ones, or another dtype) goes to the module itself.  Mish agrees with the exact
-function to a few units in the last place, as ATen's does; max-pooling equals ATen's bit for bit
+function to a few units in the last place, as ATen's does; pooling equals ATen's bit for bit
 (``tests/gradients/test_cpu_kernels.py``).
 """
 
@@ -112,22 +115,28 @@ def mish(x: Tensor) -> Tensor:
     return _Mish.apply(x) if _fast(x) else nn.functional.mish(x)
 
 
-def _pooled(x: Tensor, kernel: tuple[int, int]) -> Tensor:
-    """Max-pooling of ``x`` (``(..., H, W)``) with kernel = stride = ``kernel``: the maximum of the window's
-    ``kh * kw`` strided views, chunk by chunk of planes (rows and columns beyond the last whole window are
-    dropped, and NaN propagates through ``maximum``, as in ATen's pooling)."""
+def _pooled(x: Tensor, kernel: tuple[int, int], combine: str) -> Tensor:
+    """Pooling of ``x`` (``(..., H, W)``) with kernel = stride = ``kernel``, chunk by chunk of planes, through the
+    window's ``kh * kw`` strided views in row-major order: their ``maximum`` (NaN propagates, as in ATen), or their
+    sum divided by ``kh * kw`` (``"mean"``: ATen's order of additions, in the input's dtype, so the same bits).
+    Rows and columns beyond the last whole window are dropped, as ATen does without padding or ceil mode."""
     kh, kw = kernel
     planes = x.contiguous().view(-1, *x.shape[-2:])
     rows, cols = planes.shape[-2] // kh, planes.shape[-1] // kw
     out = torch.empty(planes.shape[0], rows, cols, dtype=x.dtype, device=x.device)
-    windows = [(slice(i, rows * kh, kh), slice(j, cols * kw, kw)) for i in range(kh) for j in range(kw)]
+    (first_rows, first_cols), *rest = [(slice(i, rows * kh, kh), slice(j, cols * kw, kw))
+                                       for i in range(kh) for j in range(kw)]
     bounds = _chunk_bounds(planes.shape[0], planes.shape[-2] * planes.shape[-1])
     for start in bounds:
         chunk, target = planes[start:start + bounds.step], out[start:start + bounds.step]
-        (first_rows, first_cols), *rest = windows
         target.copy_(chunk[:, first_rows, first_cols])
         for window_rows, window_cols in rest:
-            torch.maximum(target, chunk[:, window_rows, window_cols], out=target)
+            if combine == "max":
+                torch.maximum(target, chunk[:, window_rows, window_cols], out=target)
+            else:
+                target.add_(chunk[:, window_rows, window_cols])
+        if combine == "mean":
+            target.div_(kh * kw)
     return out.view(*x.shape[:-2], rows, cols)
 
 
@@ -136,8 +145,38 @@ def max_pool(x: Tensor, kernel: tuple[int, int], module: nn.Module) -> Tensor:
     gradient to carry (evaluation), where the CPU kernels apply, through :func:`_pooled`; with one, ATen's
     kernel, whose indices its backward pass needs (computing them here costs more than it saves)."""
     if _fast(x) and x.dim() >= 3 and not (torch.is_grad_enabled() and x.requires_grad):
-        return _pooled(x, kernel)
+        return _pooled(x, kernel, "max")
     return module(x)
+
+
+class _AvgPool(torch.autograd.Function):
+    """Average pooling with kernel = stride, no padding: forward by :func:`_pooled`, backward the output gradient
+    divided by the window's size at each of its positions (ATen's, bit for bit), spread by repeating it."""
+
+    @staticmethod
+    def forward(x: Tensor, kernel: tuple[int, int]) -> Tensor:  # type: ignore[override]
+        return _pooled(x, kernel, "mean")
+
+    @staticmethod
+    def setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[Tensor, tuple[int, int]],
+                      output: Tensor) -> None:
+        ctx.kernel, ctx.shape = inputs[1], inputs[0].shape
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        (kh, kw), (height, width) = ctx.kernel, ctx.shape[-2:]
+        spread = grad.div(kh * kw).repeat_interleave(kh, dim=-2).repeat_interleave(kw, dim=-1)
+        # rows and columns beyond the last whole window took no part: their gradient is zero
+        if spread.shape[-2:] != (height, width):
+            spread = nn.functional.pad(spread, (0, width - spread.shape[-1], 0, height - spread.shape[-2]))
+        return spread.view(ctx.shape), None
+
+
+def avg_pool(x: Tensor, kernel: tuple[int, int], module: nn.Module) -> Tensor:
+    """``module(x)`` for an average-pooling ``module`` whose kernel is ``kernel`` and equals its stride, through
+    :class:`_AvgPool` where the CPU kernels apply."""
+    return _AvgPool.apply(x, kernel) if _fast(x) and x.dim() >= 3 else module(x)
 
 
 def _pair(value: int | tuple[int, ...]) -> tuple[int, ...]:
@@ -145,14 +184,18 @@ def _pair(value: int | tuple[int, ...]) -> tuple[int, ...]:
 
 
 def cpu_kernel(module: nn.Module) -> Callable[[Tensor], Tensor] | None:
-    """The faster CPU form of a per-sample ``module``, or None: ``nn.Mish``, and ``nn.MaxPool2d`` whose kernel
-    equals its stride, without padding, dilation, ceil mode or returned indices."""
+    """The faster CPU form of a per-sample ``module``, or None: ``nn.Mish``; ``nn.MaxPool2d`` and ``nn.AvgPool2d``
+    whose kernel equals its stride, without padding or ceil mode (nor dilation and returned indices, nor a
+    divisor override)."""
     if type(module) is nn.Mish:
         return mish
-    if type(module) is nn.MaxPool2d:
+    if type(module) in (nn.MaxPool2d, nn.AvgPool2d):
         kernel = _pair(module.kernel_size)
         stride = _pair(module.stride if module.stride is not None else module.kernel_size)
-        if (kernel == stride and _pair(module.padding) == (0, 0) and _pair(module.dilation) == (1, 1)
-                and not module.ceil_mode and not module.return_indices):
+        if kernel != stride or _pair(module.padding) != (0, 0) or module.ceil_mode:
+            return None
+        if type(module) is nn.MaxPool2d and _pair(module.dilation) == (1, 1) and not module.return_indices:
             return partial(max_pool, kernel=kernel, module=module)
+        if type(module) is nn.AvgPool2d and module.divisor_override is None:  # no padding: count_include_pad moot
+            return partial(avg_pool, kernel=kernel, module=module)
     return None
