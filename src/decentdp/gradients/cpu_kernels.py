@@ -17,10 +17,10 @@ their arithmetic (``benchmarks/cpu_kernels.py``; BENCHMARKS.md, "CPU kernels for
   gradient over each window.
 
 Their forward passes work through the input in cache-sized chunks (Mish's in both directions, with preallocated
-scratch buffers), so that no intermediate streams through memory.  They take float32 and float64 tensors on the CPU; anything else (another device, where
-ATen's fused kernels are the fast ones, or another dtype) goes to the module itself.  Mish agrees with the exact
-function to a few units in the last place, as ATen's does; pooling equals ATen's bit for bit
-(``tests/gradients/test_cpu_kernels.py``).
+scratch buffers), so that no intermediate streams through memory.  They take float32 and float64 tensors on the
+CPU; anything else (another device, where ATen's fused kernels are the fast ones, or another dtype) goes to the
+module itself.  Mish agrees with the exact function to a few units in the last place, as ATen's does; pooling
+equals ATen's bit for bit (``tests/gradients/test_cpu_kernels.py``).
 """
 
 from __future__ import annotations
