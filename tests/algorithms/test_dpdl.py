@@ -33,6 +33,7 @@ from decentdp.experiment.loop import run_experiment
 from decentdp.gradients.stacked_model import gradient_model
 from decentdp.models import build_model, classification_loss
 from decentdp.privacy import network_dp
+from decentdp.privacy.accounting import epsilon_spent
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.privacy.mechanisms import GaussianMechanism
 from decentdp.privacy.oracle import DataOracle
@@ -270,6 +271,15 @@ def test_each_algorithm_spends_exactly_its_budget_from_a_config(algorithm: str, 
     spent = max(privacy["epsilon_rdp"])
     assert spent == pytest.approx(2.0, rel=3e-2 if algorithm == "dp-net-fleet" else 2e-3)
     assert spent <= 2.0 + 1e-9
+    if algorithm == "dpdl":
+        # The paper's accounting, labelled: one release a round at a message's multiplier sigma_i sqrt(k_i), the
+        # k_i = deg + 1 = 3 sums on a batch (ring) not composed; far below the sound epsilon the ledger charged.
+        setup = json.loads((tmp_path / "out" / "setup.json").read_text())
+        expected = [epsilon_spent(sigma, 1e-5, rate, 3, 1, "rdp")
+                    for sigma, rate in zip(setup["noise_multipliers"], setup["sample_rates"], strict=True)]
+        assert privacy["paper_epsilon"] == pytest.approx(expected, rel=1e-9)
+        assert summary["paper_epsilon_max"] == pytest.approx(max(expected), rel=1e-9) and max(expected) < spent / 2
+        assert "one release a round" in privacy["paper_epsilon_view"]
     if algorithm == "muffliato":
         assert 0 < summary["epsilon_pairwise_max"] <= summary["epsilon_max"] + 1e-9
         assert len(privacy["epsilon_pairwise_network"]) == 4
