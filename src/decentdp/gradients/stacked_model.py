@@ -13,7 +13,7 @@ which is the book-keeping form of ghost clipping (Bu et al. 2023): the ``(N, B, 
 gradients of the ``torch.func`` path are never built, except for small layers where building them
 is the cheaper way to the norm (then they also give the weighted sum).
 
-Per-sample modules with a faster CPU kernel (Mish, max-pooling; :mod:`decentdp.gradients.cpu_kernels`) run
+Per-sample modules with a faster CPU kernel (Mish, pooling; :mod:`decentdp.gradients.cpu_kernels`) run
 through it on CPU tensors.  Models with a module outside this vocabulary keep the ``torch.func`` path of
 :class:`FlatModel`; :func:`gradient_model` logs the reason.
 """
@@ -65,9 +65,8 @@ class _Params:
 
 @dataclass(frozen=True)
 class _PerSample:
-    """A module that acts on each sample alone, and how to apply it (its faster CPU kernel, if it has one)."""
+    """A module that acts on each sample alone, as it is applied: its faster CPU kernel if it has one, else itself."""
 
-    module: nn.Module
     apply: Callable[[Tensor], Tensor]
 
 
@@ -100,7 +99,7 @@ def _compile(module: nn.Module, prefix: str, slots: dict[str, _Slot]) -> _Node:
     if not own and not list(module.children()):
         if isinstance(module, PER_SAMPLE_MODULES) or (
                 isinstance(module, nn.GroupNorm | nn.LayerNorm) and not list(module.parameters())):
-            return _PerSample(module, cpu_kernel(module) or module)
+            return _PerSample(cpu_kernel(module) or module)
         raise Unsupported(f"{where.rstrip('.')} ({type(module).__name__}) is not known to act on each sample alone")
     if list(module.children()):
         raise Unsupported(f"{where.rstrip('.')} ({type(module).__name__}) is a container without a stacked rule")
