@@ -157,6 +157,14 @@ def test_consensus_paper_file_reads_and_names_config_fields() -> None:
     assert [row.value for row in dsgt_eps1] == [pytest.approx(0.8924)]
 
 
+def test_correlated_paper_file_reads_the_decor_plots_ring_and_central_curves() -> None:
+    source, rows = read_paper(REPO / "experiments" / "correlated" / "paper.toml")
+    assert "DECOR" in source and len(rows) == 12
+    decor_eps1 = [row for row in rows if row.match == {"data.dataset": "mnist", "algorithm.name": "decor",
+                                                       "privacy.epsilon": 1.0, "topology.graph": "ring"}]
+    assert [row.value for row in decor_eps1] == [pytest.approx(0.9281)]
+
+
 def test_against_draws_the_metric_over_a_config_field_with_the_papers_values(tmp_path: Path, capsys) -> None:
     """Bayrooti et al.'s Fig. 1 shape: accuracy against the normalized Fiedler value, one series per algorithm, the
     paper's values as open markers; the complete graph (no Fiedler target) is left out and said to be."""
