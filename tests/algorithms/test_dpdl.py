@@ -304,3 +304,24 @@ def test_the_papers_independent_accounting_is_labelled_and_overspends(tmp_path: 
     # Calibrated for 3 independent releases per round, charged as one sqrt(3)C joint event: the true
     # budget runs out before the planned rounds end, and the ledger refuses the rest.
     assert result.summary["refused_releases"] > 0
+
+
+def test_the_papers_epsilon_bounds_one_message_and_undercounts_all_of_them() -> None:
+    """Checked against exact losses, full batches (q = 1, unsampled Gaussian releases, whose T-fold composition is
+    exactly mu-GDP): one neighbour's message stream of multiplier s is mu = sqrt(T) / s, and ``paper_epsilon`` bounds
+    it; all k messages on one batch together are mu = sqrt(k T) / s, and ``paper_epsilon`` is below that loss (the
+    label says so), while the ledger's joint event is not."""
+    from decentdp.algorithms.base import RunFacts
+    from decentdp.privacy.accounting import gaussian_dp_epsilon
+
+    k, rounds, delta, sigma = 3, 50, 1e-5, 4.0  # sigma: one message's multiplier (sqrt(k) x the calibrated one)
+    facts = RunFacts(rounds=rounds, network=lambda t: None, lr=lambda t: 0.1, noise_multipliers=np.full(2, sigma),
+                     expected_batches=np.full(2, 10.0), delta=delta, relation="add-remove",
+                     local_epsilon=np.zeros(2), sample_rates=np.ones(2), accountant="tight")
+    paper = DPDL(DPDLSettings()).privacy_results({}, facts).report["paper_epsilon"]
+    one_message = gaussian_dp_epsilon(math.sqrt(rounds) / sigma, delta)
+    all_messages = gaussian_dp_epsilon(math.sqrt(k * rounds) / sigma, delta)
+    assert all(one_message <= value <= one_message * 1.01 for value in paper)
+    assert max(paper) < all_messages
+    ledger = epsilon_spent(sigma / math.sqrt(k), delta, 1.0, rounds, 1, "tight")  # one sqrt(k) C joint event a round
+    assert ledger >= all_messages
