@@ -286,6 +286,21 @@ def test_each_algorithm_spends_exactly_its_budget_from_a_config(algorithm: str, 
         assert (tmp_path / "out" / "pairwise_epsilon.png").exists()
 
 
+def test_a_run_stopped_between_evaluations_prices_the_rounds_it_ran(tmp_path: Path) -> None:
+    """The paper's figure of a run of 5 rounds stopped after 3, evaluated every 2: three rounds' releases (it priced
+    the last evaluation's 2 before), and a run stopped before its first round prices nothing (it raised before)."""
+    raw = _config("dpdl")
+    raw["experiment"] |= {"rounds": 5, "eval_every": 2}
+    stopped = run_experiment(validate_config(raw), tmp_path / "out", stop_after=3, progress=False,
+                             log=lambda message: None)
+    setup = json.loads((tmp_path / "out" / "setup.json").read_text())
+    expected = [epsilon_spent(sigma, 1e-5, rate, 3, 1, "rdp")
+                for sigma, rate in zip(setup["noise_multipliers"], setup["sample_rates"], strict=True)]
+    assert stopped.summary["paper_epsilon_max"] == pytest.approx(max(expected), rel=1e-9)
+    nothing = run_experiment(validate_config(raw), None, stop_after=0, progress=False, log=lambda message: None)
+    assert "paper_epsilon_max" not in nothing.summary
+
+
 def test_calibration_scales_sigma_by_the_square_root_of_the_sums_per_batch() -> None:
     def sigmas(algorithm: str, graph: str) -> np.ndarray:
         raw = _config(algorithm)

@@ -25,6 +25,7 @@ from decentdp.errors import ConfigError
 from decentdp.experiment.build import Experiment, build_experiment
 from decentdp.experiment.record import ResultsFolder, summary
 from decentdp.experiment.tracking import Tracker, check_tracking, open_tracker
+from decentdp.privacy.report import AlgorithmPrivacy
 from decentdp.results.files import epsilon_json
 from decentdp.rng import SIMULATION_NOTICE
 from decentdp.runtime.averaging import AVERAGE, evaluated_parameters
@@ -156,6 +157,7 @@ def _train(experiment: Experiment, folder: ResultsFolder | None, checkpoint: dic
     bar = tqdm(total=rounds, initial=start, disable=not progress or not sys.stderr.isatty(), desc=cfg.name,
                unit="round", leave=False)
     clock = time.perf_counter()
+    completed = start  # rounds done so far: what the run has released (a stop may fall between evaluations)
 
     def save(round_done: int, current: State) -> None:
         if folder is not None:
@@ -184,6 +186,8 @@ def _train(experiment: Experiment, folder: ResultsFolder | None, checkpoint: dic
              f"{'inf' if row['epsilon_max'] is None else format(row['epsilon_max'], '.3g')}")
 
     def after_round(done: int, current: State) -> bool:
+        nonlocal completed
+        completed = done
         bar.update(1)
         if operators is not None:
             operators.step()
@@ -213,8 +217,10 @@ def _train(experiment: Experiment, folder: ResultsFolder | None, checkpoint: dic
         if folder is not None:
             folder.profile(report)
     result = summary(experiment, metrics, wall, finished=last == rounds) | {"threads": threads.threads}
-    extras = experiment.algorithm.privacy_results(state, run_facts(experiment, int(metrics[-1]["round"]) if metrics
-                                                                   else 0))  # e.g. Muffliato's pairwise DP
+    # An algorithm's own figures (e.g. Muffliato's pairwise DP) price the rounds run; a run stopped before its first
+    # round has released nothing for them to price.
+    extras = experiment.algorithm.privacy_results(state, run_facts(experiment, completed)) if completed > 0 \
+        else AlgorithmPrivacy()
     result |= extras.summary()
     refused = experiment.ledger.refused
     if refused.any():
