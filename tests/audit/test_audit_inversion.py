@@ -136,3 +136,98 @@ def test_momentum_difference_follows_the_momentum_steps(digits: tuple) -> None:
     assert (first - message).norm() > 0.5 * message.norm()
     with pytest.raises(ValueError, match="t >= 1"):
         momentum_difference(model, theta, batches[:1], None, 0, 0.8, 0.5)
+
+
+def test_momentum_difference_starts_from_a_trained_momentum(digits: tuple) -> None:
+    """From a run's momentum v^0 the steps are those of eqs. 19-20 with v^0 in place of zero."""
+    dataset, model, _ = digits
+    theta = model.initial_parameters()
+    batches = [(dataset.x_train[k:k + 2], dataset.y_train[k:k + 2]) for k in (0, 2)]
+    v0 = 0.01 * torch.randn(theta.shape, generator=torch.Generator().manual_seed(3))
+
+    def grad(point: torch.Tensor, batch: int) -> torch.Tensor:
+        return released_message(model, point, *batches[batch], None, 0)
+
+    v1 = 0.8 * v0 + grad(theta, 0)
+    x1 = theta - 0.5 * v1
+    v2 = 0.8 * v1 + grad(x1, 1)
+    point, message = momentum_difference(model, theta, batches, None, 0, 0.8, 0.5, velocity=v0)
+    torch.testing.assert_close(point, x1)
+    torch.testing.assert_close(message, v2 - v1)
+
+
+TRAINED = """
+[experiment]
+name = "inversion-in-training"
+seed = 3
+rounds = 100
+[data]
+dataset = "digits"
+partition = "iid"
+[topology]
+agents = 4
+graph = "ring"
+[model]
+name = "mlp"
+options = { hidden = 16 }
+[algorithm]
+name = "dpdl"
+lr = 0.05
+batch_size = 2
+[privacy]
+epsilon = 1.0
+delta = 1e-5
+clip = 1.0
+accountant = "rdp"
+[audit]
+release = "cross-gradient"
+trained_rounds = 4
+batch_sizes = [2]
+epsilons = [1.0]
+images = 1
+iterations = 150
+"""
+
+
+def test_a_trained_scene_is_the_next_round_of_the_configs_own_run(tmp_path) -> None:
+    """The attacked point is the receiver's model after T rounds of the run itself (here the same run through
+    the run loop, stopped after T of its 100 rounds), the noise the run's per-message multiplier of the sender
+    (calibrated for all 100), its records its own."""
+    from decentdp.audit.inversion import trained_scene
+    from decentdp.audit.settings import load_audit_config
+    from decentdp.experiment.loop import run_experiment
+
+    path = tmp_path / "audit.toml"
+    path.write_text(TRAINED)
+    config, audit = load_audit_config(path)
+    run = config.model_copy(update={"algorithm": config.algorithm.model_copy(update={"batch_size": 2})})
+    result = run_experiment(run, None, stop_after=4, progress=False, log=lambda _: None)
+    scene = trained_scene(config, audit, None, 2, 1.0)
+    neighbour = 1  # the ring 0-1-2-3: agent 0's first neighbour
+    torch.testing.assert_close(scene.theta, result.state["params"][neighbour])
+    assert scene.mechanism is not None
+    assert float(scene.mechanism.multiplier(0)) == pytest.approx(result.summary["noise_multipliers"][0], rel=1e-6)
+    assert len(scene.records) == len(set(scene.records.tolist())) and len(scene.records) < 1797 // 3
+    # the no-DP row: the run without noise or clipping; a momentum difference starts from the sender's own state
+    public = run.model_copy(update={"privacy": run.privacy.model_copy(update={"epsilon": math.inf})})
+    plain = run_experiment(public, None, stop_after=4, progress=False, log=lambda _: None)
+    momentum = trained_scene(config, audit.model_copy(update={"release": "momentum-difference"}), None, 2, math.inf)
+    assert momentum.mechanism is None and momentum.velocity is not None
+    torch.testing.assert_close(momentum.theta, plain.state["params"][0])
+    torch.testing.assert_close(momentum.velocity, plain.state["momentum"][0])
+    assert float(momentum.velocity.norm()) > 0
+
+
+def test_an_attack_inside_training_inverts_the_non_private_message_and_not_the_private_one(tmp_path) -> None:
+    """ND-CG / DPDL-CG after 4 rounds of DPDL on a ring: the non-private cross-gradient gives the pair back, the
+    private one (epsilon 1 over the run's 100 rounds) does not."""
+    from decentdp.audit.inversion import run_inversion
+    from decentdp.audit.settings import load_audit_config
+
+    path = tmp_path / "audit.toml"
+    path.write_text(TRAINED)
+    config, audit = load_audit_config(path, ["audit.batch_sizes=[1]", "audit.images=2"])
+    outcome = run_inversion(config, audit)
+    assert outcome.summary["trained_rounds"] == 4
+    assert outcome.summary["ssim_nonprivate"] >= 0.6
+    assert outcome.summary["ssim_private"] <= 0.2

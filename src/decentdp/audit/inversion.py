@@ -35,7 +35,7 @@ from decentdp.audit.settings import AuditSection
 from decentdp.config import ExperimentConfig
 from decentdp.data.datasets import Dataset, load_dataset
 from decentdp.errors import ConfigError
-from decentdp.experiment.build import calibrate, planned_releases
+from decentdp.experiment.build import build_experiment, calibrate, planned_releases
 from decentdp.gradients.flat_model import FlatModel
 from decentdp.gradients.stacked_model import gradient_model
 from decentdp.models import build_model, classification_loss
@@ -81,11 +81,13 @@ def released_message(model: FlatModel, theta: torch.Tensor, x: torch.Tensor, y: 
 
 def momentum_difference(model: FlatModel, theta: torch.Tensor,
                         batches: Sequence[tuple[torch.Tensor, torch.Tensor]], mechanism: GaussianMechanism | None,
-                        seed: int, beta: float, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        seed: int, beta: float, lr: float,
+                        velocity: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x^t, v^{t+1} - v^t)`` with ``t = len(batches) - 1``: the DPDL paper's ND-MM / DPDL-MM message.
 
-    From ``x^0 = theta`` and ``v^0 = 0`` the agent takes a momentum step per round ``s`` on its batch
-    ``batches[s - 1]`` (records drawn afresh each round; the last batch is the attacked one), each on
+    From ``x^0 = theta`` and ``v^0 = velocity`` (zero unless given: a trained run's momentum) the agent takes a
+    momentum step per round ``s`` on its batch ``batches[s - 1]`` (records drawn afresh each round; the last batch
+    is the attacked one), each on
     its release ``g^s`` at ``x^{s-1}`` (the mean gradient, or the DP release of
     :func:`released_message`, fresh noise each round), and broadcasts ``(x^s, v^s)``::
 
@@ -102,7 +104,8 @@ def momentum_difference(model: FlatModel, theta: torch.Tensor,
     if len(batches) < 2:
         raise ValueError(f"the momentum difference needs a batch for each of rounds 1..t+1, t >= 1; got "
                          f"{len(batches)} batch(es)")
-    params, velocity = theta.detach(), torch.zeros_like(theta)
+    params = theta.detach()
+    velocity = torch.zeros_like(theta) if velocity is None else velocity.detach()
     for step, (x, y) in enumerate(batches, start=1):
         previous = velocity
         velocity = beta * velocity + released_message(model, params, x, y, mechanism, seed, round_index=step)
@@ -237,42 +240,93 @@ class InversionOutcome:
     figure: list[tuple[str, np.ndarray]]   # (row label, (n, H, W, C) pixels) for the first batch size
 
 
+@dataclass(frozen=True)
+class Scene:
+    """Where the attacks of one (batch size, epsilon) happen: the sender's records (in order; batch ``k`` is
+    records ``k B .. (k + 1) B - 1``, earlier momentum rounds' batches come from the end), the model the attacked
+    message is computed at (momentum: ``x^0``), the sender's momentum before it, and its release mechanism."""
+
+    records: torch.Tensor
+    theta: torch.Tensor
+    velocity: torch.Tensor | None
+    mechanism: GaussianMechanism | None
+
+
+def standalone_scene(config: ExperimentConfig, audit: AuditSection, dataset: Dataset, model: FlatModel,
+                     batch: int, epsilon: float) -> Scene:
+    """``audit.trained_rounds = 0``: the model's initial parameters (a neighbour's, seeded ``seed + 1``, for a
+    cross-gradient or a momentum difference), the whole training set as the sender's records, sigma calibrated as a
+    run would for this batch (rate ``B / |D_i|`` with equal agents, the config's planned releases)."""
+    seed = config.experiment.seed
+    theta = model.initial_parameters() if audit.release == "gradient" else torch.cat(
+        [p.detach().reshape(-1) for p in build_model(config.model.name, dataset.input_shape, dataset.num_classes,
+                                                     seed=seed + 1, **config.model.options).parameters()])
+    mechanism = None
+    if not math.isinf(epsilon):
+        algorithm = algorithm_class(config.algorithm.name).from_settings(config.algorithm.settings)
+        rate = min(1.0, batch / (len(dataset.y_train) // config.topology.agents))
+        sigma = calibrate([epsilon], [rate], config, planned_releases(config, algorithm))
+        mechanism = GaussianMechanism(torch.tensor(sigma, dtype=torch.float32), config.privacy.clip)
+    return Scene(torch.arange(len(dataset.y_train)), theta, None, mechanism)
+
+
+def trained_scene(config: ExperimentConfig, audit: AuditSection, data_dir: str | Path | None, batch: int,
+                  epsilon: float) -> Scene:
+    """``audit.trained_rounds = T > 0``: round ``T + 1`` of the config's own run at expected batch ``B`` and this
+    epsilon (no noise and no clipping without DP: the paper's ND rows), trained ``T`` rounds by the simulator.  The
+    sender is agent 0 and its records are its own partition; a cross-gradient is computed at its first neighbour's
+    model, a gradient or momentum at its own (with its momentum, where the algorithm keeps one); the noise is the
+    run's per-message multiplier of agent 0 (for DPDL the joint calibration of its ``deg + 1`` sums).  The run
+    trains on ``engine.device``; the scene comes back to the host, where the attack runs beside the loaded data."""
+    run = config.model_copy(update={
+        "algorithm": config.algorithm.model_copy(update={"batch_size": batch}),
+        "privacy": config.privacy.model_copy(update={"epsilon": epsilon, "agent_epsilons": None})})
+    experiment = build_experiment(run, data_dir)
+    simulator = experiment.simulator
+    state = simulator.run(simulator.setup(experiment.initial_state()), 0, audit.trained_rounds, lambda _k, _s: True)
+    sender = 0
+    neighbours = np.flatnonzero(experiment.topology.adjacency()[sender])
+    if audit.release == "cross-gradient" and len(neighbours) == 0:
+        raise ConfigError("audit.release", "a cross-gradient goes to a neighbour, and agent 0 has none")
+    at = int(neighbours[0]) if audit.release == "cross-gradient" else sender
+    velocity = state["momentum"][sender] if audit.release == "momentum-difference" and "momentum" in state else None
+    mechanism = None if math.isinf(epsilon) else GaussianMechanism(
+        experiment.noise_multipliers[sender:sender + 1].float().cpu(), config.privacy.clip)
+    return Scene(experiment.data.indices[sender].cpu(), state["params"][at].cpu(),
+                 None if velocity is None else velocity.cpu(), mechanism)
+
+
 def run_inversion(config: ExperimentConfig, audit: AuditSection, data_dir: str | Path | None = None
                   ) -> InversionOutcome:
     """Attack the config's agent messages at every (batch size, epsilon): non-private first, then each of
-    ``audit.epsilons`` with sigma calibrated as a run would (rate ``B / |D_i|``, the planned releases)."""
+    ``audit.epsilons`` (:func:`standalone_scene`, or :func:`trained_scene` inside the config's own run)."""
     dataset = load_dataset(config.data.dataset, data_dir if data_dir is not None else config.data.data_dir,
                            image_size=config.data.image_size)
     seed = config.experiment.seed
     module = build_model(config.model.name, dataset.input_shape, dataset.num_classes, seed=seed,
                          **config.model.options)
     model = gradient_model(module, classification_loss, config.engine.gradients)
-    theta = model.initial_parameters() if audit.release == "gradient" else torch.cat(
-        [p.detach().reshape(-1) for p in build_model(config.model.name, dataset.input_shape, dataset.num_classes,
-                                                     seed=seed + 1, **config.model.options).parameters()])
-    algorithm = algorithm_class(config.algorithm.name).from_settings(config.algorithm.settings)
-    planned = planned_releases(config, algorithm)
-    agent_size = len(dataset.y_train) // config.topology.agents
     box = (float(dataset.x_train.min()), float(dataset.x_train.max()))
     rows: list[dict[str, float]] = []
     figure: list[tuple[str, np.ndarray]] = []
     for batch in audit.batch_sizes:
-        rate = min(1.0, batch / agent_size)
         for epsilon in [math.inf, *audit.epsilons]:
-            mechanism = None if math.isinf(epsilon) else GaussianMechanism(
-                torch.tensor(calibrate([epsilon], [rate], config, planned), dtype=torch.float32), config.privacy.clip)
+            scene = (trained_scene(config, audit, data_dir, batch, epsilon) if audit.trained_rounds > 0
+                     else standalone_scene(config, audit, dataset, model, batch, epsilon))
             shown: list[np.ndarray] = []
             originals_shown: list[np.ndarray] = []
             for image in range(audit.images):
-                x = dataset.x_train[image * batch:(image + 1) * batch]
-                y = dataset.y_train[image * batch:(image + 1) * batch]
+                x, y = _records(dataset, scene.records, image * batch, batch)
                 if audit.release == "momentum-difference":  # earlier rounds: other records, from the end
-                    earlier = [_records(dataset, len(dataset.y_train) - (image * audit.momentum_round + s + 1) * batch,
-                                        batch) for s in range(audit.momentum_round)]
-                    point, message = momentum_difference(model, theta, [*earlier, (x, y)], mechanism, seed + image,
-                                                         audit.momentum, config.algorithm.lr)
+                    earlier = [_records(dataset, scene.records,
+                                        len(scene.records) - (image * audit.momentum_round + s + 1) * batch, batch,
+                                        "audit.momentum_round") for s in range(audit.momentum_round)]
+                    point, message = momentum_difference(model, scene.theta, [*earlier, (x, y)], scene.mechanism,
+                                                         seed + image, audit.momentum, config.algorithm.lr,
+                                                         scene.velocity)
                 else:
-                    point, message = theta, released_message(model, theta, x, y, mechanism, seed + image)
+                    point, message = scene.theta, released_message(model, scene.theta, x, y, scene.mechanism,
+                                                                   seed + image)
                 known = None if batch == 1 else y
 
                 def attempt(restart: int, message: torch.Tensor = message, known: torch.Tensor | None = known,
@@ -298,12 +352,15 @@ def run_inversion(config: ExperimentConfig, audit: AuditSection, data_dir: str |
     return InversionOutcome(rows, _summary(rows, audit), figure)
 
 
-def _records(dataset: Dataset, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Training records ``start .. start + count - 1``; a clear error when the set is too small."""
-    if start < 0:
-        raise ConfigError("audit.momentum_round", f"the earlier rounds' batches need more than the "
-                                                  f"{len(dataset.y_train)} training records")
-    return dataset.x_train[start:start + count], dataset.y_train[start:start + count]
+def _records(dataset: Dataset, records: torch.Tensor, start: int, count: int,
+             field: str = "audit.images") -> tuple[torch.Tensor, torch.Tensor]:
+    """The sender's records ``start .. start + count - 1`` (positions in ``records``); when it holds too few, a
+    clear error naming ``field``, the setting that asked for them."""
+    if start < 0 or start + count > len(records):
+        raise ConfigError(field, f"the attacked batches and the momentum rounds' earlier batches need more than the "
+                                 f"sender's {len(records)} training records")
+    chosen = records[start:start + count]
+    return dataset.x_train[chosen], dataset.y_train[chosen]
 
 
 def _summary(rows: list[dict[str, float]], audit: AuditSection) -> dict[str, float | str | None]:
@@ -312,6 +369,7 @@ def _summary(rows: list[dict[str, float]], audit: AuditSection) -> dict[str, flo
         return float(np.mean([row[key] for row in rows if row["epsilon"] == epsilon]))
 
     summary: dict[str, float | str | None] = {"attack": audit.attack, "release": audit.release,
+                                              "trained_rounds": audit.trained_rounds,
                                               "epsilon_private": audit.epsilons[0]}
     for key in ("ssim", "psnr", "mse"):
         summary[f"{key}_nonprivate"] = mean(key, math.inf)

@@ -65,6 +65,11 @@ class AuditSection(BaseModel):
                                                              "momentum-difference release (DPDL eq. 19)")
     momentum_round: int = Field(1, ge=1, description="t of the momentum-difference release v^{t+1} - v^t "
                                                      "(momentum steps of algorithm.lr before it)")
+    trained_rounds: int = Field(0, ge=0, description="0: attack at the model's initial parameters, noise calibrated "
+                                                     "for the attacked batch; T > 0: attack a message of round T + 1 "
+                                                     "of the config's own run (its algorithm, graph and agents, "
+                                                     "trained T rounds at each batch size and epsilon), at the "
+                                                     "receiver's model, with the noise the run's messages carry")
     batch_sizes: list[Annotated[int, Field(ge=1, le=MAX_ATTACKED_BATCH)]] = Field(
         default_factory=lambda: [1], min_length=1, description="records per attacked batch (each reconstructed)")
     epsilons: list[Annotated[float, Field(gt=0.0)]] = Field(default_factory=lambda: [1.0], min_length=1,
