@@ -301,6 +301,35 @@ def test_a_run_stopped_between_evaluations_prices_the_rounds_it_ran(tmp_path: Pa
     assert "paper_epsilon_max" not in nothing.summary
 
 
+@pytest.mark.parametrize("algorithm", ["dpdl", "dp-cga"])
+def test_the_complete_graph_computes_each_owners_sum_once_and_trains_the_same(
+        algorithm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a round on the complete graph every agent holds the same model, so each owner's cross-gradients are
+    one sum: the oracle computes it once (:func:`repeated_rows`), and the run is the one that computes every row,
+    to rounding."""
+    from decentdp.privacy import oracle as oracle_module
+
+    raw = _config(algorithm)
+    raw["topology"] = {"graph": "complete", "agents": 4}
+    raw["model"] = {"name": "mlp", "options": {"hidden": 16}}
+    found = oracle_module.repeated_rows
+    repeats: list[int] = []
+
+    def counted(models: torch.Tensor, owners: torch.Tensor) -> Any:
+        result = found(models, owners)
+        repeats.append(0 if result is None else len(owners) - len(result[0]))
+        return result
+
+    monkeypatch.setattr(oracle_module, "repeated_rows", counted)
+    once = run_experiment(validate_config(raw), None, progress=False, log=lambda message: None)
+    # every agent starts from the same initial model; DPDL's mixing on the complete graph keeps them equal (DP-CGA
+    # steps each agent by its own projected direction after mixing, so only its first round repeats)
+    assert repeats == ([4 * 2] * 3 if algorithm == "dpdl" else [4 * 2, 0, 0])
+    monkeypatch.setattr(oracle_module, "repeated_rows", lambda models, owners: None)
+    every = run_experiment(validate_config(raw), None, progress=False, log=lambda message: None)
+    torch.testing.assert_close(once.state["params"], every.state["params"], rtol=1e-5, atol=1e-6)
+
+
 def test_calibration_scales_sigma_by_the_square_root_of_the_sums_per_batch() -> None:
     def sigmas(algorithm: str, graph: str) -> np.ndarray:
         raw = _config(algorithm)

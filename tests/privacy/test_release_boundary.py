@@ -41,7 +41,7 @@ from decentdp.privacy.mechanisms import (
     NoNoise,
     round_up_to_float32,
 )
-from decentdp.privacy.oracle import BatchKey, DataOracle
+from decentdp.privacy.oracle import BatchKey, DataOracle, repeated_rows
 from decentdp.privacy.sampling import AgentData, PoissonSampler
 from decentdp.rng import AgentRandom
 from decentdp.runtime.network import SimulatedNetwork
@@ -255,6 +255,53 @@ def test_a_joint_release_is_charged_once_with_sensitivity_sqrt_k() -> None:
         assert abs(float(noise.mean())) < 5 * std / math.sqrt(n)
     correlation = float(torch.corrcoef(torch.stack([noise_a, noise_b]))[0, 1])
     assert abs(correlation) < 5 / math.sqrt(n)  # independent draws, not one vector twice
+
+
+def test_repeated_rows_pairs_each_repeat_with_its_owners_first_row() -> None:
+    models = torch.randn(7, 100)
+    models[2] = models[0]
+    models[4] = models[5] = models[3]
+    models[5, 99] += 1.0  # differs from agent 2's first row in its last coordinate only
+    models[6] = models[1]  # agent 1's model on agent 3's batch: another sum
+    owners = torch.tensor([0, 1, 0, 2, 2, 2, 3])
+    distinct, inverse = repeated_rows(models, owners)
+    assert distinct.tolist() == [0, 1, 3, 5, 6] and inverse.tolist() == [0, 1, 0, 2, 2, 3, 4]
+    assert repeated_rows(models, torch.arange(7)) is None  # one row per owner
+    with_nan = models.clone()
+    with_nan[:, 50] = float("nan")
+    assert repeated_rows(with_nan, owners) is None  # NaN equals nothing: every row is computed
+
+
+def test_one_model_on_one_batch_is_computed_once_and_each_message_gets_its_own_noise(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cross-gradients where an owner is sent the same model several times (the complete graph after a round):
+    the oracle computes that sum once, every row equals the sum recomputed outside it, and the release still
+    draws independent noise for every row and charges the owner's joint event over all of them."""
+    sigma, clip = 1.5, 1.0
+    oracle = _oracle(sigma=sigma, clip=clip)
+    params = _params(oracle, 0.1)
+    models, owners = params[[1, 1, 1, 2, 0, 0]], torch.tensor([0, 0, 0, 1, 2, 2])
+    oracle.begin(0)
+    key = oracle.batch()
+    rows_computed: list[int] = []
+    compute = oracle.model.clipped_gradient_sums
+
+    def counting(models: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        rows_computed.append(len(models))
+        return compute(models, *args, **kwargs)
+
+    monkeypatch.setattr(oracle.model, "clipped_gradient_sums", counting)
+    cross = oracle.clip(key, models, owners=owners, slots=[1, 2, 3, 0, 0, 1])  # slots: the receivers
+    assert sum(rows_computed) == 3
+    batch = oracle.sampler.sample(0, key.index)
+    exact, _ = compute(models, batch.x[owners], batch.y[owners], batch.mask[owners], clip)
+    torch.testing.assert_close(cross._sums, exact)
+    (released,) = oracle.release(cross)
+    noise = (released - exact).double()
+    assert float((noise[0] - noise[1]).abs().min()) > 0  # same sum, independent draws
+    assert abs(float(torch.corrcoef(noise[:2])[0, 1])) < 5 / math.sqrt(noise.shape[1])
+    expected = joint_gaussian_event(sigma, 8 / 50, 3)
+    assert oracle.ledger.history(0) == ((expected, 1),)
 
 
 # -- 4. inactive agents and schedules ------------------------------------------------------------------------

@@ -47,6 +47,10 @@ SETUP_ROUND = -1
 
 MESSAGE_NOISE = 1 << 20
 """First key index of :meth:`DataOracle.message_noise` draws, beyond any round's count of releases."""
+COMPARED_FIRST = 64
+"""Coordinates :func:`repeated_rows` compares before whole rows."""
+COMPARE_BLOCK_BYTES = 16 << 20
+"""Model bytes :func:`repeated_rows` compares at once (its temporaries stay this small)."""
 
 
 
@@ -90,6 +94,37 @@ class Clipped:
 
     def __repr__(self) -> str:
         return f"Clipped(round {self.key.round_index}, batch {self.key.index}, {len(self.owners)} rows, sealed)"
+
+
+def repeated_rows(models: torch.Tensor, owners: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(distinct, inverse)`` when some row of ``models`` (``(R, d)``, row ``r`` evaluated on the batch of
+    ``owners[r]``, host ids) equals, bit for bit, the first row of the same owner: then its clipped sum is that
+    row's, and ``sums[distinct][inverse]`` are all ``R`` sums with each computed once.  ``None`` when no row
+    repeats (every sum is computed).
+
+    Cross-gradients on the complete graph are the case: Metropolis-Hastings weights are all ``1 / N`` there,
+    so after a round every agent holds the same model and each owner would compute its batch's sum at ``N - 1``
+    identical models.  Only on the CPU: the comparison is read back to the host, which a GPU run avoids (it
+    computes all rows in one wide call), and a row holding NaN never repeats (NaN is unequal to itself)."""
+    if models.device.type != "cpu" or len(owners) < 2:
+        return None
+    ids = owners.numpy()
+    _, first, group = np.unique(ids, return_index=True, return_inverse=True)
+    if len(first) == len(ids):
+        return None  # one row per owner: nothing to compare
+    leader = torch.from_numpy(first[group])
+    # A few coordinates first (distinct models differ in almost all of them), then whole rows, a block at a time.
+    same = torch.eq(models[:, :COMPARED_FIRST], models[leader, :COMPARED_FIRST]).all(dim=1)
+    candidates = torch.nonzero(same & (leader != torch.arange(len(ids)))).flatten()
+    block = max(1, COMPARE_BLOCK_BYTES // max(1, models.shape[1] * models.element_size()))
+    for start in range(0, len(candidates), block):
+        rows = candidates[start:start + block]
+        same[rows] = torch.eq(models[rows], models[leader[rows]]).all(dim=1)
+    representative = torch.where(same, leader, torch.arange(len(ids)))
+    distinct = torch.unique(representative)
+    if len(distinct) == len(ids):
+        return None
+    return distinct, torch.searchsorted(distinct, representative)
 
 
 class DataOracle:
@@ -212,7 +247,23 @@ class DataOracle:
                  out: torch.Tensor, index: int) -> None:
         """Per-sample gradients of ``models[r]`` on ``owners[r]``'s batch (device rows; ``None``: every
         agent on its own, in order; ``host``: the same local rows on the host), ``agents_per_pass`` rows
-        at a time."""
+        at a time.  Rows that repeat another row of their owner (the same model on the same batch) are
+        computed once (:func:`repeated_rows`)."""
+        repeated = repeated_rows(models, host) if owners is not None else None
+        if repeated is None:
+            self._compute_rows(models, batch, owners, host, out, index)
+            return
+        distinct, inverse = repeated
+        sums = torch.empty((len(distinct), models.shape[1]), dtype=out.dtype, device=out.device)
+        self._compute_rows(models[distinct], batch, owners[distinct], host[distinct], sums, index)
+        torch.index_select(sums, 0, inverse, out=out)
+        if self.mechanism is not None:  # the clipping diagnostic counts every row, as if computed again
+            _, norms, mask = self._norms[index].pop()
+            self._norms[index].append((owners, norms[inverse], mask[inverse]))
+
+    def _compute_rows(self, models: torch.Tensor, batch: Batch, owners: torch.Tensor | None, host: torch.Tensor,
+                      out: torch.Tensor, index: int) -> None:
+        """:meth:`_compute` for every row, ``agents_per_pass`` rows at a time."""
         x, y, mask = (batch.x, batch.y, batch.mask) if owners is None else \
             (batch.x[owners], batch.y[owners], batch.mask[owners])
         copies = 1
