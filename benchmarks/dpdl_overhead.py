@@ -10,6 +10,11 @@ expected batch 64, clip C = 10, epsilon = 1 (delta = 1e-5) for 1000 planned roun
 MLP, DP-DSGD with plain SGD.  Medians of per-round seconds, the two methods timed interleaved,
 round by round, in one process (``_common.time_interleaved``).
 
+The same on the complete graph (``dpdl_over_dsgd_complete``): there every owner is sent N - 1 models that
+Metropolis-Hastings mixing keeps bitwise equal to its own after the first round, which the oracle computes once
+(``privacy.oracle.repeated_rows``), so DPDL's gradient work is 2x DP-DSGD's (own model, one cross-gradient sum)
+instead of N = 10x.
+
 Run from the repository root::
 
     .venv/bin/python benchmarks/dpdl_overhead.py --json     # 10 timed rounds per method
@@ -39,18 +44,19 @@ from decentdp.util.allocator import retain_freed_memory
 
 AGENTS, BATCH = 10, 64
 MODELS = ("lenet5", "mlp")
+GRAPHS = ("ring", "complete")
 
 
-def config(model: str, algorithm: str) -> dict[str, Any]:
-    raw = experiment_config(model, AGENTS, BATCH, EPSILON, graph="ring", partition="dirichlet", image_size=None)
+def config(model: str, algorithm: str, graph: str) -> dict[str, Any]:
+    raw = experiment_config(model, AGENTS, BATCH, EPSILON, graph=graph, partition="dirichlet", image_size=None)
     raw["data"]["dirichlet_alpha"] = 0.5
     raw["algorithm"] = {"name": algorithm, "lr": 0.01, "batch_size": BATCH}
     return raw
 
 
-def measure(model: str, factory: ExperimentFactory, warmup: int, rounds: int) -> dict[str, Any]:
-    dsgd = factory.build(config(model, "dp-dsgd"))
-    dpdl = factory.build(config(model, "dpdl"))
+def measure(model: str, graph: str, factory: ExperimentFactory, warmup: int, rounds: int) -> dict[str, Any]:
+    dsgd = factory.build(config(model, "dp-dsgd", graph))
+    dpdl = factory.build(config(model, "dpdl", graph))
     runners = {"dp_dsgd": EngineRunner(dsgd).round, "dpdl": EngineRunner(dpdl).round}
     stats = {name: summarize(times) for name, times in time_interleaved(runners, warmup, rounds).items()}
     return {"parameters": dpdl.model.dim, "gradient_engine": dpdl.model.backend, "round_seconds": stats,
@@ -64,20 +70,26 @@ def main(argv: list[str] | None = None) -> None:
     retain_freed_memory()
     machine = machine_info()
     print_machine(machine)
-    print(f"DPDL vs DP-DSGD, MNIST Dirichlet(0.5), N = {AGENTS} ring, expected batch {BATCH}; {args.rounds} timed "
+    print(f"DPDL vs DP-DSGD, MNIST Dirichlet(0.5), N = {AGENTS}, expected batch {BATCH}; {args.rounds} timed "
           f"rounds after {args.warmup} warm-up, interleaved; load average before: {os.getloadavg()[0]:.2f}")
     factory = ExperimentFactory(args.data_dir)
-    results = {}
-    for model in MODELS:
-        results[model] = result = measure(model, factory, args.warmup, args.rounds)
-        print(f"{model} ({result['parameters']} parameters, {result['gradient_engine']} engine)")
-        print_table(result["round_seconds"])
-        print(f"  dpdl / dp_dsgd: {result['dpdl_over_dsgd']:.2f}x (target <= 3.5x)")
+    results, figures = {}, {}
+    for graph in GRAPHS:
+        for model in MODELS:
+            key = model if graph == "ring" else f"{model}_{graph}"
+            results[key] = result = measure(model, graph, factory, args.warmup, args.rounds)
+            figures["dpdl_over_dsgd" + ("" if graph == "ring" else f"_{graph}") + ("" if model == "lenet5"
+                                                                                 else f"_{model}")] = \
+                result["dpdl_over_dsgd"]
+            print(f"{model} on the {graph} graph ({result['parameters']} parameters, {result['gradient_engine']} "
+                  "engine)")
+            print_table(result["round_seconds"])
+            print(f"  dpdl / dp_dsgd: {result['dpdl_over_dsgd']:.2f}x"
+                  + (" (target <= 3.5x)" if graph == "ring" else ""))
     load_after = os.getloadavg()[0]
     print(f"load average after: {load_after:.2f}; data: {'synthetic' if factory.synthetic else 'MNIST'}")
     if args.json:
-        print(json.dumps({"dpdl_over_dsgd": results["lenet5"]["dpdl_over_dsgd"],
-                          "dpdl_over_dsgd_mlp": results["mlp"]["dpdl_over_dsgd"], "settings": results,
+        print(json.dumps({**figures, "settings": results,
                           "timed_rounds": args.rounds, "warmup_rounds": args.warmup,
                           "synthetic_data": factory.synthetic, "load_average_after": load_after, **machine},
                          sort_keys=True))

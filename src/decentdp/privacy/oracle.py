@@ -112,15 +112,16 @@ def repeated_rows(models: torch.Tensor, owners: torch.Tensor) -> tuple[torch.Ten
     _, first, group = np.unique(ids, return_index=True, return_inverse=True)
     if len(first) == len(ids):
         return None  # one row per owner: nothing to compare
-    leader = torch.from_numpy(first[group])
+    leader = torch.from_numpy(first[group])  # host index tensors, as ``models`` (checked above) and the owners
+    rows_here = torch.arange(len(ids), device=models.device)
     # A few coordinates first (distinct models differ in almost all of them), then whole rows, a block at a time.
     same = torch.eq(models[:, :COMPARED_FIRST], models[leader, :COMPARED_FIRST]).all(dim=1)
-    candidates = torch.nonzero(same & (leader != torch.arange(len(ids)))).flatten()
+    candidates = torch.nonzero(same & (leader != rows_here)).flatten()
     block = max(1, COMPARE_BLOCK_BYTES // max(1, models.shape[1] * models.element_size()))
     for start in range(0, len(candidates), block):
         rows = candidates[start:start + block]
         same[rows] = torch.eq(models[rows], models[leader[rows]]).all(dim=1)
-    representative = torch.where(same, leader, torch.arange(len(ids)))
+    representative = torch.where(same, leader, rows_here)
     distinct = torch.unique(representative)
     if len(distinct) == len(ids):
         return None
