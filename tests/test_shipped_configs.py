@@ -16,13 +16,15 @@ EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
 
 
 def _kind(path: Path) -> str:
-    """How a shipped TOML is read: a run, an audit, a sweep (a ``[sweep]`` table, e.g. ``experiments/sweeps/``
-    or a study's ``tuning/`` folder), or a table of paper values (``paper*.toml``)."""
+    """How a shipped TOML is read: a run, an audit (``experiments/audits/``, or an ``[audit]`` table elsewhere, e.g.
+    ``dpdl/inversion/``), a sweep (a ``[sweep]`` table, e.g. ``experiments/sweeps/`` or a study's ``tuning/``
+    folder), or a table of paper values (``paper*.toml``)."""
     if path.name.startswith("paper"):
         return "paper values"
-    if "sweep" in tomllib.loads(path.read_text()):
+    raw = tomllib.loads(path.read_text())
+    if "sweep" in raw:
         return "sweep"
-    return "audit" if path.relative_to(EXPERIMENTS).parts[0] == "audits" else "run"
+    return "audit" if "audit" in raw or path.relative_to(EXPERIMENTS).parts[0] == "audits" else "run"
 
 
 def _is_result(path: Path) -> bool:
