@@ -304,9 +304,9 @@ def test_a_run_stopped_between_evaluations_prices_the_rounds_it_ran(tmp_path: Pa
 @pytest.mark.parametrize("algorithm", ["dpdl", "dp-cga"])
 def test_the_complete_graph_computes_each_owners_sum_once_and_trains_the_same(
         algorithm: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """After a round on the complete graph every agent holds the same model, so each owner's cross-gradients are
-    one sum: the oracle computes it once (:func:`repeated_rows`), and the run is the one that computes every row,
-    to rounding."""
+    """After a round on the complete graph every agent holds the same model, so each owner's own gradient and its
+    cross-gradients are one sum: the oracle computes it once (:func:`repeated_rows`), and the run is the one that
+    computes every row, to rounding."""
     from decentdp.privacy import oracle as oracle_module
 
     raw = _config(algorithm)
@@ -323,8 +323,9 @@ def test_the_complete_graph_computes_each_owners_sum_once_and_trains_the_same(
     monkeypatch.setattr(oracle_module, "repeated_rows", counted)
     once = run_experiment(validate_config(raw), None, progress=False, log=lambda message: None)
     # every agent starts from the same initial model; DPDL's mixing on the complete graph keeps them equal (DP-CGA
-    # steps each agent by its own projected direction after mixing, so only its first round repeats)
-    assert repeats == ([4 * 2] * 3 if algorithm == "dpdl" else [4 * 2, 0, 0])
+    # steps each agent by its own projected direction after mixing, so only its first round repeats): each owner's
+    # 3 neighbours' models repeat its own
+    assert repeats == ([4 * 3] * 3 if algorithm == "dpdl" else [4 * 3, 0, 0])
     monkeypatch.setattr(oracle_module, "repeated_rows", lambda models, owners: None)
     every = run_experiment(validate_config(raw), None, progress=False, log=lambda message: None)
     torch.testing.assert_close(once.state["params"], every.state["params"], rtol=1e-5, atol=1e-6)

@@ -304,6 +304,31 @@ def test_one_model_on_one_batch_is_computed_once_and_each_message_gets_its_own_n
     assert oracle.ledger.history(0) == ((expected, 1),)
 
 
+
+def test_one_stacked_call_releases_what_two_calls_on_the_batch_release() -> None:
+    """Own models and cross models in one ``clip`` (what cross-gradients do, so that a repeated model is computed
+    once) draw the same noise and charge the same joint event as the two calls: the noise is keyed by owner and
+    slot, not by the call a row came in."""
+    def released(merged: bool) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        oracle = _oracle(n_agents=3)
+        params = _params(oracle, 0.1)
+        cross_models, cross_owners, cross_slots = params[[1, 0, 2]], torch.tensor([0, 1, 1]), [1, 0, 2]
+        oracle.begin(0)
+        key = oracle.batch()
+        if merged:
+            (both,) = oracle.release(oracle.clip(key, torch.cat([params, cross_models]),
+                                                 owners=torch.cat([torch.arange(3), cross_owners]),
+                                                 slots=[0, 1, 2, *cross_slots]))
+        else:
+            own = oracle.clip(key, params, slots=[0, 1, 2])
+            both = torch.cat(oracle.release(own, oracle.clip(key, cross_models, owners=cross_owners,
+                                                             slots=cross_slots)))
+        return both, oracle.ledger.history(0)
+
+    (merged, merged_events), (separate, separate_events) = released(True), released(False)
+    torch.testing.assert_close(merged, separate, rtol=1e-5, atol=1e-6)
+    assert merged_events == separate_events
+
 # -- 4. inactive agents and schedules ------------------------------------------------------------------------
 def test_an_inactive_agent_releases_nothing_and_is_charged_nothing() -> None:
     oracle = _oracle(n_agents=5)

@@ -82,7 +82,8 @@ class DPCGA(SettingsAlgorithm):
 
     @property
     def round_temporaries(self) -> int:
-        return 6  # own gradients, the projection, the momentum update, mixing outputs (edge rows on top)
+        return 7  # own models and gradients (the cross-gradient call's), the projection, the momentum update,
+        #           mixing outputs (edge rows on top)
 
     def init_state(self, params: torch.Tensor) -> State:
         return {"params": params, "momentum": torch.zeros_like(params),

@@ -90,7 +90,8 @@ class DPDL(SettingsAlgorithm):
 
     @property
     def round_temporaries(self) -> int:
-        return 6  # own gradients, the aggregate, v~, x~ and two mixing outputs (edge rows come on top)
+        return 7  # own models and gradients (the cross-gradient call's), the aggregate, v~, x~, two mixing outputs
+        #           (edge rows come on top)
 
     def init_state(self, params: torch.Tensor) -> State:
         return {"params": params, "momentum": torch.zeros_like(params)}

@@ -11,8 +11,8 @@ are released together, one joint event per owner (``k_j = deg_j + 1`` sums: sens
     g^{i<-j} = (sum_b clip_C(g_b^{i<-j}) + z^{i<-j}) / L_j   (11)  sent from j to i
     g^{j<-j} = (sum_b clip_C(g_b^{j<-j}) + z^{j<-j}) / L_j   (12)  noised self-gradient (A.7.2)
 
-All ``(model, owner)`` pairs of a round are one stacked computation over the in-edges (plus one
-row per agent for its own model) through the oracle's gradient engine, not a loop over edges.
+All ``(model, owner)`` pairs of a round are one stacked computation (one row per agent for its own model,
+then one per in-edge) through the oracle's gradient engine, not a loop over edges.
 """
 
 from __future__ import annotations
@@ -55,19 +55,26 @@ class CrossGradients:
 
 
 def cross_gradients(params: torch.Tensor, ctx: RoundContext) -> CrossGradients:
-    """Eqs. (8)-(12): every agent's self-gradient and the cross-gradients its neighbours computed for it."""
+    """Eqs. (8)-(12): every agent's self-gradient and the cross-gradients its neighbours computed for it.
+
+    Each owner's own model and the models it was sent are one stacked call, its own row first: a neighbour's
+    model equal to the owner's, bit for bit, is then computed once (the complete graph, where every agent
+    holds the same model after a round; :func:`~decentdp.privacy.oracle.repeated_rows`).  Every row still
+    gets its own noise (keyed by owner and slot, as two calls would) and counts in the owner's joint event."""
     net, oracle = ctx.network, ctx.oracle
     host = host_graph(net)                                # owners and noise keys: bookkeeping on the host
-    models_in = net.broadcast(params)                     # step 1: in-edge (i -> j) carries x_i to owner j
+    n = net.n_agents
+    models = torch.cat([params, net.broadcast(params)])   # step 1: in-edge (i -> j) carries x_i to owner j
+    owners = torch.cat([torch.arange(n), host.in_rows])   # x_j on j's batch, then each x_i on j's batch
+    slots = host.agent_ids.tolist() + host.in_edges[:, 0].tolist()   # noise keyed by the model's agent
     key = oracle.batch()                                  # one batch per owner for all its models (A.7.5)
-    own = oracle.clip(key, params, slots=host.agent_ids.tolist())                          # (9) on x_j
-    cross = oracle.clip(key, models_in, owners=host.in_rows, slots=host.in_edges[:, 0].tolist())  # (8)-(9) on x_i
-    g_own, g_cross = oracle.release(own, cross)           # (10): one joint event per owner, sqrt(k_j) C
+    (released,) = oracle.release(oracle.clip(key, models, owners=owners, slots=slots))  # (8)-(10): one joint
+    del models                                            # event per owner, sensitivity sqrt(k_j) C
     if oracle.mechanism is not None:                      # (11)-(12): divide by the expected batch L_j
-        g_own.div_(oracle.expected_batch.to(g_own.device)[:, None])
-        g_cross.div_(oracle.expected_batch[host.in_rows].to(g_cross.device)[:, None])
-    received = net.exchange(g_cross[reverse_edges(net)])  # j sends g^{i<-j} to i
-    return CrossGradients(g_own, received)
+        released.div_(oracle.expected_batch[owners].to(released.device)[:, None])
+    own = released[:n].clone()                            # g^{j<-j}; the edge rows are freed after the exchange
+    received = net.exchange(released[n:][reverse_edges(net)])  # j sends g^{i<-j} to i
+    return CrossGradients(own, received)
 
 
 def self_weights(network: Network) -> torch.Tensor:
