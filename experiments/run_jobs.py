@@ -58,10 +58,11 @@ def run_line(name: str, config: str, seed: int, data_dir: str, out: str) -> str:
     """The job-list line of one seeded ``decentdp run`` (what the experiments' generators write): named
     ``NAME-sSEED``, one compute thread, skipped once ``OUT/summary.json`` exists, wherever the list runs, and
     continued with ``--resume`` where a stopped run left its checkpoint (``decentdp run`` refuses a folder that
-    holds files otherwise)."""
-    return (f"{name}-s{seed}\t[ -f {out}/summary.json ] || decentdp run {config} --set experiment.seed={seed} "
-            f"--data-dir {data_dir} --out {out} --threads 1 --no-progress"
-            f" $([ -f {out}/checkpoint.pt ] && echo --resume)")
+    holds files otherwise).  A folder with neither (a run stopped before its first checkpoint, or a copy of the
+    results that kept the metrics but not the checkpoint) has nothing to continue from: the run starts afresh."""
+    return (f"{name}-s{seed}\t[ -f {out}/summary.json ] || {{ [ -f {out}/checkpoint.pt ] || rm -rf {out}; "
+            f"decentdp run {config} --set experiment.seed={seed} --data-dir {data_dir} --out {out} --threads 1 "
+            f"--no-progress $([ -f {out}/checkpoint.pt ] && echo --resume); }}")
 
 
 def start(job: Job, log_dir: Path) -> subprocess.Popen[bytes]:

@@ -77,7 +77,8 @@ def test_the_deadline_stops_running_jobs_and_their_children(run_jobs: ModuleType
 def test_a_generated_run_line_resumes_a_stopped_run_and_skips_a_finished_one(
         run_jobs: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The line the experiments' generators write (``run_line``) continues a run that a deadline stopped, whose
-    folder holds its checkpoint, instead of refusing the folder; the result is the uninterrupted run's."""
+    folder holds its checkpoint, instead of refusing the folder; the result is the uninterrupted run's.  A folder
+    without a checkpoint is started again from nothing."""
     from decentdp.config import load_config
     from decentdp.experiment.loop import run_experiment
 
@@ -100,6 +101,13 @@ def test_a_generated_run_line_resumes_a_stopped_run_and_skips_a_finished_one(
     (tmp_path / "logs" / "tiny-s1.done").unlink()  # forgotten by the runner: the finished folder still skips it
     run_jobs.main([str(jobs), "--log-dir", str(tmp_path / "logs")])
     assert json.loads((out / "summary.json").read_text()) == summary
+    # A folder left without its checkpoint (stopped before the first one, or copied without it) starts afresh.
+    (out / "summary.json").unlink()
+    (out / "checkpoint.pt").unlink()
+    (tmp_path / "logs" / "tiny-s1.done").unlink()
+    run_jobs.main([str(jobs), "--log-dir", str(tmp_path / "logs")])
+    assert (tmp_path / "logs" / "tiny-s1.done").exists(), (tmp_path / "logs" / "tiny-s1.log").read_text()
+    assert json.loads((out / "summary.json").read_text())["accuracy_mean"] == whole.summary["accuracy_mean"]
 
 
 def test_a_stopped_runner_stops_its_jobs(tmp_path: Path) -> None:
