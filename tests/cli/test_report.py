@@ -19,6 +19,7 @@ from decentdp.cli.report import (
     field_figure,
     find_runs,
     markdown,
+    panel_figure,
     read_paper,
     round_figure,
 )
@@ -302,3 +303,48 @@ def test_skip_unfinished_leaves_out_running_and_stopped_runs_and_names_them(tmp_
     assert "no results folder under" in capsys.readouterr().err
     assert main(["report", *named, "--skip-unfinished", "--json"]) == 0
     assert "left out 3 unfinished run(s)" in capsys.readouterr().err
+
+
+def test_panels_draw_a_paper_figures_sub_plots_with_one_look_per_series(tmp_path: Path, capsys) -> None:
+    """TOP-DP's Fig. 3 shape: one panel per (schedule, alpha), one curve per algorithm inside each, mean over seeds; a
+    series keeps its colour in every panel, the figure has one legend, and an empty cell says so."""
+    finals = {("dp-dsgd", 0.25): 0.80, ("dp-dsgd", 0.5): 0.82, ("dp-dsgt", 0.25): 0.70, ("dp-dsgt", 0.5): 0.72,
+              ("dp-dsgd", 0.75): 0.84}
+    for (algorithm, lr), accuracy in finals.items():
+        for seed in range(2):
+            fake_run(tmp_path / "runs" / f"{algorithm}-{lr}-s{seed}", accuracy + seed / 100, seed=seed,
+                     curve=(0.1, 0.2 + seed / 10), algorithm={"name": algorithm, "lr": lr})
+    out = tmp_path / "report"
+    assert main(["report", str(tmp_path / "runs"), "--out", str(out), "--panels", "algorithm.lr"]) == 0
+    assert (out / "accuracy_mean_vs_round_by_algorithm.lr.png").stat().st_size > 0
+    report = build_report(find_runs([tmp_path / "runs"])[0])
+    fig = panel_figure(report, ["algorithm.lr"])
+    axes = fig.axes
+    assert [ax.get_title() for ax in axes] == ["lr=0.25", "lr=0.5", "lr=0.75"]
+    curves = [{label: line for line, label in zip(*ax.get_legend_handles_labels(), strict=True)} for ax in axes]
+    assert [sorted(found) for found in curves] == [["algorithm=dp-dsgd", "algorithm=dp-dsgt"]] * 2 + [["algorithm=dp-dsgd"]]
+    assert curves[0]["algorithm=dp-dsgd"].get_color() == curves[2]["algorithm=dp-dsgd"].get_color()
+    assert curves[0]["algorithm=dp-dsgd"].get_color() != curves[0]["algorithm=dp-dsgt"].get_color()
+    assert list(curves[1]["algorithm=dp-dsgt"].get_ydata()) == pytest.approx([10.0, 25.0, 72.5])
+    assert len(fig.legends) == 1
+    two = panel_figure(report, ["algorithm.lr", "algorithm.name"])
+    assert [ax.get_title() for ax in two.axes][:2] == ["lr=0.25, algorithm=dp-dsgd", "lr=0.25, algorithm=dp-dsgt"]
+    assert two.axes[5].get_title() == "lr=0.75, algorithm=dp-dsgt (no runs)" and not two.axes[5].lines
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--panels", "topology.graph"], "--panels: topology.graph is not a config field that differs"),
+    (["--panels", "algorithm.name", "--panels", "algorithm.name"], "--panels: give one or two different fields"),
+    (["--panels", "algorithm.name", "--panels", "algorithm.lr", "--panels", "privacy.epsilon"],
+     "--panels: give one or two different fields"),
+])
+def test_panels_name_fields_that_cannot_be_drawn(tmp_path: Path, capsys, args: list[str], message: str) -> None:
+    fake_run(tmp_path / "runs" / "a", 0.7, algorithm={"name": "dp-dsgt", "lr": 0.1})
+    fake_run(tmp_path / "runs" / "b", 0.6, algorithm={"name": "dp-dsgd", "lr": 0.2})
+    out = tmp_path / "out"
+    assert main(["report", str(tmp_path / "runs"), *args, "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "Traceback" not in captured.err
+    assert not out.exists()
+    assert main(["report", str(tmp_path / "runs"), "--panels", "algorithm.lr"]) == 2
+    assert "--panels: draws a figure: give --out DIR as well" in capsys.readouterr().err

@@ -10,8 +10,9 @@ spent) and ``metrics.jsonl`` (one row per evaluation); see :mod:`decentdp.experi
    agent, the epsilon spent (the largest over agents and seeds, as the run's accountant reports it),
    and optionally the paper's value read from a small TOML file (``--paper``);
 4. writes a Markdown table, a CSV file and figures (metric against round, metric against epsilon
-   spent, and against any numeric config field named by ``--against``, e.g. ``topology.fiedler``) to
-   ``--out``, or prints the table (``--json``: one JSON line with one object per group).
+   spent, against any numeric config field named by ``--against``, e.g. ``topology.fiedler``, and against
+   round in a grid of panels by the fields ``--panels`` names, e.g. a paper figure's sub-plots) to ``--out``,
+   or prints the table (``--json``: one JSON line with one object per group).
 
 Runs that cannot share a table are refused with a message naming the folders: runs on different
 datasets (their accuracies are on different test sets), unfinished runs (unless ``--skip-unfinished``,
@@ -583,32 +584,101 @@ def _figure_title(report: Report, what: str) -> str:
     return f"{what}\n{context}" if context else what
 
 
-def round_figure(report: Report) -> Any | None:
-    """The metric against round (mean over seeds, band ± std), one line per group; None when no run has
-    rounds (personalized runs count ticks)."""
-    from decentdp.results.files import pyplot
-
-    scale = _scale(report.metric)
-    fig, ax = pyplot().subplots(figsize=(7, 4.5))
-    for index, (row, group) in enumerate(zip(report.rows, report.groups, strict=True)):
-        rounds, means, stds = _curve(group.runs, report.metric)
+def _draw_curves(ax: Any, series: Sequence[tuple[str, int, Group]], metric: str) -> None:
+    """One line per ``(label, style index, group)``: the metric against round, mean over seeds with a ± std band.
+    The style index picks the colour (and, past ten, the line style), so one series keeps its look across panels."""
+    scale = _scale(metric)
+    for label, index, group in series:
+        rounds, means, stds = _curve(group.runs, metric)
         if not rounds:
             continue
-        line, = ax.plot(rounds, [scale * m for m in means], label=_label(row, report.labels, group),
+        line, = ax.plot(rounds, [scale * m for m in means], label=label, color=f"C{index % 10}",
                         linestyle=SERIES_STYLES[index // 10 % len(SERIES_STYLES)][0])
         if len(group.runs) > 1:
             ax.fill_between(rounds, [scale * (m - s) for m, s in zip(means, stds, strict=True)],
                             [scale * (m + s) for m, s in zip(means, stds, strict=True)], alpha=0.2,
                             color=line.get_color())
+    ax.grid(alpha=0.3)
+
+
+def round_figure(report: Report) -> Any | None:
+    """The metric against round (mean over seeds, band ± std), one line per group; None when no run has
+    rounds (personalized runs count ticks)."""
+    from decentdp.results.files import pyplot
+
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
+    _draw_curves(ax, [(_label(row, report.labels, group), index, group)
+                      for index, (row, group) in enumerate(zip(report.rows, report.groups, strict=True))],
+                 report.metric)
     if not ax.lines:
         pyplot().close(fig)
         return None
     ax.set_xlabel("round")
     ax.set_ylabel(_ylabel(report.metric))
     ax.set_title(_figure_title(report, f"{report.metric} against round"), fontsize=9)
-    ax.grid(alpha=0.3)
     _legend(ax, len(report.rows))
     fig.tight_layout()
+    return fig
+
+
+def check_panels(report: Report, panels: Sequence[str]) -> None:
+    """``--panels``: at most two config fields, each differing between these groups, and not every field (the
+    curves inside a panel need one that tells them apart)."""
+    if len(panels) > 2 or len(set(panels)) != len(panels):
+        raise ConfigError("--panels", "give one or two different fields (rows of panels, then columns)")
+    for name in panels:
+        if name not in report.fields:
+            raise ConfigError("--panels", f"{name} is not a config field that differs between these runs' groups "
+                                          f"(they differ in: {', '.join(report.fields) or 'nothing'})")
+
+
+def panel_figure(report: Report, panels: Sequence[str]) -> Any | None:
+    """The metric against round in a grid of panels, one per value of ``panels`` (one field: a row of panels; two:
+    rows by the first field's values, columns by the second's), e.g. a paper figure's sub-plots.  Inside a panel, one line per group, labelled by the
+    fewest other fields that tell the series apart; a series has the same label and colour in every panel and the
+    figure one legend.  None when no run has rounds."""
+    from decentdp.results.files import pyplot
+
+    axes_values = [sorted({_hashable(row[name]) for row in report.rows}, key=_sort_key) for name in panels]
+    rows_of, columns_of = (axes_values[0], axes_values[1]) if len(panels) > 1 else ([None], axes_values[0])
+    others = [name for name in report.fields if name not in panels]
+    cells: dict[tuple[Any, Any], list[tuple[dict[str, Any], Group]]] = {}
+    for row, group in zip(report.rows, report.groups, strict=True):
+        key = (_hashable(row[panels[0]]), _hashable(row[panels[1]])) if len(panels) > 1 else \
+            (None, _hashable(row[panels[0]]))
+        cells.setdefault(key, []).append((row, group))
+    series_keys = dict.fromkeys(tuple(_hashable(row[name]) for name in others) for row in report.rows)
+    names = label_fields([Group(key) for key in series_keys], others)   # the same series in every panel
+    labelled = {id(group): _label(row, names, group) for row, group in zip(report.rows, report.groups, strict=True)}
+    styles = {label: index for index, label in enumerate(dict.fromkeys(labelled.values()))}
+    legend_inches = 2.4
+    width = 3.6 * len(columns_of) + legend_inches
+    fig, grid = pyplot().subplots(len(rows_of), len(columns_of), sharex=True, sharey=True, squeeze=False,
+                                  figsize=(width, 2.8 * len(rows_of) + 0.9))
+    titles = _column_names(panels)
+    for r, row_value in enumerate(rows_of):
+        for c, column_value in enumerate(columns_of):
+            ax = grid[r][c]
+            items = cells.get((row_value, column_value), [])
+            _draw_curves(ax, [(labelled[id(group)], styles[labelled[id(group)]], group) for _, group in items],
+                         report.metric)
+            heading = [f"{titles[name]}={_value_text(value)}"
+                       for name, value in zip(panels, (row_value, column_value)[-len(panels):], strict=True)]
+            ax.set_title(", ".join(heading) + ("" if items else " (no runs)"), fontsize=8)
+            if r == len(rows_of) - 1:
+                ax.set_xlabel("round")
+            if c == 0:
+                ax.set_ylabel(_ylabel(report.metric), fontsize=8)
+    if not any(ax.lines for line in grid for ax in line):
+        pyplot().close(fig)
+        return None
+    handles = {}
+    for line in grid:
+        for ax in line:
+            handles.update(zip(*reversed(ax.get_legend_handles_labels()), strict=True))
+    fig.legend(list(handles.values()), list(handles), fontsize=7, loc="center right")
+    fig.suptitle(_figure_title(report, f"{report.metric} against round, by {', '.join(panels)}"), fontsize=9)
+    fig.tight_layout(rect=(0.0, 0.0, 1.0 - legend_inches / width, 1.0))
     return fig
 
 
@@ -721,13 +791,16 @@ def _ylabel(metric: str) -> str:
     return metric + (" (%)" if _scale(metric) == 100 else "")
 
 
-def plot_report(report: Report, out: Path, against: Sequence[str] = ()) -> list[Path]:
+def plot_report(report: Report, out: Path, against: Sequence[str] = (), panels: Sequence[str] = ()) -> list[Path]:
     """``{metric}_vs_round.png`` (:func:`round_figure`), when some run is private ``{metric}_vs_epsilon.png``
-    (:func:`epsilon_figure`), and ``{metric}_vs_{field}.png`` for each field of ``against`` (:func:`field_figure`)."""
+    (:func:`epsilon_figure`), ``{metric}_vs_{field}.png`` for each field of ``against`` (:func:`field_figure`), and
+    with ``panels`` ``{metric}_vs_round_by_{fields}.png`` (:func:`panel_figure`)."""
     from decentdp.results.files import pyplot
 
     figures = [("round", round_figure), ("epsilon", epsilon_figure)]
     figures += [(name, lambda report, name=name: field_figure(report, name)) for name in against]
+    if panels:
+        figures.append(("round_by_" + "_".join(panels), lambda report: panel_figure(report, panels)))
     written = []
     for suffix, make in figures:
         fig = make(report)
@@ -785,6 +858,10 @@ def add_parser(commands: Any) -> None:
     report.add_argument("--against", action="append", default=[], metavar="FIELD",
                         help="with --out, also a figure of the metric against this numeric config field, e.g. "
                              "topology.fiedler (repeatable)")
+    report.add_argument("--panels", action="append", default=[], metavar="FIELD",
+                        help="with --out, also the metric against round in a grid of panels, one per value of "
+                             "this config field (a row of panels; given twice: rows, then columns), e.g. schedule.kind and "
+                             "algorithm.alpha for a paper figure's sub-plots")
     report.add_argument("--skip-unfinished", action="store_true",
                         help="leave out runs that have not finished (still running, killed) and name them on "
                              "stderr, instead of refusing the report")
@@ -798,6 +875,10 @@ def run(args: argparse.Namespace) -> int:
         if args.out is None:
             raise ConfigError("--against", "draws a figure: give --out DIR as well")
         check_against(report, name)
+    if args.panels:
+        if args.out is None:
+            raise ConfigError("--panels", "draws a figure: give --out DIR as well")
+        check_panels(report, args.panels)
     if skipped:
         print(f"left out {len(skipped)} unfinished run(s): {_paths(skipped)}", file=sys.stderr)
     table = markdown(report)
@@ -809,7 +890,7 @@ def run(args: argparse.Namespace) -> int:
         write_atomic(args.out / "report.md", table)
         write_atomic(args.out / "report.csv", csv_text(report))
         write_atomic(args.out / "report.json", json.dumps(json_rows(report), indent=2) + "\n")
-        plot_report(report, args.out, args.against)
+        plot_report(report, args.out, args.against, args.panels)
     if args.json:
         print(json.dumps(json_rows(report)))
     else:
