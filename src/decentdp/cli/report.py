@@ -633,10 +633,10 @@ def check_panels(report: Report, panels: Sequence[str]) -> None:
 
 
 def panel_figure(report: Report, panels: Sequence[str]) -> Any | None:
-    """The metric against round in a grid of panels, one per value of ``panels`` (one field: a row of panels; two:
-    rows by the first field's values, columns by the second's), e.g. a paper figure's sub-plots.  Inside a panel, one line per group, labelled by the
-    fewest other fields that tell the series apart; a series has the same label and colour in every panel and the
-    figure one legend.  None when no run has rounds."""
+    """The metric against round in a grid of panels, one per value of ``panels`` (one field: a row of panels;
+    two: rows by the first field's values, columns by the second's), e.g. a paper figure's sub-plots.  Inside a
+    panel, one line per group, labelled by the fewest other fields that tell the series apart; a series has the
+    same label and colour in every panel and the figure one legend.  None when no run has rounds."""
     from decentdp.results.files import pyplot
 
     axes_values = [sorted({_hashable(row[name]) for row in report.rows}, key=_sort_key) for name in panels]
@@ -860,8 +860,8 @@ def add_parser(commands: Any) -> None:
                              "topology.fiedler (repeatable)")
     report.add_argument("--panels", action="append", default=[], metavar="FIELD",
                         help="with --out, also the metric against round in a grid of panels, one per value of "
-                             "this config field (a row of panels; given twice: rows, then columns), e.g. schedule.kind and "
-                             "algorithm.alpha for a paper figure's sub-plots")
+                             "this config field (a row of panels; given twice: rows, then columns), e.g. "
+                             "schedule.kind and algorithm.alpha for a paper figure's sub-plots")
     report.add_argument("--skip-unfinished", action="store_true",
                         help="leave out runs that have not finished (still running, killed) and name them on "
                              "stderr, instead of refusing the report")
