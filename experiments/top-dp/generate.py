@@ -19,10 +19,12 @@ learning-rate fade, TOP-DP's decay); each figure changes one thing:
   does not state alpha for Fig. 9; 0.25 is that of Figs. 5-6).
 * Figs. 10 (synchronous) and 11 (asynchronous), topology-aware noise reduction alone ("TOP"): TOP-DP
   with ``decay_gamma = 1`` at alpha in {0.25, 0.5, 0.75}; TOP+ND and the baselines are Fig. 3's configs.
+* The short paper's Fig. 8 (``../shared/papers/001_*``, Section V-E): "a larger (0.75) and smaller (0.125)"
+  alpha in the synchronous mode, 6 methods; 0.75 is Fig. 3's, so ``short8-<method>-a0.125`` adds the smaller.
 
 Run ``python experiments/top-dp/generate.py``; every config is validated before it is written.  It also
 writes ``jobs.tsv``: three seeds of every figure's config, each run into ``results/<config>-s<seed>/`` here,
-for ``experiments/run_jobs.py`` (Figs. 3 and 4 first, then Figs. 10-11, then the rest seed by seed).
+for ``experiments/run_jobs.py`` (Figs. 3 and 4 first, then Figs. 10-11, then the rest; each group seed by seed).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ TOPOLOGIES: dict[str, dict[str, Any]] = {
     "partial-mesh": {"graph": "partial-mesh", "p": 0.1},
 }
 ALPHAS = (0.25, 0.5, 0.75)
+SHORT_PAPER_ALPHA = 0.125  # the short paper's Fig. 8, beside Fig. 3's 0.75
 DECAY_GAMMAS = (0.7, 0.8, 0.9)  # and 1.0, which never decays: Fig. 10's TOP alone
 DECAY_PERIODS = (800, 1000, 1200)
 SEEDS = (0, 1, 2)
@@ -94,6 +97,11 @@ def configs() -> dict[str, tuple[dict[str, Any], str]]:
             name = f"fig6-{method}-n{agents}"
             out[name] = (variant(method, "sync", name, {"agents": agents}),
                          HEADER.format(figure="Fig. 6", change=f"{agents} agents", method=method, mode="sync"))
+        name = f"short8-{method}-a{SHORT_PAPER_ALPHA}"
+        raw = variant(method, "sync", name, {})
+        raw["algorithm"]["alpha"] = SHORT_PAPER_ALPHA
+        out[name] = (raw, HEADER.format(figure="short paper, Fig. 8", change=f"alpha {SHORT_PAPER_ALPHA}",
+                                        method=method, mode="sync"))
         for mode in ("sync", "async"):
             for label, topology in TOPOLOGIES.items():
                 name = f"fig9-{method}-{mode}-{label}"
@@ -119,11 +127,11 @@ def configs() -> dict[str, tuple[dict[str, Any], str]]:
 
 
 def figure_configs() -> list[str]:
-    """Every figure's config stems, in the order the job list runs them (Figs. 3-4, 10-11, then 5, 6, 7, 9);
-    each config once, however many figures draw it."""
+    """Every figure's config stems, in the order the job list runs them (Figs. 3-4, 10-11, then 5, 6, 7, 9 and the
+    short paper's 8); each config once, however many figures draw it."""
     stems = [path.stem for pattern in ("fig3-*", "fig4-*") for path in sorted(HERE.glob(f"{pattern}.toml"))]
     generated = list(configs())
-    stems += [s for prefix in ("fig10-", "fig11-", "fig5-", "fig6-", "fig7-", "fig9-")
+    stems += [s for prefix in ("fig10-", "fig11-", "fig5-", "fig6-", "fig7-", "fig9-", "short8-")
               for s in generated if s.startswith(prefix)]
     return list(dict.fromkeys(stems))
 
