@@ -313,11 +313,13 @@ def test_panels_draw_a_paper_figures_sub_plots_with_one_look_per_series(tmp_path
     for (algorithm, lr), accuracy in finals.items():
         for seed in range(2):
             fake_run(tmp_path / "runs" / f"{algorithm}-{lr}-s{seed}", accuracy + seed / 100, seed=seed,
-                     curve=(0.1, 0.2 + seed / 10), algorithm={"name": algorithm, "lr": lr})
+                     curve=(0.1, 0.2 + seed / 10),
+                     algorithm={"name": algorithm, "lr": lr, "batch_size": 32 if lr == 0.5 else 16})
     out = tmp_path / "report"
     assert main(["report", str(tmp_path / "runs"), "--out", str(out), "--panels", "algorithm.lr"]) == 0
     assert (out / "accuracy_mean_vs_round_by_algorithm.lr.png").stat().st_size > 0
     report = build_report(find_runs([tmp_path / "runs"])[0])
+    assert "algorithm.batch_size" in report.fields  # set by the panel field: it names no series below
     fig = panel_figure(report, ["algorithm.lr"])
     axes = fig.axes
     assert [ax.get_title() for ax in axes] == ["lr=0.25", "lr=0.5", "lr=0.75"]

@@ -647,8 +647,11 @@ def panel_figure(report: Report, panels: Sequence[str]) -> Any | None:
         key = (_hashable(row[panels[0]]), _hashable(row[panels[1]])) if len(panels) > 1 else \
             (None, _hashable(row[panels[0]]))
         cells.setdefault(key, []).append((row, group))
-    series_keys = dict.fromkeys(tuple(_hashable(row[name]) for name in others) for row in report.rows)
-    names = label_fields([Group(key) for key in series_keys], others)   # the same series in every panel
+    # The fewest other fields that tell the curves of each panel apart: the panel fields first, so that a field
+    # they imply (an asynchronous schedule's offline probability) names no series; the same names in every panel.
+    ordered = [*panels, *others]
+    names = [name for name in label_fields([Group(tuple(_hashable(row[name]) for name in ordered))
+                                            for row in report.rows], ordered) if name not in panels]
     labelled = {id(group): _label(row, names, group) for row, group in zip(report.rows, report.groups, strict=True)}
     styles = {label: index for index, label in enumerate(dict.fromkeys(labelled.values()))}
     legend_inches = 2.4
