@@ -68,8 +68,9 @@ def cross_gradients(params: torch.Tensor, ctx: RoundContext) -> CrossGradients:
     owners = torch.cat([torch.arange(n), host.in_rows])   # x_j on j's batch, then each x_i on j's batch
     slots = host.agent_ids.tolist() + host.in_edges[:, 0].tolist()   # noise keyed by the model's agent
     key = oracle.batch()                                  # one batch per owner for all its models (A.7.5)
-    (released,) = oracle.release(oracle.clip(key, models, owners=owners, slots=slots))  # (8)-(10): one joint
-    del models                                            # event per owner, sensitivity sqrt(k_j) C
+    sums = oracle.clip(key, models, owners=owners, slots=slots)                      # (8)-(9)
+    del models
+    (released,) = oracle.release(sums)                    # (10): one joint event per owner, sqrt(k_j) C
     if oracle.mechanism is not None:                      # (11)-(12): divide by the expected batch L_j
         released.div_(oracle.expected_batch[owners].to(released.device)[:, None])
     own = released[:n].clone()                            # g^{j<-j}; the edge rows are freed after the exchange
