@@ -41,7 +41,7 @@ from decentdp.privacy.mechanisms import (
     NoNoise,
     round_up_to_float32,
 )
-from decentdp.privacy.oracle import BatchKey, DataOracle, repeated_rows
+from decentdp.privacy.oracle import BatchKey, DataOracle
 from decentdp.privacy.sampling import AgentData, PoissonSampler
 from decentdp.rng import AgentRandom
 from decentdp.runtime.network import SimulatedNetwork
@@ -255,21 +255,6 @@ def test_a_joint_release_is_charged_once_with_sensitivity_sqrt_k() -> None:
         assert abs(float(noise.mean())) < 5 * std / math.sqrt(n)
     correlation = float(torch.corrcoef(torch.stack([noise_a, noise_b]))[0, 1])
     assert abs(correlation) < 5 / math.sqrt(n)  # independent draws, not one vector twice
-
-
-def test_repeated_rows_pairs_each_repeat_with_its_owners_first_row() -> None:
-    models = torch.randn(7, 100)
-    models[2] = models[0]
-    models[4] = models[5] = models[3]
-    models[5, 99] += 1.0  # differs from agent 2's first row in its last coordinate only
-    models[6] = models[1]  # agent 1's model on agent 3's batch: another sum
-    owners = torch.tensor([0, 1, 0, 2, 2, 2, 3])
-    distinct, inverse = repeated_rows(models, owners)
-    assert distinct.tolist() == [0, 1, 3, 5, 6] and inverse.tolist() == [0, 1, 0, 2, 2, 3, 4]
-    assert repeated_rows(models, torch.arange(7)) is None  # one row per owner
-    with_nan = models.clone()
-    with_nan[:, 50] = float("nan")
-    assert repeated_rows(with_nan, owners) is None  # NaN equals nothing: every row is computed
 
 
 def test_one_model_on_one_batch_is_computed_once_and_each_message_gets_its_own_noise(

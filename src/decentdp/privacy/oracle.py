@@ -41,17 +41,13 @@ from decentdp.privacy.mechanisms import Mechanism, NoiseDraw, NoiseReuseError, N
 from decentdp.privacy.sampling import Batch, PoissonSampler
 from decentdp.rng import AgentRandom
 from decentdp.util.profiling import NO_TIMER, PhaseTimer
+from decentdp.util.rows import repeated_rows
 
 SETUP_ROUND = -1
 """The round index of a run's setup phase (e.g. a private warm start), before round 0."""
 
 MESSAGE_NOISE = 1 << 20
 """First key index of :meth:`DataOracle.message_noise` draws, beyond any round's count of releases."""
-COMPARED_FIRST = 64
-"""Coordinates :func:`repeated_rows` compares before whole rows."""
-COMPARE_BLOCK_BYTES = 16 << 20
-"""Model bytes :func:`repeated_rows` compares at once (its temporaries stay this small)."""
-
 
 
 def _unshared(tensor: torch.Tensor) -> bool:
@@ -94,38 +90,6 @@ class Clipped:
 
     def __repr__(self) -> str:
         return f"Clipped(round {self.key.round_index}, batch {self.key.index}, {len(self.owners)} rows, sealed)"
-
-
-def repeated_rows(models: torch.Tensor, owners: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(distinct, inverse)`` when some row of ``models`` (``(R, d)``, row ``r`` evaluated on the batch of
-    ``owners[r]``, host ids) equals, bit for bit, the first row of the same owner: then its clipped sum is that
-    row's, and ``sums[distinct][inverse]`` are all ``R`` sums with each computed once.  ``None`` when no row
-    repeats (every sum is computed).
-
-    Cross-gradients on the complete graph are the case: Metropolis-Hastings weights are all ``1 / N`` there,
-    so after a round every agent holds the same model and each owner would compute its batch's sum at ``N - 1``
-    identical models.  Only on the CPU: the comparison is read back to the host, which a GPU run avoids (it
-    computes all rows in one wide call), and a row holding NaN never repeats (NaN is unequal to itself)."""
-    if models.device.type != "cpu" or len(owners) < 2:
-        return None
-    ids = owners.numpy()
-    _, first, group = np.unique(ids, return_index=True, return_inverse=True)
-    if len(first) == len(ids):
-        return None  # one row per owner: nothing to compare
-    leader = torch.from_numpy(first[group])  # host index tensors, as ``models`` (checked above) and the owners
-    rows_here = torch.arange(len(ids), device=models.device)
-    # A few coordinates first (distinct models differ in almost all of them), then whole rows, a block at a time.
-    same = torch.eq(models[:, :COMPARED_FIRST], models[leader, :COMPARED_FIRST]).all(dim=1)
-    candidates = torch.nonzero(same & (leader != rows_here)).flatten()
-    block = max(1, COMPARE_BLOCK_BYTES // max(1, models.shape[1] * models.element_size()))
-    for start in range(0, len(candidates), block):
-        rows = candidates[start:start + block]
-        same[rows] = torch.eq(models[rows], models[leader[rows]]).all(dim=1)
-    representative = torch.where(same, leader, rows_here)
-    distinct = torch.unique(representative)
-    if len(distinct) == len(ids):
-        return None
-    return distinct, torch.searchsorted(distinct, representative)
 
 
 class DataOracle:

@@ -1,7 +1,8 @@
 """Evaluation of every agent's model on the test set, and consensus distance.
 
 All N models are evaluated in one batched pass per test chunk (``vmap`` over agents), so the
-test set is read once per evaluation, not N times.
+test set is read once per evaluation, not N times; models that repeat one another bit for bit are
+evaluated once.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from decentdp.gradients.flat_model import FlatModel
+from decentdp.util.rows import repeated_rows
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,19 @@ class Evaluator:
 
     @torch.no_grad()
     def __call__(self, params: torch.Tensor) -> Evaluation:
-        # accumulated on the device; read back once, by Evaluation.summary
+        """Every agent's test accuracy and loss.  Agents holding the same model, bit for bit (the complete
+        graph, where mixing leaves every agent the average), are scored once (:func:`repeated_rows`)."""
+        repeated = repeated_rows(params, torch.zeros(params.shape[0], dtype=torch.int64))
+        if repeated is None:
+            accuracy, loss = self._scores(params)
+        else:
+            distinct, inverse = repeated
+            accuracy, loss = (values[inverse] for values in self._scores(params[distinct]))
+        return Evaluation(accuracy, loss, consensus_distance(params))
+
+    def _scores(self, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Test accuracy and mean loss of each row of ``params``, accumulated on the device (read back once, by
+        :meth:`Evaluation.summary`)."""
         correct = torch.zeros(params.shape[0], dtype=torch.float64, device=params.device)
         loss = torch.zeros(params.shape[0], dtype=torch.float64, device=params.device)
         for start in range(0, len(self.y), self.chunk):
@@ -70,4 +84,4 @@ class Evaluator:
             correct += (predicted == y).sum(dim=1).double()
             loss += losses.sum(dim=1).double()
         n = len(self.y)
-        return Evaluation(correct / n, loss / n, consensus_distance(params))
+        return correct / n, loss / n
