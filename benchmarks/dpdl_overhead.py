@@ -12,7 +12,7 @@ round by round, in one process (``_common.time_interleaved``).
 
 The same on the complete graph (``dpdl_over_dsgd_complete``): there every owner is sent N - 1 models that
 Metropolis-Hastings mixing keeps bitwise equal to its own after the first round, which the oracle computes once
-(``privacy.oracle.repeated_rows``), so DPDL's gradient work is 2x DP-DSGD's (own model, one cross-gradient sum)
+(``util.rows.repeated_rows``), so DPDL's gradient work is 2x DP-DSGD's (own model, one cross-gradient sum)
 instead of N = 10x.
 
 Run from the repository root::

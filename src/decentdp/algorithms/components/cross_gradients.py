@@ -59,7 +59,7 @@ def cross_gradients(params: torch.Tensor, ctx: RoundContext) -> CrossGradients:
 
     Each owner's own model and the models it was sent are one stacked call, its own row first: a neighbour's
     model equal to the owner's, bit for bit, is then computed once (the complete graph, where every agent
-    holds the same model after a round; :func:`~decentdp.privacy.oracle.repeated_rows`).  Every row still
+    holds the same model after a round; :func:`~decentdp.util.rows.repeated_rows`).  Every row still
     gets its own noise (keyed by owner and slot, as two calls would) and counts in the owner's joint event."""
     net, oracle = ctx.network, ctx.oracle
     host = host_graph(net)                                # owners and noise keys: bookkeeping on the host
