@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import tomli_w
 
 # Under pytest-xdist (`make test` runs one worker per core) each worker process gets one thread: the
 # workers already fill the cores, and a run's thread choice (decentdp.util.threads) follows this
@@ -16,6 +19,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
 
 import torch  # noqa: E402
+
+from decentdp.config import validate_config  # noqa: E402
 
 #: Real datasets for the tests that need them: ``$DECENTDP_DATA_DIR`` if set (a user's own copy of
 #: MNIST and the rest), else ``../shared/data`` beside the repository (the project's workplace).
@@ -58,6 +63,26 @@ def tiny_config(**sections: dict[str, Any]) -> dict[str, Any]:
     for name, values in sections.items():
         raw[name] = {**raw.get(name, {}), **values}
     return raw
+
+
+
+def fake_run(folder: Path, accuracy: float, *, seed: int = 0, epsilon: float = 5.0, spent: float | None = 4.2,
+             finished: bool = True, curve: tuple[float, ...] = (0.1, 0.5), **sections: dict[str, Any]) -> Path:
+    """A results folder as `decentdp run` writes it (resolved config, summary, metrics), without training."""
+    raw = tiny_config(**sections)
+    raw["experiment"]["seed"] = seed
+    raw["privacy"]["epsilon"] = epsilon
+    config = validate_config(raw).to_toml_dict()
+    folder.mkdir(parents=True)
+    (folder / "config.toml").write_text(tomli_w.dumps(config))
+    summary = {"name": config["experiment"]["name"], "finished": finished, "rounds": 4, "accuracy_mean": accuracy,
+               "accuracy_min": accuracy - 0.01, "epsilon_max": spent, "epsilon_target": epsilon if
+               math.isfinite(epsilon) else None, "epsilon_accountant": "pld", "delta": 1e-5, "wall_seconds": 1.0,
+               "config": config}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    rows = [{"round": 2 * k, "accuracy_mean": value} for k, value in enumerate((*curve, accuracy))]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return folder
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

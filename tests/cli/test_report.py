@@ -23,30 +23,10 @@ from decentdp.cli.report import (
     read_paper,
     round_figure,
 )
-from decentdp.config import validate_config
 
-from conftest import tiny_config
+from conftest import fake_run, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def fake_run(folder: Path, accuracy: float, *, seed: int = 0, epsilon: float = 5.0, spent: float | None = 4.2,
-             finished: bool = True, curve: tuple[float, ...] = (0.1, 0.5), **sections: dict[str, Any]) -> Path:
-    """A results folder as `decentdp run` writes it (resolved config, summary, metrics), without training."""
-    raw = tiny_config(**sections)
-    raw["experiment"]["seed"] = seed
-    raw["privacy"]["epsilon"] = epsilon
-    config = validate_config(raw).to_toml_dict()
-    folder.mkdir(parents=True)
-    (folder / "config.toml").write_text(tomli_w.dumps(config))
-    summary = {"name": config["experiment"]["name"], "finished": finished, "rounds": 4, "accuracy_mean": accuracy,
-               "accuracy_min": accuracy - 0.01, "epsilon_max": spent, "epsilon_target": epsilon if
-               math.isfinite(epsilon) else None, "epsilon_accountant": "pld", "delta": 1e-5, "wall_seconds": 1.0,
-               "config": config}
-    (folder / "summary.json").write_text(json.dumps(summary))
-    rows = [{"round": 2 * k, "accuracy_mean": value} for k, value in enumerate((*curve, accuracy))]
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return folder
 
 
 def report_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:

@@ -1,0 +1,65 @@
+"""``experiments/top-dp/figures.py``: each TOP-DP paper figure drawn from the runs that have finished."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from conftest import fake_run
+
+SCRIPT = Path(__file__).resolve().parent.parent / "experiments" / "top-dp" / "figures.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("top_dp_figures", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclass looks its module up there)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def figures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """The script, drawing from and into temporary folders."""
+    module = _load()
+    monkeypatch.setattr(module, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(module, "FIGURES", tmp_path / "figures")
+    (tmp_path / "figures").mkdir()
+    return module
+
+
+def test_a_figure_draws_its_finished_runs_in_panels_and_leaves_out_the_rest(figures: ModuleType, tmp_path: Path,
+                                                                             capsys: pytest.CaptureFixture[str]
+                                                                             ) -> None:
+    results = tmp_path / "results"
+    for algorithm in ("dp-dsgd", "dp-dsgt"):
+        for lr in (0.1, 0.2):
+            for seed in range(2):
+                fake_run(results / f"fig3-{algorithm}-{lr}-s{seed}", 0.7 + lr, seed=seed,
+                         algorithm={"name": algorithm, "lr": lr})
+    fake_run(results / "fig3-dp-dsgd-0.3-s0", 0.9, finished=False, algorithm={"name": "dp-dsgd", "lr": 0.3})
+    fake_run(results / "other-s0", 0.5, algorithm={"name": "dp-dsgd", "lr": 0.4})  # another figure's run
+    figure = figures.Figure("test", ("fig3-*",), ("algorithm.lr", "topology.graph"))  # graph: not varied, dropped
+    written = figures.draw(figure, tmp_path / "tables")
+    assert written == tmp_path / "figures" / "top-dp-test.png" and written.stat().st_size > 0
+    table = (tmp_path / "tables" / "test.md").read_text()
+    assert "4 settings from 8 runs" in table and "0.4" not in table
+    assert "left out 1 unfinished run(s)" in capsys.readouterr().err
+    assert figures.draw(figures.Figure("none", ("fig99-*",), ("algorithm.lr",)), None) is None
+
+
+def test_every_paper_figures_panel_fields_are_config_fields() -> None:
+    """The figures name their panels by config fields a run has (a renamed field would draw nothing)."""
+    from decentdp.cli.report import flatten
+    from decentdp.config import load_config
+
+    fields = set()
+    for config in sorted(SCRIPT.parent.glob("fig*.toml")) + sorted(SCRIPT.parent.glob("short8-*.toml")):
+        fields |= set(flatten(load_config(config).to_toml_dict()))
+    for figure in _load().FIGURE_LIST:
+        assert set(figure.panels) <= fields, figure.name
