@@ -41,7 +41,8 @@ TUNED: dict[tuple[str, str], tuple[dict[str, Any], float]] = {
 }
 #: The (method, graph) pairs whose study has run all its trials: only their Table I cells are in ``jobs.tsv`` (a
 #: cell run at a rate that its study later moves would be run again).
-FINAL: frozenset[tuple[str, str]] = frozenset({("dpdl", "fc"), ("dp-dsgd", "fc"), ("muffliato", "fc"), ("dp-dpsgd", "fc")})
+FINAL: frozenset[tuple[str, str]] = frozenset({("dpdl", "fc"), ("dp-dsgd", "fc"), ("muffliato", "fc"),
+                                               ("dp-dpsgd", "fc")})
 
 
 def config(method: str, graph: str, alpha: float, epsilon: float, name: str) -> dict[str, Any]:
