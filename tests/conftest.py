@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -83,6 +86,16 @@ def fake_run(folder: Path, accuracy: float, *, seed: int = 0, epsilon: float = 5
     rows = [{"round": 2 * k, "accuracy_mean": value} for k, value in enumerate((*curve, accuracy))]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return folder
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """An experiment script (``experiments/*.py``, not a package module) imported by its path as ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (a dataclass in it looks its module up there)
+    spec.loader.exec_module(module)
+    return module
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

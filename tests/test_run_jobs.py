@@ -4,7 +4,6 @@ running (and its children), and a malformed list is refused with its line number
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,17 +15,14 @@ from types import ModuleType
 import pytest
 import tomli_w
 
+from conftest import load_script
+
 SCRIPT = Path(__file__).resolve().parent.parent / "experiments" / "run_jobs.py"
 
 
 @pytest.fixture(scope="module")
 def run_jobs() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("run_jobs", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclass looks its module up there)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "run_jobs")
 
 
 def _jobs(tmp_path: Path, lines: list[str]) -> Path:

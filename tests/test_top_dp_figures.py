@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-from conftest import fake_run
+from conftest import fake_run, load_script
 
 SCRIPT = Path(__file__).resolve().parent.parent / "experiments" / "top-dp" / "figures.py"
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("top_dp_figures", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclass looks its module up there)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "top_dp_figures")
 
 
 @pytest.fixture
