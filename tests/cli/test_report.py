@@ -146,6 +146,15 @@ def test_correlated_paper_file_reads_the_decor_plots_ring_and_central_curves() -
     assert [row.value for row in decor_eps1] == [pytest.approx(0.9281)]
 
 
+
+def test_dpdl_paper_file_reads_table_one_with_our_block_labels() -> None:
+    source, rows = read_paper(REPO / "experiments" / "dpdl" / "paper.toml")
+    assert "Table I" in source and len(rows) == 5 * 6 * 6  # methods x blocks x (graph, N) columns
+    cell = [row for row in rows if row.match == {"data.dataset": "mnist", "algorithm.name": "dpdl",
+                                                 "topology.graph": "complete", "topology.agents": 10,
+                                                 "data.dirichlet_alpha": 0.1, "privacy.epsilon": 4.0}]
+    assert [(row.value, row.std) for row in cell] == [(pytest.approx(0.965), pytest.approx(0.003))]
+
 def test_against_draws_the_metric_over_a_config_field_with_the_papers_values(tmp_path: Path, capsys) -> None:
     """Bayrooti et al.'s Fig. 1 shape: accuracy against the normalized Fiedler value, one series per algorithm, the
     paper's values as open markers; the complete graph (no Fiedler target) is left out and said to be."""
