@@ -145,14 +145,11 @@ def main() -> None:
                               "${DATA_DIR:-../shared/data}",
                               f"experiments/dpdl/diagnostics/results/dpdl-gap-{name}-s{seed}"))
 
-    table = [(seed, name, changes) for seed in TABLE_SEEDS for name, changes in TABLE.items()]
     for name, changes in DIAGNOSTICS.items():
         write(name, changes, PROTOCOL, 0, f"dpdl-gap-{name}.toml")
-        if name == "paper-noise-lr0.3":  # the step is chosen: seed 0 of the table's runs next
-            for seed, table_name, table_changes in table[:len(TABLE)]:
-                write(table_name, table_changes, {}, seed, f"dpdl-gap-{table_name}-seed{seed}.toml")
-    for seed, name, changes in table[len(TABLE):]:
-        write(name, changes, {}, seed, f"dpdl-gap-{name}-seed{seed}.toml")
+    for seed in TABLE_SEEDS:
+        for name, changes in TABLE.items():
+            write(name, changes, {}, seed, f"dpdl-gap-{name}-seed{seed}.toml")
     (HERE / "jobs.tsv").write_text("\n".join(lines) + "\n")
 
 
