@@ -255,6 +255,7 @@ def test_a_failing_qp_reuses_the_previous_solution_and_logs_it(monkeypatch: pyte
         state = algo.round(state, RoundContext(1, 0.05, net, oracle))
     assert torch.equal(state["dual"], solved) and algo.failures == solved.shape[0] * solved.shape[1]
     assert "previous solution reused" in caplog.text
+    assert caplog.text.count("previous solution reused") == solved.shape[1]  # once per tensor, not per QP
     assert bool(torch.isfinite(state["params"]).all())
 
 

@@ -18,8 +18,10 @@ and takes CGA's consensus-plus-momentum step (A.5.1 step 4; the code's ``nestero
 computed in batched products; only the small QPs (``deg_i x deg_i``) are solved one by one, since
 quadprog has no batched interface.  When a QP fails (quadprog raises ``ValueError``: a Gram matrix
 not positive definite, or constraints it cannot meet) the agent's previous solution for that tensor is
-reused, as the authors' code does, and the failure is logged (zeros, i.e. no projection, before any
-success).
+reused, as the authors' code does (zeros, i.e. no projection, before any success), and counted; the first
+failure of each parameter tensor is logged.  A tensor with fewer coordinates than the agent has neighbours (the
+first convolution's 6 biases beside 9 neighbours on the complete graph) has a singular Gram matrix, so its QP
+fails in every round, as in the authors' code, whose ridge (1e-12) is too small to make it definite.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class DPCGA(SettingsAlgorithm):
     def __init__(self, settings: CGASettings) -> None:
         super().__init__(settings)
         self.failures = 0  # QPs that failed and reused the previous solution (over the run)
+        self._logged: set[int] = set()  # parameter tensors whose failures have been logged once
 
     def sums_per_batch(self, degrees: np.ndarray) -> np.ndarray:
         return np.asarray(degrees, dtype=np.int64) + 1
@@ -127,8 +130,10 @@ class DPCGA(SettingsAlgorithm):
                     value = solve_projection(gram[agent][np.ix_(rows, rows)], linear[agent][rows], self.settings.margin)
                 except ValueError as error:
                     self.failures += 1
-                    log.warning("CGA projection QP failed for agent %d, tensor %d (%s): previous solution reused",
-                                agent, b, error)
+                    if b not in self._logged:  # a tensor with fewer coordinates than neighbours fails every round
+                        self._logged.add(b)
+                        log.warning("CGA projection QP failed for agent %d, tensor %d (%s): previous solution "
+                                    "reused (this tensor's later failures are counted, not logged)", agent, b, error)
                     continue
                 solutions[agent, b] = 0.0
                 solutions[agent, b, torch.from_numpy(rows)] = torch.from_numpy(value)
