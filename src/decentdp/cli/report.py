@@ -622,8 +622,7 @@ def round_figure(report: Report) -> Any | None:
 
 
 def check_panels(report: Report, panels: Sequence[str]) -> None:
-    """``--panels``: at most two config fields, each differing between these groups, and not every field (the
-    curves inside a panel need one that tells them apart)."""
+    """``--panels``: one or two different config fields, each differing between these groups."""
     if len(panels) > 2 or len(set(panels)) != len(panels):
         raise ConfigError("--panels", "give one or two different fields (rows of panels, then columns)")
     for name in panels:
@@ -665,20 +664,21 @@ def panel_figure(report: Report, panels: Sequence[str]) -> Any | None:
             items = cells.get((row_value, column_value), [])
             _draw_curves(ax, [(labelled[id(group)], styles[labelled[id(group)]], group) for _, group in items],
                          report.metric)
-            heading = [f"{titles[name]}={_value_text(value)}"
-                       for name, value in zip(panels, (row_value, column_value)[-len(panels):], strict=True)]
+            values = (row_value, column_value) if len(panels) > 1 else (column_value,)  # one field: columns only
+            heading = [f"{titles[name]}={_value_text(value)}" for name, value in zip(panels, values, strict=True)]
             ax.set_title(", ".join(heading) + ("" if items else " (no runs)"), fontsize=8)
             if r == len(rows_of) - 1:
                 ax.set_xlabel("round")
             if c == 0:
                 ax.set_ylabel(_ylabel(report.metric), fontsize=8)
-    if not any(ax.lines for line in grid for ax in line):
+    if not any(ax.lines for axes_row in grid for ax in axes_row):
         pyplot().close(fig)
         return None
-    handles = {}
-    for line in grid:
-        for ax in line:
-            handles.update(zip(*reversed(ax.get_legend_handles_labels()), strict=True))
+    handles = {}  # label -> line, each series once, in the order the panels drew them
+    for axes_row in grid:
+        for ax in axes_row:
+            lines, labels = ax.get_legend_handles_labels()
+            handles.update(zip(labels, lines, strict=True))
     fig.legend(list(handles.values()), list(handles), fontsize=7, loc="center right")
     fig.suptitle(_figure_title(report, f"{report.metric} against round, by {', '.join(panels)}"), fontsize=9)
     fig.tight_layout(rect=(0.0, 0.0, 1.0 - legend_inches / width, 1.0))
