@@ -653,7 +653,7 @@ def panel_figure(report: Report, panels: Sequence[str]) -> Any | None:
                                             for row in report.rows], ordered) if name not in panels]
     labelled = {id(group): _label(row, names, group) for row, group in zip(report.rows, report.groups, strict=True)}
     styles = {label: index for index, label in enumerate(dict.fromkeys(labelled.values()))}
-    legend_inches = 2.4
+    legend_inches = 0.7 + 0.06 * max(map(len, styles))  # room for the longest label at font size 7
     width = 3.6 * len(columns_of) + legend_inches
     fig, grid = pyplot().subplots(len(rows_of), len(columns_of), sharex=True, sharey=True, squeeze=False,
                                   figsize=(width, 2.8 * len(rows_of) + 0.9))
