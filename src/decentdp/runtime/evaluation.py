@@ -61,7 +61,8 @@ class Evaluator:
     def __call__(self, params: torch.Tensor) -> Evaluation:
         """Every agent's test accuracy and loss.  Agents holding the same model, bit for bit (the complete
         graph, where mixing leaves every agent the average), are scored once (:func:`repeated_rows`)."""
-        repeated = repeated_rows(params, torch.zeros(params.shape[0], dtype=torch.int64))
+        one_group = torch.zeros(params.shape[0], dtype=torch.int64, device="cpu")  # group ids live on the host
+        repeated = repeated_rows(params, one_group)
         if repeated is None:
             accuracy, loss = self._scores(params)
         else:

@@ -65,7 +65,8 @@ def cross_gradients(params: torch.Tensor, ctx: RoundContext) -> CrossGradients:
     host = host_graph(net)                                # owners and noise keys: bookkeeping on the host
     n = net.n_agents
     models = torch.cat([params, net.broadcast(params)])   # step 1: in-edge (i -> j) carries x_i to owner j
-    owners = torch.cat([torch.arange(n), host.in_rows])   # x_j on j's batch, then each x_i on j's batch
+    # x_j on j's batch, then each x_i on j's batch: local rows, on the host with the rest of the bookkeeping
+    owners = torch.cat([torch.arange(n, device=host.in_rows.device), host.in_rows])
     slots = host.agent_ids.tolist() + host.in_edges[:, 0].tolist()   # noise keyed by the model's agent
     key = oracle.batch()                                  # one batch per owner for all its models (A.7.5)
     sums = oracle.clip(key, models, owners=owners, slots=slots)                      # (8)-(9)
