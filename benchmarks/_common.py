@@ -25,6 +25,7 @@ from decentdp.config import validate_config
 from decentdp.errors import DataError
 from decentdp.experiment.build import Experiment, build_experiment
 from decentdp.models import classification_loss
+from decentdp.util.allocator import retain_freed_memory
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data"
@@ -191,6 +192,11 @@ def time_interleaved(runners: dict[str, Callable[[], None]], warmup: int, rounds
     return times
 
 
+def interleaved_stats(runners: dict[str, Callable[[], None]], warmup: int, rounds: int) -> dict[str, dict[str, float]]:
+    """:func:`summarize` of each runner's rounds, timed by :func:`time_interleaved`."""
+    return {name: summarize(seconds) for name, seconds in time_interleaved(runners, warmup, rounds).items()}
+
+
 def paired_ratio(numerator: list[float], denominator: list[float]) -> dict[str, float]:
     """A ratio of two interleaved methods' round times: the ratio of their medians (the figure recorded) and the
     quartiles of the per-round ratios (round k of one over round k of the other: its spread across rounds)."""
@@ -226,6 +232,18 @@ def interleaved_arguments(description: str, argv: list[str] | None, rounds: int,
     if args.smoke:
         args.rounds, args.warmup = 1, 0
     return args
+
+
+def start_interleaved(description: str, argv: list[str] | None, rounds: int, warmup: int, quick: tuple[int, int],
+                      retain_memory: bool = True) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """What an interleaved benchmark does first: parse its options (:func:`interleaved_arguments`), keep freed
+    memory as ``decentdp run`` does unless ``retain_memory`` is false, and print and return the machine's facts."""
+    args = interleaved_arguments(description, argv, rounds, warmup, quick)
+    if retain_memory:
+        retain_freed_memory()
+    machine = machine_info()
+    print_machine(machine)
+    return args, machine
 
 
 def machine_info() -> dict[str, Any]:

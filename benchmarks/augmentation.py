@@ -13,7 +13,7 @@ gradient work is K times; sampling, noise, mixing and ledger are not repeated).
 Run from the repository root::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/augmentation.py --json    # 10 timed rounds per method
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/augmentation.py --quick   # 5 timed rounds, same keys (--smoke: 1)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/augmentation.py --quick   # 8 timed rounds, same keys (--smoke: 1)
 """
 
 from __future__ import annotations
@@ -29,24 +29,17 @@ from _common import (
     EngineRunner,
     ExperimentFactory,
     experiment_config,
-    interleaved_arguments,
-    machine_info,
-    print_machine,
+    interleaved_stats,
     print_table,
-    summarize,
-    time_interleaved,
+    start_interleaved,
 )
-from decentdp.util.allocator import retain_freed_memory
 
 COPIES = (1, 2, 4)
 SHIFT = 2
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = interleaved_arguments(__doc__.split("\n", 1)[0], argv, rounds=10, warmup=2, quick=(QUICK_MIN_ROUNDS, 1))
-    retain_freed_memory()  # as `decentdp run` does
-    machine = machine_info()
-    print_machine(machine)
+    args, machine = start_interleaved(__doc__.split("\n", 1)[0], argv, rounds=10, warmup=2, quick=(QUICK_MIN_ROUNDS, 1))
     print(f"DP-DSGD, ConvNet on MNIST 32x32, N = 10 complete, one digit per agent, expected batch 256, epsilon "
           f"{EPSILON}, delta {DELTA}; copies {', '.join(map(str, COPIES))} (shift {SHIFT} px); {args.rounds} timed "
           f"rounds each after {args.warmup} warm-up, interleaved; load average before: {os.getloadavg()[0]:.2f}")
@@ -57,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
         if copies > 1:
             raw["augmentation"] = {"kind": "shift", "copies": copies, "shift": SHIFT}
         runners[f"copies_{copies}"] = EngineRunner(factory.build(raw)).round
-    stats = {name: summarize(times) for name, times in time_interleaved(runners, args.warmup, args.rounds).items()}
+    stats = interleaved_stats(runners, args.warmup, args.rounds)
     print_table(stats)
     base = stats["copies_1"]["median"]
     ratios = {f"copies_{k}_over_1": stats[f"copies_{k}"]["median"] / base for k in COPIES[1:]}

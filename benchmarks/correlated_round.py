@@ -21,12 +21,9 @@ from _common import (
     DEFAULT_DATA_DIR,
     EngineRunner,
     ExperimentFactory,
-    interleaved_arguments,
-    machine_info,
-    print_machine,
+    interleaved_stats,
     print_table,
-    summarize,
-    time_interleaved,
+    start_interleaved,
 )
 
 GRAPHS = {"ring": {"graph": "ring"}, "erdos-renyi": {"graph": "erdos-renyi", "p": 0.3}}
@@ -43,16 +40,14 @@ def config(algorithm: str, topology: dict[str, object]) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = interleaved_arguments(__doc__.split("\n", 1)[0], argv, rounds=20, warmup=3, quick=(6, 1))
+    args, machine = start_interleaved(__doc__.split("\n", 1)[0], argv, rounds=20, warmup=3, quick=(6, 1),
+                                      retain_memory=False)
     factory = ExperimentFactory(args.data_dir or DEFAULT_DATA_DIR)
-    machine = machine_info()
-    print_machine(machine)
     results: dict[str, object] = {"machine": machine, "threads": torch.get_num_threads()}
     for name, topology in GRAPHS.items():
         runners = {algorithm: EngineRunner(factory.build(config(algorithm, topology)))
                    for algorithm in ("dp-dsgd", "decor")}
-        times = time_interleaved({key: runner.round for key, runner in runners.items()}, args.warmup, args.rounds)
-        stats = {key: summarize(value) for key, value in times.items()}
+        stats = interleaved_stats({key: runner.round for key, runner in runners.items()}, args.warmup, args.rounds)
         ratio = stats["decor"]["median"] / stats["dp-dsgd"]["median"]
         print(f"{name}: decor / dp-dsgd = {ratio:.3f}")
         print_table(stats)

@@ -29,11 +29,9 @@ from _common import (
     DEFAULT_DATA_DIR,
     EngineRunner,
     ExperimentFactory,
-    interleaved_arguments,
-    machine_info,
     paired_ratio,
-    print_machine,
     print_table,
+    start_interleaved,
     summarize,
     time_interleaved,
 )
@@ -75,9 +73,8 @@ def op_runners(module: nn.Module, x: torch.Tensor, backward: bool) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = interleaved_arguments(__doc__.split("\n", 1)[0], argv, rounds=10, warmup=2, quick=(8, 1))
-    machine = machine_info()
-    print_machine(machine)
+    args, machine = start_interleaved(__doc__.split("\n", 1)[0], argv, rounds=10, warmup=2, quick=(8, 1),
+                                      retain_memory=False)
     results: dict[str, object] = {"machine": machine, "threads": torch.get_num_threads(), "smoke": args.smoke,
                                   "timed_rounds": args.rounds}
     generator = torch.Generator().manual_seed(0)

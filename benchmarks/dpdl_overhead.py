@@ -18,7 +18,7 @@ instead of N = 10x.
 Run from the repository root::
 
     .venv/bin/python benchmarks/dpdl_overhead.py --json     # 10 timed rounds per method
-    .venv/bin/python benchmarks/dpdl_overhead.py --quick    # 5 timed rounds, same keys (--smoke: 1)
+    .venv/bin/python benchmarks/dpdl_overhead.py --quick    # 8 timed rounds, same keys (--smoke: 1)
 """
 
 from __future__ import annotations
@@ -33,14 +33,10 @@ from _common import (
     EngineRunner,
     ExperimentFactory,
     experiment_config,
-    interleaved_arguments,
-    machine_info,
-    print_machine,
+    interleaved_stats,
     print_table,
-    summarize,
-    time_interleaved,
+    start_interleaved,
 )
-from decentdp.util.allocator import retain_freed_memory
 
 AGENTS, BATCH = 10, 64
 MODELS = ("lenet5", "mlp")
@@ -58,7 +54,7 @@ def measure(model: str, graph: str, factory: ExperimentFactory, warmup: int, rou
     dsgd = factory.build(config(model, "dp-dsgd", graph))
     dpdl = factory.build(config(model, "dpdl", graph))
     runners = {"dp_dsgd": EngineRunner(dsgd).round, "dpdl": EngineRunner(dpdl).round}
-    stats = {name: summarize(times) for name, times in time_interleaved(runners, warmup, rounds).items()}
+    stats = interleaved_stats(runners, warmup, rounds)
     return {"parameters": dpdl.model.dim, "gradient_engine": dpdl.model.backend, "round_seconds": stats,
             "sigma_dpdl": [float(dpdl.noise_multipliers.min()), float(dpdl.noise_multipliers.max())],
             "sigma_dp_dsgd": [float(dsgd.noise_multipliers.min()), float(dsgd.noise_multipliers.max())],
@@ -66,10 +62,7 @@ def measure(model: str, graph: str, factory: ExperimentFactory, warmup: int, rou
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = interleaved_arguments(__doc__.split("\n", 1)[0], argv, rounds=10, warmup=2, quick=(QUICK_MIN_ROUNDS, 1))
-    retain_freed_memory()
-    machine = machine_info()
-    print_machine(machine)
+    args, machine = start_interleaved(__doc__.split("\n", 1)[0], argv, rounds=10, warmup=2, quick=(QUICK_MIN_ROUNDS, 1))
     print(f"DPDL vs DP-DSGD, MNIST Dirichlet(0.5), N = {AGENTS}, expected batch {BATCH}; {args.rounds} timed "
           f"rounds after {args.warmup} warm-up, interleaved; load average before: {os.getloadavg()[0]:.2f}")
     factory = ExperimentFactory(args.data_dir)

@@ -24,7 +24,7 @@ charges (the per-receiver budget checks of TOP-DP's ledger), as the simulator ru
 Run from the repository root::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/top_dp_overhead.py --json    # 20 timed rounds per method
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/top_dp_overhead.py --quick   # 5 timed rounds, same keys (--smoke: 1)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/top_dp_overhead.py --quick   # 8 timed rounds, same keys (--smoke: 1)
 """
 
 from __future__ import annotations
@@ -40,16 +40,12 @@ from _common import (
     QUICK_MIN_ROUNDS,
     EngineRunner,
     ExperimentFactory,
-    interleaved_arguments,
-    machine_info,
-    print_machine,
+    interleaved_stats,
     print_table,
-    summarize,
-    time_interleaved,
+    start_interleaved,
 )
 from decentdp.algorithms.components.topology_noise import CoverPlanner, cover_groups
 from decentdp.rng import Stream
-from decentdp.util.allocator import retain_freed_memory
 from decentdp.util.profiling import PhaseTimer
 
 AGENTS, BATCH, CLIP, ROUNDS = 30, 64, 4.0, 2000
@@ -124,10 +120,7 @@ class SetupRunner(EngineRunner):
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = interleaved_arguments(__doc__.split("\n", 1)[0], argv, rounds=20, warmup=3, quick=(QUICK_MIN_ROUNDS, 1))
-    retain_freed_memory()
-    machine = machine_info()
-    print_machine(machine)
+    args, machine = start_interleaved(__doc__.split("\n", 1)[0], argv, rounds=20, warmup=3, quick=(QUICK_MIN_ROUNDS, 1))
     print(f"TOP-DP vs DP-DSGD, MNIST iid, N = {AGENTS} Erdos-Renyi(0.2), MLP(100), expected batch {BATCH}; "
           f"{args.rounds} timed rounds after {args.warmup} warm-up, interleaved; "
           f"load average before: {os.getloadavg()[0]:.2f}")
@@ -138,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         "top_dp_async_offline": factory.build(config("top-dp-async", "pairing", OFFLINE)),
     }
     runners = {name: SetupRunner(experiment).round for name, experiment in experiments.items()}
-    stats = {name: summarize(times) for name, times in time_interleaved(runners, args.warmup, args.rounds).items()}
+    stats = interleaved_stats(runners, args.warmup, args.rounds)
     base = stats["dp_dsgd"]["median"]
     ratios = {"top_dp_over_dsgd": stats["top_dp"]["median"] / base,
               "top_dp_async_offline_over_dsgd": stats["top_dp_async_offline"]["median"] / base}
