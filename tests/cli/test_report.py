@@ -329,3 +329,18 @@ def test_panels_draw_a_paper_figures_sub_plots_with_one_look_per_series(tmp_path
     two = panel_figure(report, ["algorithm.lr", "algorithm.name"])
     assert [ax.get_title() for ax in two.axes][:2] == ["lr=0.25, algorithm=dp-dsgd", "lr=0.25, algorithm=dp-dsgt"]
     assert two.axes[5].get_title() == "lr=0.75, algorithm=dp-dsgt (no runs)" and not two.axes[5].lines
+
+
+def test_panel_aliases_make_one_method_under_two_names_one_series(tmp_path: Path) -> None:
+    """TOP-DP's two protocols are two registered algorithms; the panels tell the protocols apart, so with an alias the
+    method is one series: one label, one colour, one legend entry."""
+    for algorithm, lr in (("dp-dsgd", 0.25), ("dp-dsgt", 0.5), ("dp-dinno", 0.25), ("dp-dinno", 0.5)):
+        fake_run(tmp_path / "runs" / f"{algorithm}-{lr}", 0.8, algorithm={"name": algorithm, "lr": lr})
+    report = build_report(find_runs([tmp_path / "runs"])[0])
+    plain = panel_figure(report, ["algorithm.lr"])
+    assert len(plain.legends[0].get_texts()) == 3
+    fig = panel_figure(report, ["algorithm.lr"], {"dp-dsgt": "dp-dsgd"})
+    curves = [{label: line for line, label in zip(*ax.get_legend_handles_labels(), strict=True)} for ax in fig.axes]
+    assert [sorted(found) for found in curves] == [["algorithm=dp-dinno", "algorithm=dp-dsgd"]] * 2
+    assert curves[0]["algorithm=dp-dsgd"].get_color() == curves[1]["algorithm=dp-dsgd"].get_color()
+    assert sorted(text.get_text() for text in fig.legends[0].get_texts()) == ["algorithm=dp-dinno", "algorithm=dp-dsgd"]

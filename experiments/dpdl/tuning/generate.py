@@ -1,10 +1,11 @@
 """Write the tuning studies of DPDL's Table I for the complete-bipartite graph and the ring (issue 33).
 
 The complete-graph studies (``*-mnist-fc-n10*.toml``) were written by hand as the protocol took shape, except
-DP-NET-FLEET's second one (``-decay``, below); the other graphs take the same protocol from one table, so that every method and graph gets the same budget: TPE, 16 trials
-of 300 rounds on a 10 % validation split of the agents' training records (never the test set), one seed, at
-Dirichlet 0.1 and epsilon 4 (RDP calibration for speed).  Each method searches the range its complete-graph study
-ended with (the SGD baselines' and DP-CGA's learning rates up to 4.0, see docs/reproduction.md)::
+DP-NET-FLEET's second one (``-decay``, below); the other graphs take the same protocol from one table, so that every
+method and graph gets the same budget: TPE, 16 trials of 300 rounds on a 10 % validation split of the agents'
+training records (never the test set), one seed, at Dirichlet 0.1 and epsilon 4 (RDP calibration for speed).  Each
+method searches the range its complete-graph study ended with (the SGD baselines', DP-CGA's and DP-NET-FLEET's
+learning rates up to 4.0, see docs/reproduction.md)::
 
     python experiments/dpdl/tuning/generate.py
     decentdp sweep experiments/dpdl/tuning/dpdl-mnist-ring-n10.toml --data-dir ../shared/data \\

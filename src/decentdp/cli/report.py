@@ -31,7 +31,7 @@ import statistics
 import sys
 import tomllib
 import typing
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -565,11 +565,13 @@ def json_rows(report: Report) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- figures
 
 
-def _label(row: dict[str, Any], names: Sequence[str], group: Group) -> str:
-    """A series' legend entry: its values of ``names``; when no field tells the series apart (one setting),
-    the group's algorithm, which says what ran."""
+def _label(row: dict[str, Any], names: Sequence[str], group: Group, aliases: Mapping[str, str] | None = None) -> str:
+    """A series' legend entry: its values of ``names`` (a value's text replaced by its entry in ``aliases``); when
+    no field tells the series apart (one setting), the group's algorithm, which says what ran."""
     titles = _column_names(names)
-    return ", ".join(f"{titles[name]}={_value_text(row[name])}" for name in names) or \
+    aliases = aliases or {}
+    return ", ".join(f"{titles[name]}={aliases.get(text, text)}" for name in names
+                     for text in [_value_text(row[name])]) or \
         str(group.runs[0].fields.get("algorithm.name", "all runs"))
 
 
@@ -631,11 +633,13 @@ def check_panels(report: Report, panels: Sequence[str]) -> None:
                                           f"(they differ in: {', '.join(report.fields) or 'nothing'})")
 
 
-def panel_figure(report: Report, panels: Sequence[str]) -> Any | None:
+def panel_figure(report: Report, panels: Sequence[str], aliases: Mapping[str, str] | None = None) -> Any | None:
     """The metric against round in a grid of panels, one per value of ``panels`` (one field: a row of panels;
     two: rows by the first field's values, columns by the second's), e.g. a paper figure's sub-plots.  Inside a
     panel, one line per group, labelled by the fewest other fields that tell the series apart; a series has the
-    same label and colour in every panel and the figure one legend.  None when no run has rounds."""
+    same label and colour in every panel and the figure one legend.  ``aliases`` relabels field values, so that
+    one method registered under two names (one per protocol, which the panels already tell apart) is one series.
+    None when no run has rounds."""
     from decentdp.results.files import pyplot
 
     axes_values = [sorted({_hashable(row[name]) for row in report.rows}, key=_sort_key) for name in panels]
@@ -651,7 +655,8 @@ def panel_figure(report: Report, panels: Sequence[str]) -> Any | None:
     ordered = [*panels, *others]
     names = [name for name in label_fields([Group(tuple(_hashable(row[name]) for name in ordered))
                                             for row in report.rows], ordered) if name not in panels]
-    labelled = {id(group): _label(row, names, group) for row, group in zip(report.rows, report.groups, strict=True)}
+    labelled = {id(group): _label(row, names, group, aliases)
+                for row, group in zip(report.rows, report.groups, strict=True)}
     styles = {label: index for index, label in enumerate(dict.fromkeys(labelled.values()))}
     legend_inches = 0.7 + 0.06 * max(map(len, styles))  # room for the longest label at font size 7
     width = 3.6 * len(columns_of) + legend_inches
