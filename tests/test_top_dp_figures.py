@@ -56,3 +56,25 @@ def test_every_paper_figures_panel_fields_are_config_fields() -> None:
         fields |= set(flatten(load_config(config).to_toml_dict()))
     for figure in _load().FIGURE_LIST:
         assert set(figure.panels) <= fields, figure.name
+
+
+def test_a_run_the_panel_field_leaves_alone_is_drawn_in_every_panel(figures: ModuleType, tmp_path: Path) -> None:
+    """Fig. 7: TOP-DP without decay (gamma 1) has a decay period that changes nothing; it is every panel's reference,
+    one series with one colour, while the table keeps it once."""
+    results = tmp_path / "results"
+    for gamma, period in ((0.9, 500), (0.9, 1000), (0.5, 500), (0.5, 1000)):
+        fake_run(results / f"fig7-g{gamma}-p{period}-s0", 0.8, algorithm={"name": "top-dp", "decay_gamma": gamma,
+                                                                            "decay_period": period})
+    fake_run(results / "fig10-top-only-s0", 0.7, algorithm={"name": "top-dp", "decay_gamma": 1.0,
+                                                            "decay_period": 1000})
+    figure = figures.Figure("fig7", ("fig7-*", "fig10-top-only-s*"), ("algorithm.decay_period",),
+                            every_panel=("fig10-top-only-s*",))
+    from decentdp.cli.report import build_report, find_runs, panel_figure
+
+    report = build_report(find_runs(sorted(results.iterdir()))[0])
+    assert len(report.rows) == 5
+    drawn = panel_figure(figures.in_every_panel(report, "algorithm.decay_period", figure.every_panel),
+                         ["algorithm.decay_period"])
+    labels = [ax.get_legend_handles_labels()[1] for ax in drawn.axes]
+    assert [sorted(found) for found in labels] == [["decay_gamma=0.5", "decay_gamma=0.9", "decay_gamma=1"]] * 2
+    assert figures.draw(figure, None) is not None

@@ -9,7 +9,8 @@ reusing Fig. 3's where they are the same setting:
 * Fig. 3: 6 methods, sync / async (rows) × alpha 0.25 / 0.5 / 0.75 (columns);
 * Fig. 4: TOP-DP, Optimal, Li18+MA at epsilon 0.5, 1 (Fig. 3's), 2, 4, sync, alpha 0.25: panels by epsilon;
 * Fig. 5: connection rate 0.1, 0.2 (Fig. 3's) and 0.4; Fig. 6: 30 (Fig. 3's), 40 and 50 agents;
-* Fig. 7: TOP-DP's decay gamma (curves) × period (panels); gamma 1 (no decay) is Fig. 10's alpha-0.25 run;
+* Fig. 7: TOP-DP's decay gamma (curves) × period (panels); gamma 1 (no decay) is Fig. 10's alpha-0.25 run, drawn
+  in every panel;
 * Fig. 9: sync / async (rows) × ring, two-star, tree, partial mesh (columns);
 * Figs. 10 and 11: TOP alone (no decay) beside TOP+ND and the baselines of Fig. 3, by alpha;
 * the short paper's Fig. 8: alpha 0.125 and 0.75 (Fig. 3's), sync.
@@ -20,11 +21,13 @@ Run ``python experiments/top-dp/figures.py`` (``--only fig3`` for one figure).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
-from decentdp.cli.report import build_report, find_runs, markdown, panel_figure
+from decentdp.cli.report import Report, build_report, find_runs, markdown, panel_figure
 from decentdp.results.files import pyplot
 
 HERE = Path(__file__).resolve().parent
@@ -44,6 +47,8 @@ class Figure:
     runs: tuple[str, ...]
     panels: tuple[str, ...]
     ignore: tuple[str, ...] = ("experiment.rounds",)
+    #: Runs (globs, among ``runs``) of a setting the first panel field leaves alone, drawn in every panel of it.
+    every_panel: tuple[str, ...] = ()
 
 
 FIGURE_LIST = (
@@ -52,12 +57,27 @@ FIGURE_LIST = (
                     "fig3-li18-ma-sync-a0.25-s*"), ("privacy.epsilon",)),
     Figure("fig5", ("fig5-*", FIG3_SYNC), ("topology.p",)),
     Figure("fig6", ("fig6-*", FIG3_SYNC), ("topology.agents",)),
-    Figure("fig7", ("fig7-*", "fig3-top-dp-sync-a0.25-s*", "fig10-top-only-a0.25-s*"), ("algorithm.decay_period",)),
+    # Without decay (gamma 1) the period changes nothing: that run is every period's reference.
+    Figure("fig7", ("fig7-*", "fig3-top-dp-sync-a0.25-s*", "fig10-top-only-a0.25-s*"), ("algorithm.decay_period",),
+           every_panel=("fig10-top-only-a0.25-s*",)),
     Figure("fig9", ("fig9-*",), ("schedule.kind", "topology.graph")),
     Figure("fig10", ("fig10-*", "fig3-*-sync-*"), ("algorithm.alpha",)),
     Figure("fig11", ("fig11-*", "fig3-*-async-*"), ("algorithm.alpha",)),
     Figure("short-fig8", ("short8-*", "fig3-*-sync-a0.75-s*"), ("algorithm.alpha",)),
 )
+
+
+def in_every_panel(report: Report, field: str, patterns: tuple[str, ...]) -> Report:
+    """``report`` with each group of runs whose folder matches ``patterns`` repeated under every value of ``field``
+    (same label and colour in each panel); the other groups as they are."""
+    values = list(dict.fromkeys(row[field] for row in report.rows))
+    rows, groups = [], []
+    for row, group in zip(report.rows, report.groups, strict=True):
+        everywhere = any(fnmatch(run.path.name, pattern) for run in group.runs for pattern in patterns)
+        for value in values if everywhere else [row[field]]:
+            rows.append({**row, field: value})
+            groups.append(group)
+    return dataclasses.replace(report, rows=rows, groups=groups)
 
 
 def draw(figure: Figure, tables: Path | None) -> Path | None:
@@ -81,6 +101,8 @@ def draw(figure: Figure, tables: Path | None) -> Path | None:
         (tables / f"{figure.name}.md").write_text(table)
     if not panels:
         return None
+    if figure.every_panel:
+        report = in_every_panel(report, panels[0], figure.every_panel)
     drawn = panel_figure(report, panels, SERIES_ALIASES)
     if drawn is None:
         return None

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from conftest import tiny_config
 from decentdp.config import validate_config
 from decentdp.experiment.loop import run_experiment
+
+from conftest import tiny_config
 
 
 def test_synchronous_a_dp2_sgd_runs_exactly_as_dp_dsgd() -> None:
