@@ -57,8 +57,8 @@ def noise_in_average(protocol: str, alpha: float, graph_seed: int, rounds: int, 
     state = algorithm.init_state(torch.zeros(AGENTS, replicas, dtype=torch.float64))
     for k in range(rounds):
         plan = None if scheduler is None else scheduler.plan(k, network)
-        # lr = -1: eq. 3 subtracts lr times the released gradient, so the noise enters with unit weight.
-        state = algorithm.round(state, RoundContext(k, -1.0, network, oracle, plan, rng))
+        # lr = 1: eq. 3 subtracts the released noise, which is as likely as adding it.
+        state = algorithm.round(state, RoundContext(k, 1.0, network, oracle, plan, rng))
     x = state["params"]
     average = x.mean(0)
     return {"average_variance_per_round": float(average.var()) / rounds,
