@@ -14,8 +14,9 @@ communication step, as in the authors' GT-STORM line of work; verify before rely
 ``a = correction_decay = 0`` is the pure SARAH recursion of specs B.3; ``a > 0`` is the STORM form of
 GT-STORM (the authors' line of work), which forgets old corrections geometrically.  Without it the
 recursion keeps every release's noise in ``v`` forever (its variance grows linearly with the rounds
-and the runs diverge; measured in docs/reproduction.md), so the default is ``a = 0.1``; ``a = 1``
-is plain gradient tracking.
+and the runs diverge; measured in docs/reproduction.md), so the default is ``a = 0.1``.  ``a = 1`` drops the
+correction altogether: every step takes the fresh gradient alone (decentralized SGD whose gradient is taken at the
+mixed point), while ``a = 0`` in the communication step is gradient tracking.
 
 DP variant (specs B.3, [G]): each ``G(.; xi)`` is a clipped per-sample gradient sum plus
 ``N(0, sigma^2 C^2)``, divided by the expected batch; the two sums on one batch are released as one
