@@ -38,7 +38,7 @@ TUNED: dict[tuple[str, str], tuple[dict[str, Any], float]] = {
     # study (lr to 4.0, 16 trials) is its study, and DP-DSGD, which Table I does not report, is not run again.
     ("dp-dpsgd", "fc"): ({"lr": 1.177}, 0.8683),
     ("dp-cga", "fc"): ({"lr": 1.745, "momentum": 0.0}, 0.8970),  # 16 trials, done (2026-11-28)
-    # DP-NET-FLEET: its second study (lr and correction decay; 16 trials, done 2026-11-28); the first, lr alone, 55.35 %.
+    # DP-NET-FLEET: its second study (lr and correction decay; 16 trials, done 2026-11-28); lr alone: 55.35 %.
     ("dp-net-fleet", "fc"): ({"lr": 0.8907, "correction_decay": 0.6623}, 0.8647),
 }
 #: The (method, graph) pairs whose study has run all its trials: only their Table I cells are in ``jobs.tsv`` (a
