@@ -13,6 +13,12 @@ The job list has one job a line, ``NAME<TAB>COMMAND`` (``#`` starts a comment)::
     table1-dsgd-eps1-fiedler0.7-s0\tdecentdp run experiments/consensus/table1-dsgd-eps1-fiedler0.7.toml ...
 
     python experiments/run_jobs.py jobs.tsv --workers 12 --deadline 3600 --log-dir results/jobs
+
+``--status`` runs nothing and says how far a list has come, by group (what ``--group``, a regular expression,
+matches at the start of the name: by default the name up to its first ``-``) and seed (a trailing ``-sN``).
+A job counts as finished when the ``--out`` folder of its command holds ``summary.json`` (so the count holds on
+any machine that has the results folders) or, for a command without one, when its ``.done`` record is in
+``--log-dir``.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,6 +70,36 @@ def run_line(name: str, config: str, seed: int, data_dir: str, out: str) -> str:
     return (f"{name}-s{seed}\t[ -f {out}/summary.json ] || {{ [ -f {out}/checkpoint.pt ] || rm -rf {out}; "
             f"decentdp run {config} --set experiment.seed={seed} --data-dir {data_dir} --out {out} --threads 1 "
             f"--no-progress $([ -f {out}/checkpoint.pt ] && echo --resume); }}")
+
+
+def finished(job: Job, log_dir: Path) -> bool:
+    """Whether a job has finished: its ``--out`` folder holds ``summary.json``, or (for a command that writes no
+    summary, a sweep or an audit) its ``.done`` record is in ``log_dir``."""
+    out = re.search(r"--out\s+(\S+)", job.command)
+    if out and (Path(out.group(1)) / "summary.json").exists():
+        return True
+    return (log_dir / f"{job.name}.done").exists()
+
+
+def status(jobs: list[Job], log_dir: Path, group: str = r"[^-]+") -> str:
+    """A table of finished / listed jobs per group (what ``group`` matches at the start of the name, or the whole
+    name without its seed) and seed (a trailing ``-sN``)."""
+    counts: dict[str, dict[str, list[int]]] = {}
+    for job in jobs:
+        seed = re.search(r"-s(\d+)$", job.name)
+        label = re.match(group, job.name)
+        name = label.group(0) if label else job.name.removesuffix(seed.group(0) if seed else "")
+        cell = counts.setdefault(name, {}).setdefault(f"s{seed.group(1)}" if seed else "-", [0, 0])
+        cell[0] += finished(job, log_dir)
+        cell[1] += 1
+    seeds = sorted({seed for group in counts.values() for seed in group})
+    lines = ["| group | " + " | ".join(seeds) + " | all |", "|---|" + "---:|" * (len(seeds) + 1)]
+    for group, row in counts.items():
+        cells = [f"{row[s][0]} / {row[s][1]}" if s in row else "" for s in seeds]
+        total = [sum(values) for values in zip(*row.values(), strict=True)]
+        lines.append(f"| {group} | " + " | ".join(cells) + f" | {total[0]} / {total[1]} |")
+    done = sum(finished(job, log_dir) for job in jobs)
+    return "\n".join(lines) + f"\n\n{done} of {len(jobs)} jobs finished, {len(jobs) - done} left"
 
 
 def start(job: Job, log_dir: Path) -> subprocess.Popen[bytes]:
@@ -119,7 +156,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=2, help="jobs at once (default 2)")
     parser.add_argument("--deadline", type=float, default=float("inf"), help="seconds from now to stop at")
     parser.add_argument("--log-dir", type=Path, default=Path("results/jobs"), help="logs and .done records")
+    parser.add_argument("--status", action="store_true", help="run nothing: finished / listed jobs per group and seed")
+    parser.add_argument("--group", default=r"[^-]+", metavar="REGEX",
+                        help="with --status: a group is what this matches at the start of a name (default: up to '-')")
     args = parser.parse_args(argv)
+    if args.status:
+        print(status(read_jobs(args.jobs), args.log_dir, args.group))
+        return
     if args.workers < 1:
         parser.error("--workers must be at least 1")
     args.log_dir.mkdir(parents=True, exist_ok=True)

@@ -132,3 +132,30 @@ def test_repeated_names_are_refused(run_jobs: ModuleType, tmp_path: Path) -> Non
     with pytest.raises(SystemExit) as stop:
         run_jobs.read_jobs(_jobs(tmp_path, ["a\ttrue", "a\tfalse"]))
     assert "job names repeat: a" in str(stop.value)
+
+
+def test_status_counts_finished_runs_by_group_and_seed_and_runs_nothing(run_jobs: ModuleType, tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """``--status`` counts a run as finished by its ``--out`` folder's ``summary.json`` (present on any machine with
+    the results), a command without ``--out`` by its ``.done`` record, and starts no job."""
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    (out / "fig3-a-s0").mkdir(parents=True)
+    (out / "fig3-a-s0" / "summary.json").write_text("{}")
+    (out / "fig3-a-s1").mkdir()                               # a stopped run: its folder but no summary
+    logs.mkdir()
+    (logs / "sweep-x.done").write_text("{}")
+    jobs = _jobs(tmp_path, [f"fig3-a-s0\ttouch {tmp_path}/ran --out {out}/fig3-a-s0",
+                            f"fig3-a-s1\ttouch {tmp_path}/ran --out {out}/fig3-a-s1",
+                            f"fig4-b-s0\ttouch {tmp_path}/ran --out {out}/fig4-b-s0",
+                            f"sweep-x\ttouch {tmp_path}/ran", f"sweep-y\ttouch {tmp_path}/ran"])
+    run_jobs.main([str(jobs), "--status", "--log-dir", str(logs)])
+    table = capsys.readouterr().out
+    assert "| group | - | s0 | s1 | all |" in table                # seeds in order, jobs without one under "-"
+    assert "| fig3 |  | 1 / 1 | 0 / 1 | 1 / 2 |" in table
+    assert "| fig4 |  | 0 / 1 |  | 0 / 1 |" in table
+    assert "| sweep | 1 / 2 |  |  | 1 / 2 |" in table
+    assert "2 of 5 jobs finished, 3 left" in table
+    assert not (tmp_path / "ran").exists()
+    run_jobs.main([str(jobs), "--status", "--log-dir", str(logs), "--group", "fig3-a|sweep-x"])
+    table = capsys.readouterr().out
+    assert "| fig3-a |  | 1 / 1 | 0 / 1 | 1 / 2 |" in table and "| sweep-y | 0 / 1 |" in table
