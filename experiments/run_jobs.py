@@ -61,14 +61,16 @@ def read_jobs(path: Path) -> list[Job]:
     return jobs
 
 
-def run_line(name: str, config: str, seed: int, data_dir: str, out: str) -> str:
+def run_line(name: str, config: str, seed: int, data_dir: str, out: str, sets: tuple[str, ...] = ()) -> str:
     """The job-list line of one seeded ``decentdp run`` (what the experiments' generators write): named
     ``NAME-sSEED``, one compute thread, skipped once ``OUT/summary.json`` exists, wherever the list runs, and
     continued with ``--resume`` where a stopped run left its checkpoint (``decentdp run`` refuses a folder that
     holds files otherwise).  A folder with neither (a run stopped before its first checkpoint, or a copy of the
-    results that kept the metrics but not the checkpoint) has nothing to continue from: the run starts afresh."""
+    results that kept the metrics but not the checkpoint) has nothing to continue from: the run starts afresh.
+    ``sets`` are extra ``--set`` overrides (``experiment.eval_every=200``: a grid that needs only final figures)."""
+    overrides = "".join(f" --set {item}" for item in (f"experiment.seed={seed}", *sets))
     return (f"{name}-s{seed}\t[ -f {out}/summary.json ] || {{ [ -f {out}/checkpoint.pt ] || rm -rf {out}; "
-            f"decentdp run {config} --set experiment.seed={seed} --data-dir {data_dir} --out {out} --threads 1 "
+            f"decentdp run {config}{overrides} --data-dir {data_dir} --out {out} --threads 1 "
             f"--no-progress $([ -f {out}/checkpoint.pt ] && echo --resume); }}")
 
 

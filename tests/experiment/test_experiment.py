@@ -49,6 +49,26 @@ def test_resume_refuses_a_different_config(tmp_path: Path) -> None:
         run_experiment(changed, tmp_path / "run", progress=False, resume=True)
 
 
+def test_resume_may_evaluate_and_checkpoint_at_another_cadence_and_ends_the_same(tmp_path: Path) -> None:
+    """Evaluations and checkpoints draw nothing from the run's streams, so a long grid may resume a stopped run
+    evaluating less often (``RECORDING_FIELDS``): the state, ledger and final metrics are the uninterrupted run's."""
+    from decentdp.cli.report import IGNORED_FIELDS
+    from decentdp.config import RECORDING_FIELDS
+
+    assert set(RECORDING_FIELDS) <= set(IGNORED_FIELDS)  # nor do they split a report's groups
+    every = validate_config(tiny_config(experiment={"rounds": 6, "eval_every": 1, "checkpoint_every": 1}))
+    sparse = validate_config(tiny_config(experiment={"rounds": 6, "eval_every": 3, "checkpoint_every": 2}))
+    whole = run_experiment(every, tmp_path / "whole", progress=False)
+    run_experiment(every, tmp_path / "split", progress=False, stop_after=2)
+    resumed = run_experiment(sparse, tmp_path / "split", progress=False, resume=True)
+    for key, value in whole.state.items():
+        assert torch.equal(value, resumed.state[key]), key
+    assert [row["round"] for row in resumed.metrics] == [0, 1, 2, 3, 6]
+    assert _strip_times(resumed.metrics)[-1] == _strip_times(whole.metrics)[-1]
+    privacy = [json.loads((tmp_path / run / "privacy.json").read_text()) for run in ("whole", "split")]
+    assert privacy[0] == privacy[1]
+
+
 def test_a_run_writes_its_results_folder(tmp_path: Path) -> None:
     result = run_experiment(validate_config(tiny_config()), tmp_path / "out", progress=False)
     names = {p.name for p in (tmp_path / "out").iterdir()}

@@ -40,8 +40,9 @@ from decentdp.errors import ConfigError, DecentDPError
 from decentdp.results.files import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, write_atomic
 
 #: Fields that never define a group: the seed (what a group averages over), labels, where data was
-#: read from, how often the run evaluated or checkpointed, and how it computed (``engine.*`` changes
-#: results only by floating-point rounding).
+#: read from, how often the run evaluated or checkpointed (``decentdp.config.RECORDING_FIELDS``, spelled out so
+#: that a report imports no torch), and how it computed (``engine.*`` changes results only by floating-point
+#: rounding).
 IGNORED_FIELDS = ("experiment.seed", "experiment.name", "experiment.eval_every", "experiment.checkpoint_every",
                   "data.data_dir")
 IGNORED_SECTIONS = ("engine.",)

@@ -5,6 +5,7 @@ from decentdp.config.personalized import PersonalizedSection
 from decentdp.config.schema import (
     GRAPH_REQUIRES,
     PLACEMENT_FIELDS,
+    RECORDING_FIELDS,
     EngineSection,
     ExperimentConfig,
     TrackingSection,
@@ -17,6 +18,6 @@ from decentdp.config.schema import (
     validate_config,
 )
 
-__all__ = ["GRAPH_REQUIRES", "PLACEMENT_FIELDS", "EngineSection", "ExperimentConfig", "PersonalizedSection",
-           "TrackingSection", "apply_overrides", "config_differences", "flat_fields", "load_config",
-           "overridden_algorithm_keys", "parse_override", "validate_config"]
+__all__ = ["GRAPH_REQUIRES", "PLACEMENT_FIELDS", "RECORDING_FIELDS", "EngineSection", "ExperimentConfig",
+           "PersonalizedSection", "TrackingSection", "apply_overrides", "config_differences", "flat_fields",
+           "load_config", "overridden_algorithm_keys", "parse_override", "validate_config"]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from decentdp.algorithms.base import State
-from decentdp.config import PLACEMENT_FIELDS, ExperimentConfig, config_differences, validate_config
+from decentdp.config import PLACEMENT_FIELDS, RECORDING_FIELDS, ExperimentConfig, config_differences, validate_config
 from decentdp.errors import ConfigError
 from decentdp.experiment.build import Experiment
 from decentdp.privacy.network_dp import plot_pairwise
@@ -169,8 +169,10 @@ class ResultsFolder:
             saved = read_checkpoint(checkpoint)
             if "shards" in saved:  # written by the workers of a sharded run: their rows merged (for any split)
                 saved |= _merged_shards(self.path, saved["shards"])
+            # Where it runs and how often it records may change (other ray workers, fewer evaluations), not what
+            # it computes.
             changed = [key for key in config_differences(validate_config(saved["config"]), config)
-                       if key not in PLACEMENT_FIELDS]  # e.g. a ray run resumed on other workers
+                       if key not in PLACEMENT_FIELDS + RECORDING_FIELDS]
             if changed == ["experiment.rounds"] and saved["round"] == saved["config"]["experiment"]["rounds"]:
                 raise ConfigError("--resume", f"this run finished its {saved['round']} rounds and cannot be extended: "
                                               "its noise was calibrated for exactly the releases it planned, so "
