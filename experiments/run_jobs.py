@@ -100,7 +100,7 @@ def status(jobs: list[Job], log_dir: Path, group: str = r"[^-]+") -> str:
         cells = [f"{row[s][0]} / {row[s][1]}" if s in row else "" for s in seeds]
         total = [sum(values) for values in zip(*row.values(), strict=True)]
         lines.append(f"| {group} | " + " | ".join(cells) + f" | {total[0]} / {total[1]} |")
-    done = sum(finished(job, log_dir) for job in jobs)
+    done = sum(cell[0] for row in counts.values() for cell in row.values())
     return "\n".join(lines) + f"\n\n{done} of {len(jobs)} jobs finished, {len(jobs) - done} left"
 
 

@@ -57,7 +57,6 @@ def in_place_topology(config: ExperimentConfig, seed: int) -> Topology:
     return topology_from_matrix(gauss_seidel_step(topology.mixing), require_doubly_stochastic=False)
 
 
-
 class DSGDGradientAtMixed(DPDSGD):
     """The paper code's DSGD step: mix first, then the gradient at the mixed parameters (registered only when
     ``--gradient-at-mixed`` asks for it, so that importing this script adds no algorithm)."""
