@@ -5,6 +5,7 @@ DP-DSGD's study, which this equality makes the same study."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from decentdp.config import validate_config
@@ -13,9 +14,10 @@ from decentdp.experiment.loop import run_experiment
 from conftest import tiny_config
 
 
-def test_synchronous_a_dp2_sgd_runs_exactly_as_dp_dsgd() -> None:
+@pytest.mark.parametrize("graph", ["ring", "complete-bipartite"])  # the graphs whose studies it shares
+def test_synchronous_a_dp2_sgd_runs_exactly_as_dp_dsgd(graph: str) -> None:
     results = {name: run_experiment(validate_config(tiny_config(algorithm={"name": name, "lr": 0.5},
-                                                                engine={"threads": 1})),
+                                                                topology={"graph": graph}, engine={"threads": 1})),
                                     progress=False, log=lambda _line: None)
                for name in ("dp-dsgd", "dp-dpsgd")}
     dsgd, dpsgd = results["dp-dsgd"], results["dp-dpsgd"]

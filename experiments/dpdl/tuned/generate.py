@@ -45,11 +45,15 @@ TUNED: dict[tuple[str, str], tuple[dict[str, Any], float]] = {
     ("dp-cga", "fc"): ({"lr": 1.745, "momentum": 0.0}, 0.8970),  # 16 trials, done (2026-11-28)
     # DP-NET-FLEET: its second study (lr and correction decay; 16 trials, done 2026-11-28); lr alone: 55.35 %.
     ("dp-net-fleet", "fc"): ({"lr": 0.8907, "correction_decay": 0.6623}, 0.8647),
+    # The complete bipartite graph's studies (16 trials each, done 2026-11-29).
+    ("muffliato", "bipartite"): ({"lr": 1.21}, 0.9032),
+    ("dp-dpsgd", "bipartite"): ({"lr": 0.8332}, 0.8629),  # DP-DSGD's study, as on the complete graph
 }
 #: The (method, graph) pairs whose study has run all its trials: only their Table I cells are in ``jobs.tsv`` (a
 #: cell run at a rate that its study later moves would be run again).
 FINAL: frozenset[tuple[str, str]] = frozenset({("dpdl", "fc"), ("muffliato", "fc"), ("dp-dpsgd", "fc"),
-                                               ("dp-cga", "fc"), ("dp-net-fleet", "fc")})
+                                               ("dp-cga", "fc"), ("dp-net-fleet", "fc"),
+                                               ("muffliato", "bipartite"), ("dp-dpsgd", "bipartite")})
 
 
 def config(method: str, graph: str, alpha: float, epsilon: float, name: str, agents: int = 10) -> dict[str, Any]:
