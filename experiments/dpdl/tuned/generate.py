@@ -6,7 +6,7 @@ validation split, alpha = 0.1, epsilon = 4; the same budget for every method) an
 table is the single source of truth.  A method appears here once its sweep has finished.  Every cell runs
 the paper's setting: MNIST, LeNet-5, N = 10, 1000 rounds, expected batch 64, C = 1, delta = 1e-5, with
 the block labels we chose (docs/reproduction.md: alpha in {0.1, 1.0}, epsilon in {2, 4, 8}); three
-seeds with ``--set experiment.seed=S`` (``jobs.tsv`` lists them for the methods in ``FINAL``).  Then issue 33's
+seeds with ``--set experiment.seed=S`` (``jobs.tsv`` lists them for the pairs in ``STEP``).  Then issue 33's
 item 3: N = 20 and 30 on the complete graph in the cell where the paper's gaps are largest (alpha = 0.1,
 epsilon = 2: DPDL 95.3 and 91.9 % against at most 82.1 and 76.4 % for the baselines), with each method's N = 10
 tuning (one study per method and graph; the agents' count is not tuned), listed after every N = 10 run.
