@@ -59,8 +59,8 @@ TUNED: dict[tuple[str, str], tuple[dict[str, Any], float]] = {
 }
 #: The length check's factors on the study's step: as tuned, and times the ratio of the lengths (300 / 1000).
 LENGTH_FACTORS = (1.0, 0.3)
-#: (method, graph) -> the factor its length check chose (module docstring), with the validation accuracy at round
-#: 1000 of each factor.  Only these pairs' Table I cells are in ``jobs.tsv``: a cell run at a step that the check
+#: (method, graph) -> the factor its length check chose (module docstring; each entry's comment gives the validation
+#: accuracy at round 1000 of each factor).  Only these pairs' Table I cells are in ``jobs.tsv``: a cell run at a step that the check
 #: later moves would be run again.  (Seed 0 of the complete graph's cells ran at the study's step before the check
 #: was added, 2026-11-28/29; docs/reproduction.md keeps those figures.)
 STEP: dict[tuple[str, str], float] = {}
