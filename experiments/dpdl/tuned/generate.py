@@ -56,6 +56,7 @@ TUNED: dict[tuple[str, str], tuple[dict[str, Any], float]] = {
     # The complete bipartite graph's studies (16 trials each, done 2026-11-29).
     ("muffliato", "bipartite"): ({"lr": 1.21}, 0.9032),
     ("dp-dpsgd", "bipartite"): ({"lr": 0.8332}, 0.8629),  # DP-DSGD's study, as on the complete graph
+    ("dpdl", "bipartite"): ({"lr": 0.072, "calibration_scale": 0.883}, 0.9044),
 }
 #: The length check's factors on the study's step: as tuned, and times the ratio of the lengths (300 / 1000).
 LENGTH_FACTORS = (1.0, 0.3)
