@@ -60,11 +60,17 @@ TUNED: dict[tuple[str, str], tuple[dict[str, Any], float]] = {
 }
 #: The length check's factors on the study's step: as tuned, and times the ratio of the lengths (300 / 1000).
 LENGTH_FACTORS = (1.0, 0.3)
-#: (method, graph) -> the factor its length check chose (module docstring; each entry's comment gives the validation
-#: accuracy at round 1000 of each factor).  Only these pairs' Table I cells are in ``jobs.tsv``: a cell run at a step that the check
-#: later moves would be run again.  (Seed 0 of the complete graph's cells ran at the study's step before the check
-#: was added, 2026-11-28/29; docs/reproduction.md keeps those figures.)
-STEP: dict[tuple[str, str], float] = {}
+#: (method, graph) -> the factor its length check chose (module docstring; each entry's comment gives the
+#: validation accuracy at round 1000 of each factor).  Only these pairs' Table I cells are in ``jobs.tsv``: a cell
+#: run at a step that the check later moves would be run again.  (Seed 0 of the complete graph's cells ran at the
+#: study's step before the check was added, 2026-11-28/29; their folders, DP-NET-FLEET's too, are kept in
+#: ``results-study-step/``, and docs/reproduction.md reads them.)
+STEP: dict[tuple[str, str], float] = {
+    ("dpdl", "fc"): 0.3,  # 89.13 % as tuned, 91.18 % at 0.3 (2026-11-29)
+    ("muffliato", "fc"): 0.3,  # 88.83 / 90.88 %
+    ("dp-dpsgd", "fc"): 0.3,  # 85.88 / 89.84 %
+    ("dp-cga", "fc"): 0.3,  # 86.65 / 90.17 %
+}
 
 
 def config(method: str, graph: str, alpha: float, epsilon: float, name: str, agents: int = 10,
