@@ -71,6 +71,8 @@ STEP: dict[tuple[str, str], float] = {
     ("dp-dpsgd", "fc"): 0.3,  # 85.88 / 89.84 %
     ("dp-cga", "fc"): 0.3,  # 86.65 / 90.17 %
     ("dp-net-fleet", "fc"): 0.3,  # 63.09 / 87.46 %
+    ("muffliato", "bipartite"): 0.3,  # 88.64 / 90.89 %
+    ("dp-dpsgd", "bipartite"): 0.3,  # 88.83 / 89.18 %
 }
 
 
