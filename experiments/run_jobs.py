@@ -6,7 +6,7 @@ one by one; this runs them from a list, in the list's order, ``--workers`` at a 
 (``OMP_NUM_THREADS=1``, as the docs' commands), and stops cleanly at ``--deadline``: the jobs still running get
 SIGTERM, then SIGKILL, and are simply started again by the next call (every decentdp command resumes: runs from
 their checkpoint, sweeps from their study, audits from their chunks).  A job that finished is recorded as
-``<log-dir>/<name>.done`` and skipped the next time.
+``<log-dir>/<name>.done`` and skipped the next time, unless its command tests for its own result (below).
 
 The job list has one job a line, ``NAME<TAB>COMMAND`` (``#`` starts a comment)::
 
@@ -16,9 +16,10 @@ The job list has one job a line, ``NAME<TAB>COMMAND`` (``#`` starts a comment)::
 
 ``--status`` runs nothing and says how far a list has come, by group (what ``--group``, a regular expression,
 matches at the start of the name: by default the name up to its first ``-``) and seed (a trailing ``-sN``).
-A job counts as finished when the ``--out`` folder of its command holds ``summary.json`` (so the count holds on
-any machine that has the results folders) or, for a command without one, when its ``.done`` record is in
-``--log-dir``.
+A job counts as finished, for ``--status`` and for the runner alike, when the file its command tests for
+(``[ -f FILE ] || ...``, the generators' lines) exists, whatever ``.done`` records say; for a command without that
+test, when the ``--out`` folder of its command holds ``summary.json`` (so the count holds on any machine that has
+the results folders) or its ``.done`` record is in ``--log-dir``.
 """
 
 from __future__ import annotations
@@ -75,8 +76,14 @@ def run_line(name: str, config: str, seed: int, data_dir: str, out: str, sets: t
 
 
 def finished(job: Job, log_dir: Path) -> bool:
-    """Whether a job has finished: its ``--out`` folder holds ``summary.json``, or (for a command that writes no
-    summary, a sweep or an audit) its ``.done`` record is in ``log_dir``."""
+    """Whether a job has finished.  A command that starts with its own completion test, ``[ -f FILE ] || ...`` (the
+    generators' run and attack lines), has finished exactly when FILE exists: a ``.done`` record left from an
+    earlier run of the same name (whose results were moved away, or that ran another config) does not count.
+    Otherwise the job's ``--out`` folder holds ``summary.json``, or (a sweep) its ``.done`` record is in
+    ``log_dir``."""
+    own_test = re.match(r"\[ -f (\S+) \] \|\|", job.command)
+    if own_test:
+        return Path(own_test.group(1)).exists()
     out = re.search(r"--out\s+(\S+)", job.command)
     if out and (Path(out.group(1)) / "summary.json").exists():
         return True
@@ -169,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--workers must be at least 1")
     args.log_dir.mkdir(parents=True, exist_ok=True)
     end = time.monotonic() + args.deadline
-    waiting = [job for job in read_jobs(args.jobs) if not (args.log_dir / f"{job.name}.done").exists()]
+    waiting = [job for job in read_jobs(args.jobs) if not finished(job, args.log_dir)]
     running: dict[str, tuple[Job, subprocess.Popen[bytes], float]] = {}
     print(f"{len(waiting)} jobs to run, {args.workers} at a time", flush=True)
     signal.signal(signal.SIGTERM, _interrupt)  # a stopped runner stops its jobs (each has a session of its own)

@@ -97,10 +97,10 @@ def test_a_generated_run_line_resumes_a_stopped_run_and_skips_a_finished_one(
     (tmp_path / "logs" / "tiny-s1.done").unlink()  # forgotten by the runner: the finished folder still skips it
     run_jobs.main([str(jobs), "--log-dir", str(tmp_path / "logs")])
     assert json.loads((out / "summary.json").read_text()) == summary
+    assert not (tmp_path / "logs" / "tiny-s1.done").exists()  # not even started
     # A folder left without its checkpoint (stopped before the first one, or copied without it) starts afresh.
     (out / "summary.json").unlink()
     (out / "checkpoint.pt").unlink()
-    (tmp_path / "logs" / "tiny-s1.done").unlink()
     run_jobs.main([str(jobs), "--log-dir", str(tmp_path / "logs")])
     assert (tmp_path / "logs" / "tiny-s1.done").exists(), (tmp_path / "logs" / "tiny-s1.log").read_text()
     assert json.loads((out / "summary.json").read_text())["accuracy_mean"] == whole.summary["accuracy_mean"]
@@ -132,6 +132,26 @@ def test_repeated_names_are_refused(run_jobs: ModuleType, tmp_path: Path) -> Non
     with pytest.raises(SystemExit) as stop:
         run_jobs.read_jobs(_jobs(tmp_path, ["a\ttrue", "a\tfalse"]))
     assert "job names repeat: a" in str(stop.value)
+
+
+def test_a_job_that_tests_for_its_result_runs_again_when_the_result_is_gone(run_jobs: ModuleType,
+                                                                            tmp_path: Path) -> None:
+    """A job whose command starts with its own completion test (``[ -f FILE ] || ...``) is finished exactly when
+    FILE exists: a ``.done`` record left by an earlier run of the same name (its results moved away, as when a
+    table's cells are listed again at another step) does not skip it, and an existing FILE skips it without one."""
+    logs, ran = tmp_path / "logs", tmp_path / "ran"
+    logs.mkdir()
+    result = tmp_path / "cell" / "summary.json"
+    jobs = _jobs(tmp_path, [f"cell-s0\t[ -f {result} ] || {{ echo cell >> {ran}; mkdir -p {result.parent}; "
+                            f"touch {result}; }}", f"other-s0\t[ -f {tmp_path}/kept ] || echo other >> {ran}"])
+    (logs / "cell-s0.done").write_text("{}")       # stale: the earlier run's results are gone
+    (tmp_path / "kept").touch()                     # finished, though the runner has no record of it
+    assert not run_jobs.finished(run_jobs.read_jobs(jobs)[0], logs)
+    run_jobs.main([str(jobs), "--log-dir", str(logs)])
+    assert ran.read_text() == "cell\n" and result.exists()
+    assert not (logs / "other-s0.log").exists()     # never started
+    run_jobs.main([str(jobs), "--log-dir", str(logs)])
+    assert ran.read_text() == "cell\n"             # finished now: skipped
 
 
 def test_status_counts_finished_runs_by_group_and_seed_and_runs_nothing(run_jobs: ModuleType, tmp_path: Path,

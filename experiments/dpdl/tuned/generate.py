@@ -73,6 +73,7 @@ STEP: dict[tuple[str, str], float] = {
     ("dp-net-fleet", "fc"): 0.3,  # 63.09 / 87.46 %
     ("muffliato", "bipartite"): 0.3,  # 88.64 / 90.89 %
     ("dp-dpsgd", "bipartite"): 0.3,  # 88.83 / 89.18 %
+    ("dpdl", "bipartite"): 0.3,  # 84.74 / 91.83 %
 }
 
 
