@@ -11,13 +11,16 @@ item 3: N = 20 and 30 on the complete graph in the cell where the paper's gaps a
 epsilon = 2: DPDL 95.3 and 91.9 % against at most 82.1 and 76.4 % for the baselines), with each method's N = 10
 tuning (one study per method and graph; the agents' count is not tuned), listed after every N = 10 run.
 
-The protocol's second stage, the length check: the studies tune over 300 rounds and the table runs 1000, where each
-release must carry more noise (DP-NET-FLEET's tuned step fell from 86.47 % to 63.09 % on the validation split, a third
-of it held 86.82 %; docs/reproduction.md).  So each study's best settings also run the table's length on the
-validation split (Dirichlet 0.1, epsilon 4, seed 0, the study's RDP calibration) with the step as tuned and scaled by
-the ratio of the lengths (``LENGTH_FACTORS``; ``length/jobs.tsv``, results in ``length/results/``); the better final
-accuracy sets the table's step (``STEP``), for every method and graph alike.  A (method, graph)'s Table I cells
-are listed once its check has chosen::
+The protocol's second stage, the length check, per cell: the studies tune over 300 rounds and the table runs 1000,
+where each release must carry more noise (DP-NET-FLEET's tuned step fell from 86.47 % to 63.09 % on the validation
+split, a third of it held 86.82 %; docs/reproduction.md), and how much step the noise allows depends on the cell's
+epsilon and alpha (checked at alpha = 0.1, epsilon = 4 alone, a third of the step cost DPDL and Muffliato 2-3 points
+in the cells with less noise).  So each study's best settings also run every cell of the table at its length on the
+validation split (seed 0, the study's RDP calibration), with the step as tuned and scaled by the ratio of the lengths
+(``LENGTH_FACTORS``; ``length/jobs.tsv``, results in ``length/results/``); the better final accuracy sets that cell's
+step (``STEP``, copied by hand from ``generate.py --checks``, which prints every check's figures), for every method
+and graph alike.  A cell is listed once its check has chosen, and ``--checks`` also names any test run in
+``results/`` that ran at another step than the one chosen (with the ``git mv`` that puts it beside its kind)::
 
     decentdp run experiments/dpdl/tuned/dpdl-mnist-fc-n10-dir0.1-eps4.toml --data-dir ../shared/data \\
         --set experiment.seed=1 --out results/dpdl-tuned/dpdl-mnist-fc-n10-dir0.1-eps4-s1
@@ -25,6 +28,8 @@ are listed once its check has chosen::
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import tomllib
 from pathlib import Path
@@ -60,43 +65,53 @@ TUNED: dict[tuple[str, str], tuple[dict[str, Any], float]] = {
 }
 #: The length check's factors on the study's step: as tuned, and times the ratio of the lengths (300 / 1000).
 LENGTH_FACTORS = (1.0, 0.3)
-#: (method, graph) -> the factor its length check chose (module docstring; each entry's comment gives the
-#: validation accuracy at round 1000 of each factor).  Only these pairs' Table I cells are in ``jobs.tsv``: a cell
-#: run at a step that the check later moves would be run again.  (Seed 0 of the complete graph's cells ran at the
-#: study's step before the check was added, 2026-11-28/29; their folders, DP-NET-FLEET's too, are kept in
-#: ``results-study-step/``, and docs/reproduction.md reads them.)
-STEP: dict[tuple[str, str], float] = {
-    ("dpdl", "fc"): 0.3,  # 89.13 % as tuned, 91.18 % at 0.3 (2026-11-29)
-    ("muffliato", "fc"): 0.3,  # 88.83 / 90.88 %
-    ("dp-dpsgd", "fc"): 0.3,  # 85.88 / 89.84 %
-    ("dp-cga", "fc"): 0.3,  # 86.65 / 90.17 %
-    ("dp-net-fleet", "fc"): 0.3,  # 63.09 / 87.46 %
-    ("muffliato", "bipartite"): 0.3,  # 88.64 / 90.89 %
-    ("dp-dpsgd", "bipartite"): 0.3,  # 88.83 / 89.18 %
-    ("dpdl", "bipartite"): 0.3,  # 84.74 / 91.83 %
+#: (method, graph) -> {(alpha, epsilon): the factor its cell's length check chose} (module docstring; the comments
+#: give each factor's validation accuracy at round 1000, in LENGTH_FACTORS' order).  Only these cells are in
+#: ``jobs.tsv``: a cell run at a step that its check later moves would be run again.  Test runs at a factor not
+#: chosen are kept for the record: the study's step in ``results-study-step/`` (seed 0 of the complete graph's
+#: cells ran there before the check existed, 2026-11-28/29), a third of it in ``results-short-step/`` (the first
+#: check, at alpha 0.1 and epsilon 4 alone, chose it for every cell of its method and graph).
+STEP: dict[tuple[str, str], dict[tuple[float, float], float]] = {
+    ("dpdl", "fc"): {(0.1, 4.0): 0.3},  # 89.13 / 91.18 % (2026-11-29)
+    ("muffliato", "fc"): {(0.1, 4.0): 0.3},  # 88.83 / 90.88 %
+    ("dp-dpsgd", "fc"): {(0.1, 4.0): 0.3},  # 85.88 / 89.84 %
+    ("dp-cga", "fc"): {(0.1, 4.0): 0.3},  # 86.65 / 90.17 %
+    ("dp-net-fleet", "fc"): {(0.1, 4.0): 0.3},  # 63.09 / 87.46 %
+    ("muffliato", "bipartite"): {(0.1, 4.0): 0.3},  # 88.64 / 90.89 %
+    ("dp-dpsgd", "bipartite"): {(0.1, 4.0): 0.3},  # 88.83 / 89.18 %
+    ("dpdl", "bipartite"): {(0.1, 4.0): 0.3},  # 84.74 / 91.83 %
 }
+
+
+def chosen(method: str, graph: str, alpha: float, epsilon: float) -> float | None:
+    """The factor the cell's length check chose, or None before it has."""
+    return STEP.get((method, graph), {}).get((alpha, epsilon))
 
 
 def config(method: str, graph: str, alpha: float, epsilon: float, name: str, agents: int = 10,
            step: float | None = None) -> dict[str, Any]:
     """The untuned config of the method (``experiments/dpdl/``) with the tuned values, the cell's agents, alpha
-    and epsilon, and the paper's 1000 rounds; the study's step times ``step`` (the length check's choice unless
-    told)."""
+    and epsilon, and the paper's 1000 rounds; the study's step times ``step`` (the cell's length check's choice
+    unless told; the study's step before it has chosen)."""
     base = tomllib.loads((HERE.parent / f"{method}-mnist-{graph}-dir0.1.toml").read_text())
     base["experiment"] |= {"name": name, "rounds": 1000, "eval_every": 100}
     base["topology"]["agents"] = agents
     base["data"]["dirichlet_alpha"] = alpha
     tuned = TUNED[(method, graph)][0]
-    factor = STEP.get((method, graph), 1.0) if step is None else step
+    factor = (chosen(method, graph, alpha, epsilon) or 1.0) if step is None else step
     base["algorithm"] |= tuned | {"lr": round(tuned["lr"] * factor, 6)}
     base["privacy"]["epsilon"] = epsilon
     return base
 
 
-def write_length_check(method: str, graph: str, factor: float) -> str:
+def check_name(method: str, graph: str, alpha: float, epsilon: float, factor: float) -> str:
+    return f"{method}-mnist-{graph}-n10-dir{alpha:g}-eps{epsilon:g}-step{factor:g}"
+
+
+def write_length_check(method: str, graph: str, alpha: float, epsilon: float, factor: float) -> str:
     """Write one length-check run (module docstring) into ``length/``; its name."""
-    name = f"{method}-mnist-{graph}-n10-step{factor:g}"
-    raw = config(method, graph, 0.1, 4.0, name, step=factor)
+    name = check_name(method, graph, alpha, epsilon, factor)
+    raw = config(method, graph, alpha, epsilon, name, step=factor)
     raw["data"]["validation_fraction"] = 0.1
     raw["privacy"]["accountant"] = "rdp"
     (HERE / "length").mkdir(exist_ok=True)
@@ -115,16 +130,60 @@ def write(method: str, graph: str, alpha: float, epsilon: float, agents: int = 1
     return name
 
 
-def main() -> None:
+def final_accuracy(run: Path) -> float | None:
+    """A finished run's mean accuracy at its last evaluation, or None while it has not finished."""
+    summary = run / "summary.json"
+    return json.loads(summary.read_text())["accuracy_mean"] if summary.exists() else None
+
+
+def checks_report() -> str:
+    """Every cell's length check as a table (validation accuracy at round 1000 per factor, the better one, and what
+    ``STEP`` holds), then the test runs in ``results/`` whose step is not their cell's chosen one."""
+    lines = ["| method | graph | alpha | epsilon | " + " | ".join(f"x{f:g}" for f in LENGTH_FACTORS)
+             + " | better | in STEP |", "|---|---|---:|---:|" + "---:|" * (len(LENGTH_FACTORS) + 2)]
+    moves = []
+    for method, graph in TUNED:
+        for alpha in ALPHAS:
+            for epsilon in EPSILONS:
+                accuracy = {f: final_accuracy(HERE / "length" / "results" /
+                                              f"{check_name(method, graph, alpha, epsilon, f)}-s0")
+                            for f in LENGTH_FACTORS}
+                done = {f: a for f, a in accuracy.items() if a is not None}
+                better = f"x{max(done, key=lambda f: done[f]):g}" if len(done) == len(LENGTH_FACTORS) else ""
+                step = chosen(method, graph, alpha, epsilon)
+                cells = " | ".join("" if a is None else f"{100 * a:.2f}" for a in accuracy.values())
+                lines.append(f"| {method} | {graph} | {alpha:g} | {epsilon:g} | {cells} | {better} | "
+                             f"{'' if step is None else f'x{step:g}'} |")
+                name = f"{method}-mnist-{graph}-n10-dir{alpha:g}-eps{epsilon:g}"
+                lr = config(method, graph, alpha, epsilon, name)["algorithm"]["lr"]
+                for run in sorted((HERE / "results").glob(f"{name}-s*/summary.json")):
+                    ran = json.loads(run.read_text())["lr"]
+                    if step is None or ran != lr:
+                        kind = "results-study-step" if ran == TUNED[(method, graph)][0]["lr"] else "results-short-step"
+                        why = "its cell's check has not chosen" if step is None else f"the cell's step is {lr:g}"
+                        moves.append(f"git mv {run.parent.relative_to(HERE.parents[2])} "
+                                     f"experiments/dpdl/tuned/{kind}/  # ran at lr {ran:g}; {why}")
+    return "\n".join(lines + ["", "Test runs in results/ not at their cell's chosen step:" if moves else
+                                "Every test run in results/ is at its cell's chosen step.", *moves])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checks", action="store_true", help="write nothing: print every cell's length check and "
+                                                              "the test runs at another step than their cell's")
+    if parser.parse_args(argv).checks:
+        print(checks_report())
+        return
     finals, larger, checks = [], [], []
     for method, graph in TUNED:
-        names = [write(method, graph, alpha, epsilon) for alpha in ALPHAS for epsilon in EPSILONS]
-        scaled = [write(method, graph, alpha, epsilon, agents) for agents, alpha, epsilon in SCALING] \
-            if graph == "fc" else []
-        checks += [write_length_check(method, graph, factor) for factor in LENGTH_FACTORS]
-        if (method, graph) in STEP:
-            finals += names
-            larger += scaled
+        cells = [(alpha, epsilon) for alpha in ALPHAS for epsilon in EPSILONS]
+        names = {cell: write(method, graph, *cell) for cell in cells}
+        checks += [write_length_check(method, graph, *cell, factor) for cell in cells for factor in LENGTH_FACTORS]
+        finals += [names[cell] for cell in cells if chosen(method, graph, *cell) is not None]
+        if graph == "fc":
+            larger += [name for agents, alpha, epsilon in SCALING
+                       for name in [write(method, graph, alpha, epsilon, agents)]
+                       if chosen(method, graph, alpha, epsilon) is not None]
     (HERE / "length" / "jobs.tsv").write_text(
         "# Generated by experiments/dpdl/tuned/generate.py: python experiments/run_jobs.py "
         "experiments/dpdl/tuned/length/jobs.tsv --workers 2 (DATA_DIR defaults to ../shared/data)\n"
