@@ -14,7 +14,7 @@ tuning (one study per method and graph; the agents' count is not tuned), listed 
 The protocol's second stage, the length check, per cell: the studies tune over 300 rounds and the table runs 1000,
 where each release must carry more noise (DP-NET-FLEET's tuned step fell from 86.47 % to 63.09 % on the validation
 split, a third of it held 86.82 %; docs/reproduction.md), and how much step the noise allows depends on the cell's
-epsilon and alpha (checked at alpha = 0.1, epsilon = 4 alone, a third of the step cost DPDL and Muffliato 2-3 points
+epsilon and alpha (checked at alpha = 0.1, epsilon = 4 alone, a third of the step cost DPDL and Muffliato 2.0-3.5 points
 in the cells with less noise).  So each study's best settings also run every cell of the table at its length on the
 validation split (seed 0, the study's RDP calibration), with the step as tuned and scaled by the ratio of the lengths
 (``LENGTH_FACTORS``; ``length/jobs.tsv``, results in ``length/results/``); the better final accuracy sets that cell's
