@@ -72,7 +72,10 @@ LENGTH_FACTORS = (1.0, 0.3)
 #: cells ran there before the check existed, 2026-11-28/29), a third of it in ``results-short-step/`` (the first
 #: check, at alpha 0.1 and epsilon 4 alone, chose it for every cell of its method and graph).
 STEP: dict[tuple[str, str], dict[tuple[float, float], float]] = {
-    ("dpdl", "fc"): {(0.1, 4.0): 0.3},  # 89.13 / 91.18 % (2026-11-29)
+    ("dpdl", "fc"): {(0.1, 2.0): 0.3,  # 70.66 / 89.51 % (2026-11-29)
+                     (0.1, 4.0): 0.3,  # 89.13 / 91.18 %
+                     (0.1, 8.0): 1.0,  # 93.91 / 91.19 %
+                     (1.0, 2.0): 1.0},  # 93.30 / 91.86 %
     ("muffliato", "fc"): {(0.1, 4.0): 0.3},  # 88.83 / 90.88 %
     ("dp-dpsgd", "fc"): {(0.1, 4.0): 0.3},  # 85.88 / 89.84 %
     ("dp-cga", "fc"): {(0.1, 4.0): 0.3},  # 86.65 / 90.17 %
@@ -81,6 +84,10 @@ STEP: dict[tuple[str, str], dict[tuple[float, float], float]] = {
     ("dp-dpsgd", "bipartite"): {(0.1, 4.0): 0.3},  # 88.83 / 89.18 %
     ("dpdl", "bipartite"): {(0.1, 4.0): 0.3},  # 84.74 / 91.83 %
 }
+
+
+#: Where test runs at a step their cell did not choose are kept (the study's step, a third of it).
+ASIDE = ("results-study-step", "results-short-step")
 
 
 def chosen(method: str, graph: str, alpha: float, epsilon: float) -> float | None:
@@ -138,7 +145,8 @@ def final_accuracy(run: Path) -> float | None:
 
 def checks_report() -> str:
     """Every cell's length check as a table (validation accuracy at round 1000 per factor, the better one, and what
-    ``STEP`` holds), then the test runs in ``results/`` whose step is not their cell's chosen one."""
+    ``STEP`` holds), then each test run that lies in the wrong folder: ``results/`` holds the runs at their cell's
+    chosen step, ``ASIDE`` the others, by step."""
     lines = ["| method | graph | alpha | epsilon | " + " | ".join(f"x{f:g}" for f in LENGTH_FACTORS)
              + " | better | in STEP |", "|---|---|---:|---:|" + "---:|" * (len(LENGTH_FACTORS) + 2)]
     moves = []
@@ -156,15 +164,19 @@ def checks_report() -> str:
                              f"{'' if step is None else f'x{step:g}'} |")
                 name = f"{method}-mnist-{graph}-n10-dir{alpha:g}-eps{epsilon:g}"
                 lr = config(method, graph, alpha, epsilon, name)["algorithm"]["lr"]
-                for run in sorted((HERE / "results").glob(f"{name}-s*/summary.json")):
-                    ran = json.loads(run.read_text())["lr"]
-                    if step is None or ran != lr:
+                for folder in ("results", *ASIDE):
+                    for run in sorted((HERE / folder).glob(f"{name}-s*/summary.json")):
+                        ran = json.loads(run.read_text())["lr"]
                         kind = "results-study-step" if ran == TUNED[(method, graph)][0]["lr"] else "results-short-step"
-                        why = "its cell's check has not chosen" if step is None else f"the cell's step is {lr:g}"
-                        moves.append(f"git mv {run.parent.relative_to(HERE.parents[2])} "
-                                     f"experiments/dpdl/tuned/{kind}/  # ran at lr {ran:g}; {why}")
-    return "\n".join(lines + ["", "Test runs in results/ not at their cell's chosen step:" if moves else
-                                "Every test run in results/ is at its cell's chosen step.", *moves])
+                        belongs = "results" if step is not None and ran == lr else kind
+                        if belongs != folder:
+                            why = ("its cell's check has not chosen" if step is None else
+                                   f"the cell's step is {lr:g}" if belongs != "results" else "the cell's chosen step")
+                            moves.append(f"git mv {run.parent.relative_to(HERE.parents[2])} "
+                                         f"experiments/dpdl/tuned/{belongs}/  # ran at lr {ran:g}: {why}")
+    return "\n".join(lines + ["", "Test runs in the wrong folder (results/ holds the chosen steps' runs):" if moves else
+                                "Every test run is in its folder: results/ holds the chosen steps' runs, the others "
+                                "are aside.", *moves])
 
 
 def main(argv: list[str] | None = None) -> None:
