@@ -19,8 +19,8 @@ in the cells with less noise).  So each study's best settings also run every cel
 validation split (seed 0, the study's RDP calibration), with the step as tuned and scaled by the ratio of the lengths
 (``LENGTH_FACTORS``; ``length/jobs.tsv``, results in ``length/results/``); the better final accuracy sets that cell's
 step (``STEP``, copied by hand from ``generate.py --checks``, which prints every check's figures), for every method
-and graph alike.  A cell is listed once its check has chosen, and ``--checks`` also names any test run in
-``results/`` that ran at another step than the one chosen (with the ``git mv`` that puts it beside its kind)::
+and graph alike.  A cell is listed once its check has chosen, and ``--checks`` also names any test run in the
+wrong folder (``results/`` holds the chosen steps' runs, ``ASIDE`` the others) with the ``git mv`` that moves it::
 
     decentdp run experiments/dpdl/tuned/dpdl-mnist-fc-n10-dir0.1-eps4.toml --data-dir ../shared/data \\
         --set experiment.seed=1 --out results/dpdl-tuned/dpdl-mnist-fc-n10-dir0.1-eps4-s1
@@ -124,6 +124,7 @@ def config(method: str, graph: str, alpha: float, epsilon: float, name: str, age
 
 
 def check_name(method: str, graph: str, alpha: float, epsilon: float, factor: float) -> str:
+    """The name (config, job and results folder) of one cell's length-check run at ``factor`` of the study's step."""
     return f"{method}-mnist-{graph}-n10-dir{alpha:g}-eps{epsilon:g}-step{factor:g}"
 
 
