@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --status: a group is what this matches at the start of a name (default: up to '-')")
     args = parser.parse_args(argv)
     if args.status:
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # ``--status | head``: end quietly when the reader does
+        if hasattr(signal, "SIGPIPE"):  # POSIX: ``--status | head`` ends quietly when the reader does
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         print(status(read_jobs(args.jobs), args.log_dir, args.group))
         return
     if args.workers < 1:
