@@ -234,6 +234,24 @@ def test_pairing_offline_agents_and_ledger_match_messages() -> None:
     np.testing.assert_array_equal(counts["count.reduced"] + counts["count.full"], per_agent)
 
 
+def test_udp_sampled_users_release_only_when_drawn_and_its_sigma_uses_the_participation() -> None:
+    """UDP under ``schedule.kind = "sampled"``: an agent that sits a round out neither releases nor moves, the
+    ledger charges exactly the rounds each agent took part in, and Wei et al.'s sigma (the paper's calibration)
+    scales with sqrt(participation)."""
+    budget = {"epsilon": 0.5}   # Wei et al.'s sigma is sound at this budget here (at 5, the ledger refuses it)
+    sampled, _, history = _simulate("udp", 12, schedule={"kind": "sampled", "participation": 0.5}, privacy=budget)
+    for plan, before, after, released in history:
+        active = plan.active.numpy()
+        assert (released == active.astype(int)).all()
+        assert torch.equal(after[~plan.active], before[~plan.active])
+    took_part = sum(h[3] for h in history)
+    assert 0 < took_part.sum() < 12 * 6                                    # some agents sat some rounds out
+    np.testing.assert_array_equal(sampled.ledger.releases(), took_part)
+    everyone, _, _ = _simulate("udp", 12, privacy=budget)
+    ratio = float(sampled.noise_multipliers[0] / everyone.noise_multipliers[0])
+    assert ratio == pytest.approx(math.sqrt(0.5))
+
+
 def test_sync_ledger_charges_each_receiver_once_per_round() -> None:
     """Budgets hold on the joint view (every noisy copy of an agent's sum, the colluding observer), which
     the calibration sized for the graph's largest cover: within budget, and above the per-receiver

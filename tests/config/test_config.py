@@ -89,6 +89,8 @@ INVALID_TOML: list[tuple[str, str, str, tuple[str, ...]]] = [
     ("offline-agents-unsupported", "[schedule]\noffline_probability = 0.3", "schedule.offline_probability",
      ("algorithm 'dp-dsgt' does not let agents go offline",)),
     ("participation-zero", "[schedule]\nparticipation = 0.0", "schedule.participation", ("greater than 0",)),
+    ("participation-without-sampling", "[schedule]\nparticipation = 0.5", "schedule.participation",
+     ("is used by schedule.kind = 'sampled' only", "'synchronous'")),
     ("graph-parameter-of-another-family", '[topology]\ngraph = "ring"\np = 0.5', "topology.p",
      ("is not used by graph = 'ring' (only by erdos-renyi", "--set ~topology.p")),
     ("redraw-fixed-graph", "[topology]\nredraw_every = 5", "topology.redraw_every",

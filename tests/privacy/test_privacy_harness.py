@@ -67,8 +67,10 @@ REPORTS_COLLUDING = {"decor", "mafalda-sgd", "muffliato", "zip-dl"}
 #: move the data terms of one participation class (round mod b) only.
 CYCLIC = {"mafalda-sgd"}
 
-#: Agents go offline and re-pair with earlier partners (TOP-DP's Alg. 2: the issue's item 3(B)).
-SCHEDULES = {"top-dp-async": {"kind": "pairing", "offline_probability": 0.3}}
+#: Agents go offline and re-pair with earlier partners (TOP-DP's Alg. 2: the issue's item 3(B)); UDP's sampled users
+#: sit out rounds, so its receivers mix fewer messages and its senders release fewer.
+SCHEDULES = {"top-dp-async": {"kind": "pairing", "offline_probability": 0.3},
+             "udp": {"kind": "sampled", "participation": 0.6}}
 
 
 class Sources:

@@ -4,8 +4,10 @@ Noise on each release from the authors' formula (specs C.2), converted to the cl
 
     sigma_i = 2 q_i sqrt(2 p T ln(1/delta)) / epsilon            (Delta_s = 2 eta C / m on the update)
 
-with ``q_i = L / |D_i|`` and ``p`` the fraction of agents taking part in a round.  The ledger
-records what this noise actually buys and reports it beside the claimed epsilon.
+with ``q_i = L / |D_i|`` and ``p`` the fraction of agents taking part in a round: Wei et al. sample users, so UDP
+also runs under ``schedule.kind = "sampled"`` (each online agent takes part with probability
+``schedule.participation``, the ``p`` above).  The ledger records what this noise actually buys (the releases each
+agent made, whoever sat out) and reports it beside the claimed epsilon.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class UDP(SelectMix):
     """Gaussian releases with Wei et al.'s sigma."""
 
     name: ClassVar[str] = "udp"
+    schedules: ClassVar[tuple[str, ...]] = (*SelectMix.schedules, "sampled")
 
     def calibrate(self, plan: NoisePlan) -> Calibrated:
         return calibrated_gaussian(

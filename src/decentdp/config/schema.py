@@ -429,6 +429,10 @@ class ExperimentConfig(_Section):
         if self.schedule.offline_probability and not algorithm_class(algo.name).follows_plan:
             raise _FieldError("schedule.offline_probability", f"algorithm '{algo.name}' does not let agents go "
                                                                "offline (its rounds involve every agent)")
+        if self.schedule.participation != 1.0 and self.schedule_kind != "sampled":
+            raise _FieldError("schedule.participation", f"is used by schedule.kind = 'sampled' only (this run's "
+                                                        f"schedule is '{self.schedule_kind}'); remove it, e.g. "
+                                                        f"--set ~schedule.participation")
         if self.schedule_kind == "poisson-clocks" and self.schedule.offline_probability:
             raise _FieldError("schedule.offline_probability", "does not apply to poisson-clocks (agents sleep "
                                                                "between wake-ups by design)")
