@@ -22,12 +22,12 @@ from decentdp.privacy.mechanisms import GaussianMechanism, NoiseDraw
 from decentdp.topology import build_topology
 
 
-def _experiment(epsilon: float, rounds: int = 1, algorithm: str = "dp-dsgd") -> Experiment:
+def _experiment(epsilon: float, rounds: int = 1, algorithm: str = "dp-dsgd", **sections: dict[str, Any]) -> Experiment:
     return audit_experiment(validate_config({
         "experiment": {"name": "audit", "rounds": rounds}, "data": {"dataset": "digits"},
         "topology": {"agents": 2}, "model": {"name": "linear"},
         "algorithm": {"name": algorithm, "lr": 0.1, "batch_size": 16},
-        "privacy": {"epsilon": epsilon, "delta": 1e-5, "clip": 1.0}}))
+        "privacy": {"epsilon": epsilon, "delta": 1e-5, "clip": 1.0}, **sections}))
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +106,17 @@ def test_bad_inputs_are_clear_errors(private: Experiment) -> None:
         run_message_audit(private, _audit(20))
     with pytest.raises(ConfigError, match="audit.target"):
         run_message_audit(private, _audit(100, target=2))
+
+
+@pytest.mark.parametrize(("sections", "field"), [
+    ({"privacy": {"epsilon": 1.0, "noise": "secure"}}, "privacy.noise"),
+    ({"augmentation": {"kind": "shift"}}, "augmentation.kind"),
+    ({"averaging": {"kind": "ema"}}, "averaging.kind"),
+])
+def test_settings_the_blocks_do_not_run_are_refused_not_dropped(sections: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        _experiment(1.0, **sections)
+    assert error.value.field == field
 
 
 def test_chunks_kept_in_a_folder_give_the_same_audit_from_separate_processes(private: Experiment,

@@ -20,6 +20,7 @@ from decentdp.data.movielens import load_movielens
 from decentdp.data.personal import PersonalData
 from decentdp.data.synthetic_linear import synthetic_linear
 from decentdp.errors import ConfigError, DataError
+from decentdp.experiment.loop import run_experiment
 from decentdp.personalized.local import LABEL_SHARE, local_dp_release, local_models, output_perturbation
 from decentdp.personalized.objective import (
     build_problem,
@@ -377,6 +378,32 @@ def test_bad_settings_name_their_field(personalized, field):
     with pytest.raises(ConfigError) as error:
         validate_config(_config(**personalized))
     assert field in str(error.value)
+
+
+@pytest.mark.parametrize(("section", "values", "field", "fragment"), [
+    # per-agent budgets once left the runner's budget infinite: zero noise in a run marked private
+    ("privacy", {"epsilon": None, "agent_epsilons": [1.0] * 12}, "privacy.agent_epsilons", "one budget"),
+    ("privacy", {"colluding": [[0, 1]]}, "privacy.colluding", "all other agents together"),
+    ("experiment", {"rounds": 50}, "experiment.rounds", "personalized.wakeups"),
+    ("schedule", {"offline_probability": 0.2}, "schedule.offline_probability", "is not read"),
+    ("topology", {"agents": 50}, "topology.agents", "is not read"),
+    ("engine", {"backend": "ray"}, "engine.backend", "one process"),
+    ("engine", {"device": "cuda"}, "engine.device", "on the CPU"),
+    ("averaging", {"kind": "ema"}, "averaging.kind", "is not read"),
+])
+def test_a_setting_a_personalized_run_would_ignore_is_refused(section, values, field, fragment):
+    raw = _config()
+    raw[section] = {**raw.get(section, {}), **values}
+    with pytest.raises(ConfigError) as error:
+        validate_config(raw)
+    assert error.value.field == field and fragment in error.value.message
+
+
+@pytest.mark.parametrize("option", ["profile", "diagnostics"])
+def test_network_run_options_are_refused_by_a_personalized_run(option):
+    with pytest.raises(ConfigError) as error:
+        run_experiment(validate_config(_config()), None, progress=False, **{option: True})
+    assert error.value.field == f"--{option}"
 
 
 def test_a_budget_that_leaves_no_update_is_a_config_error():

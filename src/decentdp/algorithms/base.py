@@ -363,6 +363,10 @@ class Algorithm(ABC):
     #: Whether the round reads ``ctx.plan`` so that inactive agents neither send, receive nor move
     #: (required for ``schedule.offline_probability > 0``).
     follows_plan: ClassVar[bool] = False
+    #: Whether it reports each sender's epsilon towards each ``privacy.colluding`` set (``epsilon_colluding``: an
+    #: observer-view accountant over the run's messages).  The others report one epsilon that bounds every observer
+    #: at once, all other agents together, so a colluding set adds nothing there and is refused.
+    reports_colluding: ClassVar[bool] = False
     #: How its agents may draw their batches (``data.sampling``); the first is its default.  ``poisson``:
     #: independent Poisson batches every round (amplified by sampling); ``cyclic``: each agent's records split
     #: once into ``b`` fixed batches, batch ``t mod b`` in round ``t`` (:class:`~decentdp.privacy.sampling.

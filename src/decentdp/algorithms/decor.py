@@ -82,6 +82,7 @@ class Decor(OptimizerAlgorithm):
     """Decentralized SGD whose updates carry pairwise-cancelling noise from edge secrets."""
 
     name: ClassVar[str] = "decor"
+    reports_colluding: ClassVar[bool] = True
     Settings = DecorSettings
     samplings: ClassVar[tuple[str, ...]] = ("poisson",)
     sampling_note: ClassVar[str] = "its own calibration plans for Poisson-sampled rounds"

@@ -74,6 +74,7 @@ class Muffliato(SettingsAlgorithm):
     """Muffliato-SGD: one noisy gradient step, then accelerated gossip; pairwise network-DP accounting."""
 
     name: ClassVar[str] = "muffliato"
+    reports_colluding: ClassVar[bool] = True
     Settings = MuffliatoSettings
 
     def __init__(self, settings: MuffliatoSettings) -> None:

@@ -63,6 +63,7 @@ class ZipDL(OptimizerAlgorithm):
     """Decentralized SGD whose gossip messages carry per-receiver noise that sums to zero."""
 
     name: ClassVar[str] = "zip-dl"
+    reports_colluding: ClassVar[bool] = True
     Settings = ZipDLSettings
 
     def __init__(self, optimizer: Optimizer, zero_sum_noise: float) -> None:

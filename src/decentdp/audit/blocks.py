@@ -129,9 +129,26 @@ class BlockRun:
                                         relation=config.privacy.neighbouring))
 
 
+def refuse_what_blocks_do_not_run(config: ExperimentConfig) -> None:
+    """Settings of a run that an audit's blocks do not reproduce are refused rather than silently dropped: the
+    audit would measure another training than the config's."""
+    if config.privacy.noise == "secure":
+        raise ConfigError("privacy.noise", "an audit draws its noise from each chunk's seed, so that chunks resume "
+                                           "and can be scored again (secure mode's noise has the same distribution):"
+                                           " set privacy.noise = 'simulation'")
+    if config.augmentation.kind != "none":
+        raise ConfigError("augmentation.kind", "an audit's blocks train on the records as they are (a canary is "
+                                               "one record): set augmentation.kind = 'none'")
+    if config.averaging.kind != "none":
+        raise ConfigError("averaging.kind", "an audit scores the models the blocks train, their last iterates: "
+                                            "set averaging.kind = 'none'")
+
+
 def audit_experiment(config: ExperimentConfig, data_dir: str | Path | None = None) -> Experiment:
     """The config's data, model, algorithm and graph, built without calibrating noise for the config's own
-    partition (the blocks calibrate for their datasets); the model is checked for DP as a run checks it."""
+    partition (the blocks calibrate for their datasets); the model is checked for DP as a run checks it.  Settings
+    the blocks do not run are refused (:func:`refuse_what_blocks_do_not_run`)."""
+    refuse_what_blocks_do_not_run(config)
     public = config.model_copy(update={"privacy": config.privacy.model_copy(
         update={"epsilon": math.inf, "agent_epsilons": None})})
     experiment = build_experiment(public, data_dir=data_dir)

@@ -11,6 +11,7 @@ import copy
 import math
 import tomllib
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import (
@@ -399,18 +400,13 @@ class ExperimentConfig(_Section):
     def _cross_field(self) -> ExperimentConfig:
         algo, topo, privacy = self.algorithm, self.topology, self.privacy
         if self.personalized is not None:  # its own runner: [algorithm], [model], [topology] are not read
+            self._personalized_reads_every_field_set()
             if self.schedule.kind not in ("auto", "poisson-clocks"):
                 raise _FieldError("schedule.kind", "personalized runs wake agents by Poisson clocks: use 'auto' or "
                                                    "'poisson-clocks'")
-            if self.averaging.kind != "none":
-                raise _FieldError("averaging.kind", "personalized runs do not average iterates; remove [averaging]")
-            if self.augmentation.kind != "none":
-                raise _FieldError("augmentation.kind", "personalized runs do not augment records; remove "
-                                                       "[augmentation]")
-            if self.tracking.backend != "none":
-                raise _FieldError("tracking.backend", "personalized runs are not logged to a tracker (they finish "
-                                                      "in seconds; their results folder has every figure): remove "
-                                                      "[tracking]")
+            if self.engine.device.startswith("cuda"):
+                raise _FieldError("engine.device", "personalized runs compute on the CPU (small per-agent models, "
+                                                   "seconds a run): use 'auto' or 'cpu'")
             return self
         if algo.lr_schedule != "constant" and algo.lr_final is None:
             raise _FieldError("algorithm.lr_final", f"is required by lr_schedule = '{algo.lr_schedule}'")
@@ -423,19 +419,13 @@ class ExperimentConfig(_Section):
             note = f": {chosen.sampling_note}" if chosen.sampling_note else ""
             raise _FieldError("data.sampling", f"'{self.sampling_kind}' is not supported by algorithm '{algo.name}' "
                                                f"(supported: {', '.join(chosen.samplings)}){note}")
-        if self.data.batches is not None and self.sampling_kind != "cyclic":
-            raise _FieldError("data.batches", f"is used by data.sampling = 'cyclic' only (this run samples "
-                                              f"'{self.sampling_kind}'); remove it, e.g. --set ~data.batches")
         if self.schedule.offline_probability and not algorithm_class(algo.name).follows_plan:
             raise _FieldError("schedule.offline_probability", f"algorithm '{algo.name}' does not let agents go "
                                                                "offline (its rounds involve every agent)")
-        if self.schedule.participation != 1.0 and self.schedule_kind != "sampled":
-            raise _FieldError("schedule.participation", f"is used by schedule.kind = 'sampled' only (this run's "
-                                                        f"schedule is '{self.schedule_kind}'); remove it, e.g. "
-                                                        f"--set ~schedule.participation")
-        if self.schedule_kind == "poisson-clocks" and self.schedule.offline_probability:
-            raise _FieldError("schedule.offline_probability", "does not apply to poisson-clocks (agents sleep "
-                                                               "between wake-ups by design)")
+        for dotted, reads, mode in MODE_ONLY:
+            if not reads(self) and _differs_from_default(self, dotted):
+                raise _FieldError(dotted, f"is used with {mode} only, which this run does not have; remove it, "
+                                          f"e.g. --set ~{dotted}")
         if topo.redraw_every and topo.graph not in _RANDOM_GRAPHS:
             raise _FieldError("topology.redraw_every", f"redraws a random graph; graph = '{topo.graph}' is fixed "
                                                        f"(random graphs: {', '.join(_RANDOM_GRAPHS)})")
@@ -443,6 +433,11 @@ class ExperimentConfig(_Section):
                 and len(privacy.agent_epsilons) != topo.agents:
             raise _FieldError("privacy.agent_epsilons",
                                f"has {len(privacy.agent_epsilons)} entries but topology.agents = {topo.agents}")
+        if privacy.colluding and not algorithm_class(algo.name).reports_colluding:
+            reporting = ", ".join(name for name in algorithm_names() if algorithm_class(name).reports_colluding)
+            raise _FieldError("privacy.colluding", f"algorithm '{algo.name}' reports one epsilon per agent that "
+                                                   f"bounds all other agents together, so it prices no colluding "
+                                                   f"set apart (those that do: {reporting}); remove it")
         for index, members in enumerate(privacy.colluding):
             unknown = [agent for agent in members if not 0 <= agent < topo.agents]
             if unknown:
@@ -464,12 +459,78 @@ class ExperimentConfig(_Section):
             raise _FieldError(f"topology.{needed}", f"is required by graph = '{topo.graph}'")
         return self
 
+    def _personalized_reads_every_field_set(self) -> None:
+        """A personalized run refuses any field outside :data:`PERSONALIZED_READS` that differs from its default."""
+        for section in type(self).model_fields:
+            if section == "personalized":
+                continue
+            values = getattr(self, section)
+            for key in type(values).model_fields:
+                dotted = f"{section}.{key}"
+                if key in PERSONALIZED_READS.get(section, ()) or not _differs_from_default(self, dotted):
+                    continue
+                why = _PERSONALIZED_WHY.get(dotted, "its runner reads [personalized], [privacy], experiment.name, "
+                                                    "seed and eval_every, data.data_dir and engine.threads only")
+                raise _FieldError(dotted, f"is not read by a [personalized] run ({why}); remove it, e.g. "
+                                          f"--set ~{dotted}")
+
     def to_toml_dict(self) -> dict[str, Any]:
         """The resolved config as TOML-writable data ('inf' for infinity, no None values), with the
         algorithm's own settings (defaults included) inside ``[algorithm]``."""
         return _toml_ready(self.model_dump())
 
 
+def _section_default(section: BaseModel, key: str) -> Any:
+    return type(section).model_fields[key].get_default(call_default_factory=True)
+
+
+def _differs_from_default(config: ExperimentConfig, dotted: str) -> bool:
+    """Whether ``section.key`` holds anything but its default (a resolved config writes defaults back, so "set"
+    has to mean "not the default")."""
+    section, key = dotted.split(".")
+    value = getattr(getattr(config, section), key)
+    return value != _section_default(getattr(config, section), key)
+
+
+#: Fields that one mode of a run reads and every other ignores: (field, whether this run reads it, the mode in
+#: words).  Outside its mode a field must keep its default, so that a setting meant for a mode the run does not have
+#: (a Dirichlet alpha without the Dirichlet partition, a key directory without secure noise) is not silently
+#: ignored.  The knobs of a switch that is off stay quiet (``algorithm.lr_final`` under a constant schedule,
+#: ``averaging.decay`` with averaging off, ``engine.workers`` in the simulator): overrides and sweeps turn a mode off
+#: and leave its knobs behind.
+MODE_ONLY: tuple[tuple[str, Callable[[ExperimentConfig], bool], str], ...] = (
+    ("data.overlap_t", lambda c: c.data.partition == "overlap", "data.partition = 'overlap'"),
+    ("data.dirichlet_alpha", lambda c: c.data.partition == "dirichlet", "data.partition = 'dirichlet'"),
+    ("data.size_skew", lambda c: c.data.partition == "unequal", "data.partition = 'unequal'"),
+    ("data.image_size", lambda c: c.data.dataset not in _FEATURE_DATASETS, "image datasets"),
+    ("augmentation.kind", lambda c: c.data.dataset not in _FEATURE_DATASETS, "image datasets"),
+    ("data.batches", lambda c: c.sampling_kind == "cyclic", "data.sampling = 'cyclic'"),
+    ("topology.fiedler_tol", lambda c: c.topology.graph == "fiedler", "topology.graph = 'fiedler'"),
+    ("schedule.participation", lambda c: c.schedule_kind == "sampled", "schedule.kind = 'sampled'"),
+    ("engine.noise_streams", lambda c: c.privacy.noise == "simulation",
+     "privacy.noise = 'simulation' (secure mode draws from each agent's own key)"),
+    ("privacy.key_dir", lambda c: c.privacy.noise == "secure", "privacy.noise = 'secure'"),
+)
+
+#: What a ``[personalized]`` run reads besides its own section (:mod:`decentdp.personalized.runner`): every other
+#: field must keep its default.
+PERSONALIZED_READS: dict[str, tuple[str, ...]] = {
+    "experiment": ("name", "seed", "eval_every"),
+    "data": ("data_dir",),
+    "privacy": ("epsilon", "delta", "clip", "accountant", "neighbouring", "noise"),
+    "schedule": ("kind",),
+    "engine": ("threads", "noise_streams", "device"),
+}
+
+#: Why a personalized run cannot take a field it does not read, where a reason helps.
+_PERSONALIZED_WHY = {
+    "experiment.rounds": "its length is personalized.wakeups (wake-ups per agent)",
+    "privacy.agent_epsilons": "it takes one budget for every agent: privacy.epsilon",
+    "privacy.colluding": "its reported epsilon already bounds all other agents together",
+    "engine.backend": "it runs in one process (it takes seconds)",
+}
+
+_FEATURE_DATASETS = ("a9a",)
 _RANDOM_GRAPHS = ("erdos-renyi", "geometric", "fiedler", "k-regular", "partial-mesh")
 GRAPH_REQUIRES: dict[str, str] = {"erdos-renyi": "p", "geometric": "radius", "fiedler": "fiedler", "k-regular": "k",
                                   "partial-mesh": "p"}

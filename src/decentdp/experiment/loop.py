@@ -85,6 +85,10 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
     # work and the free cores decide it once the model is built (below, in _run).
     threads = apply_threads(config.engine.threads, sample_load=False)
     if config.personalized is not None:  # Bellet et al.: per-agent models, asynchronous updates (own runner)
+        for option, asked in (("--profile", profile), ("--diagnostics", diagnostics)):
+            if asked:
+                raise ConfigError(option, "times and diagnoses the rounds of a network run; a personalized run "
+                                          "has none of its phases (it takes seconds): run it without")
         return _run_personalized(config, out_dir, data_dir, resume, log, threads.threads)
     folder = ResultsFolder(Path(out_dir)) if out_dir is not None else None
     try:
@@ -246,7 +250,6 @@ def _run_personalized(config: ExperimentConfig, out_dir: str | Path | None, data
                       resume: bool, log: Callable[[str], None] | None, threads: int) -> RunResult:
     """A ``[personalized]`` run (:mod:`decentdp.personalized.runner`): it finishes in seconds, so it keeps
     no checkpoint and cannot be resumed."""
-    from decentdp.errors import ConfigError
     from decentdp.personalized.runner import run_personalized
 
     if resume:

@@ -100,12 +100,14 @@ class OptimizerSettings(AlgorithmSettings):
     weight_decay: float = Field(0.0, ge=0.0)
 
     @model_validator(mode="after")
-    def _adam_has_no_momentum(self) -> OptimizerSettings:
+    def _settings_of_the_optimizer(self) -> OptimizerSettings:
         if self.optimizer == "adam":
             fields = type(self).model_fields
             unused = [key for key in ("momentum", "nesterov") if getattr(self, key) != fields[key].default]
             if unused:
                 raise ValueError(f"{unused[0]}: is not used by optimizer 'adam'; remove {', '.join(unused)}")
+        if self.nesterov and self.momentum == 0.0:
+            raise ValueError("nesterov: Nesterov's look-ahead needs momentum > 0 (with momentum = 0 it is plain SGD)")
         return self
 
     def build(self) -> Optimizer:
