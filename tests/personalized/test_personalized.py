@@ -372,12 +372,15 @@ def _config(**personalized) -> dict:
     ({"mu": 0.0}, "personalized.mu"),
     ({"mu": -1.0}, "personalized.mu"),
     ({"wakeups": 0}, "personalized.wakeups"),
-    ({"allocation": "optimal"}, "personalized"),
+    ({"allocation": "optimal"}, "personalized.allocation"),
+    ({"dataset": "movielens-100k"}, "personalized.agents"),     # the synthetic problem's size, left on MovieLens
+    ({"neighbours": 5}, "personalized.neighbours"),             # MovieLens's k-NN graph, on the synthetic problem
+    ({"min_points": 50, "max_points": 20}, "personalized.min_points"),
 ])
 def test_bad_settings_name_their_field(personalized, field):
     with pytest.raises(ConfigError) as error:
         validate_config(_config(**personalized))
-    assert field in str(error.value)
+    assert error.value.field == field
 
 
 @pytest.mark.parametrize(("section", "values", "field", "fragment"), [

@@ -15,6 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Method = Literal["cd", "local", "admm", "propagation"]
 
+#: The fields that describe one dataset's problem, which the other dataset's loader never reads.
+DATASET_FIELDS: dict[str, tuple[str, ...]] = {
+    "movielens-100k": ("test_fraction", "als_rank", "als_reg", "als_iterations", "neighbours"),
+    "synthetic": ("agents", "dim", "min_points", "max_points", "test_points", "label_noise", "gamma"),
+}
+
 
 class PersonalizedSection(BaseModel):
     """What to learn, how, and on which data (every field typed and ranged; unknown keys are errors)."""
@@ -63,6 +69,14 @@ class PersonalizedSection(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> PersonalizedSection:
+        # a field of the other dataset's problem would be silently ignored (a method's knobs, such as cd's
+        # mechanism under method = 'local', are kept quietly: switching the method leaves them behind)
+        fields = type(self).model_fields
+        for dataset, names in DATASET_FIELDS.items():
+            unread = [name for name in names if dataset != self.dataset and getattr(self, name) != fields[name].default]
+            if unread:
+                raise ValueError(f"{unread[0]}: describes the {dataset} problem, not {self.dataset}'s; remove "
+                                 f"{', '.join(unread)}")
         if self.min_points > self.max_points:
             raise ValueError(f"min_points: {self.min_points} exceeds max_points = {self.max_points}")
         if self.allocation == "optimal" and self.calibration != "paper":

@@ -12,7 +12,7 @@ import math
 import tomllib
 from pathlib import Path
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -493,11 +493,11 @@ def _differs_from_default(config: ExperimentConfig, dotted: str) -> bool:
 
 
 #: Fields that one mode of a run reads and every other ignores: (field, whether this run reads it, the mode in
-#: words).  Outside its mode a field must keep its default, so that a setting meant for a mode the run does not have
-#: (a Dirichlet alpha without the Dirichlet partition, a key directory without secure noise) is not silently
-#: ignored.  The knobs of a switch that is off stay quiet (``algorithm.lr_final`` under a constant schedule,
-#: ``averaging.decay`` with averaging off, ``engine.workers`` in the simulator): overrides and sweeps turn a mode off
-#: and leave its knobs behind.
+#: words).  These say what a run is (its data split, graph, participation, noise keys), so outside its mode such a
+#: field must keep its default: a Dirichlet alpha without the Dirichlet partition is a mistake, not a preference.
+#: The knobs of how a run trains or where it runs stay quiet when their switch is off (``algorithm.lr_final`` under
+#: a constant schedule, ``averaging.decay`` with averaging off, ``engine.workers`` in the simulator): overrides and
+#: sweeps turn those modes off and leave their knobs behind.
 MODE_ONLY: tuple[tuple[str, Callable[[ExperimentConfig], bool], str], ...] = (
     ("data.overlap_t", lambda c: c.data.partition == "overlap", "data.partition = 'overlap'"),
     ("data.dirichlet_alpha", lambda c: c.data.partition == "dirichlet", "data.partition = 'dirichlet'"),
@@ -555,12 +555,15 @@ def _toml_ready(value: Any) -> Any:
 
 
 def _section_keys(loc: tuple[Any, ...]) -> list[str]:
+    """The keys of the section that holds ``loc``'s last part (an optional section, ``X | None``, included)."""
     model: type[BaseModel] = ExperimentConfig
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
-        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+        sections = [] if field is None else [kind for kind in (field.annotation, *get_args(field.annotation))
+                                             if isinstance(kind, type) and issubclass(kind, BaseModel)]
+        if not sections:
             return []
-        model = field.annotation
+        model = sections[0]
     return sorted(model.model_fields)
 
 
@@ -581,6 +584,10 @@ def _describe(error: dict[str, Any]) -> tuple[str, str]:
         inner: _FieldError = error["ctx"]["error"]
         return inner.field, inner.message
     message = error["msg"].removeprefix("Value error, ")
+    if kind == "value_error" and len(loc) == 1:  # a section-level check that names its own field ("key: ...")
+        name, separator, rest = message.partition(": ")
+        if separator and name in _section_keys((*loc, name)):
+            return f"{field}.{name}", rest
     return field, f"{message} (got {given!r})" if given is not None and not isinstance(given, dict) else message
 
 
