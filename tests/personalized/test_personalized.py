@@ -441,6 +441,8 @@ def test_a_user_without_ratings_gets_the_confidence_floor_and_spends_nothing(tmp
              rng.choice(np.arange(1, 30), 12, replace=False)]  # user 3 has no ratings
     folder = _write_ratings(tmp_path / "ml", lines)
     raw = _config(dataset="movielens-100k", als_rank=3, neighbours=2, wakeups=4)
+    for synthetic_only in ("agents", "dim"):   # MovieLens's users are its agents
+        del raw["personalized"][synthetic_only]
     raw["privacy"]["clip"] = 10.0
     raw["privacy"]["delta"] = 1e-3
     summary, _, theta = run_personalized(validate_config(raw), data_dir=folder, log=lambda _line: None)
