@@ -120,10 +120,11 @@ def test_bad_tracking_settings_name_the_field(tracking: dict, field: str) -> Non
 
 
 def test_a_personalized_run_refuses_a_tracker_it_would_not_use() -> None:
-    raw = tiny_config(tracking={"backend": "tensorboard"})
-    raw["personalized"] = {"dataset": "synthetic", "agents": 12, "dim": 4, "wakeups": 3}
-    with pytest.raises(ConfigError, match="tracking.backend"):
+    raw = {"privacy": {"epsilon": 1.0}, "tracking": {"backend": "tensorboard"},
+           "personalized": {"dataset": "synthetic", "agents": 12, "dim": 4, "wakeups": 3}}
+    with pytest.raises(ConfigError) as error:
         validate_config(raw)
+    assert error.value.field == "tracking.backend"
 
 
 def test_a_missing_tracking_library_is_one_clear_message(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,

@@ -524,7 +524,7 @@ PERSONALIZED_READS: dict[str, tuple[str, ...]] = {
 
 #: Why a personalized run cannot take a field it does not read, where a reason helps.
 _PERSONALIZED_WHY = {
-    "experiment.rounds": "its length is personalized.wakeups (wake-ups per agent)",
+    "experiment.rounds": "its length is set by personalized.wakeups, the wake-ups per agent",
     "privacy.agent_epsilons": "it takes one budget for every agent: privacy.epsilon",
     "privacy.colluding": "its reported epsilon already bounds all other agents together",
     "engine.backend": "it runs in one process (it takes seconds)",
