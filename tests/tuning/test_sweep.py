@@ -51,7 +51,7 @@ def test_hold_out_takes_records_from_every_agent_and_keeps_the_rest() -> None:
     ('"training.lr" = { values = [1, 2] }', {}, "space.training.lr: is not a config field"),
     ('"algorithm.momentum" = { values = [0.0, 0.9] }', {}, "space.algorithm.momentum"),  # not dp-dsgt's
     ('"algorithm.lr" = { low = 0.0, high = 1.0 }', {}, "space.algorithm.lr: the value 0.0 makes an invalid config"),
-    ('"data.overlap_t" = { low = 0.5, high = 2.0 }', {}, "the value 2.0 makes an invalid config"),
+    ('"privacy.delta" = { low = 1e-6, high = 2.0 }', {}, "the value 2.0 makes an invalid config"),
     ('"algorithm.lr" = { low = 1.0, high = 0.1 }', {}, "low must be below high"),
     ('"algorithm.lr" = { low = 0.1, high = 1.0 }', {"method": "grid"}, "a grid needs values = [...] or a step"),
     ('"algorithm.lr" = { low = 0.1, high = 1.0 }', {"trials": None}, "sweep.trials: is required"),
