@@ -1,0 +1,96 @@
+"""Every ``[algorithm]`` setting of every registered algorithm changes what a run computes or reports.
+
+A setting that validates but that no code reads would be silently ignored: a user would tune it, report it,
+and change nothing.  For each algorithm's own settings (those beyond the common ``lr``, ``batch_size`` and
+schedule), this file runs the tests' tiny digits run twice with the same seed, at the defaults and with the
+setting moved (plus whatever it needs to act, e.g. momentum for Nesterov), and requires the final models,
+the noise multipliers or the reported epsilons to differ.  A newly registered setting needs an entry in
+:data:`MOVED`, so it cannot land untested.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from tests.conftest import tiny_config
+
+from decentdp.algorithms import algorithm_class, algorithm_names
+from decentdp.algorithms.base import AlgorithmSettings
+from decentdp.config import validate_config
+from decentdp.experiment.loop import run_experiment
+
+#: Each setting's moved value, with the settings it needs to have an effect (keyed by setting name; an
+#: ``(algorithm, setting)`` key overrides it for one algorithm).
+MOVED: dict[str | tuple[str, str], dict[str, Any]] = {
+    "optimizer": {"optimizer": "adam"},
+    "momentum": {"momentum": 0.5},
+    ("dp-cga", "momentum"): {"momentum": 0.9},  # its default is 0.5
+    "nesterov": {"nesterov": True, "momentum": 0.5},
+    "weight_decay": {"weight_decay": 0.5},
+    "correlation": {"correlation": 1.0},
+    "local_epsilon": {"local_epsilon": 0.5},   # a cap below the agents' local epsilon: more own noise
+    "margin": {"margin": 0.0},
+    "rho": {"rho": 2.0},
+    "rho_growth": {"rho_growth": 2.0},
+    "primal_steps": {"primal_steps": 2},
+    # the optimizer's state is what a reset clears: Adam keeps moments across rounds
+    "reset_optimizer_each_round": {"reset_optimizer_each_round": True, "optimizer": "adam"},
+    "local_steps": {"local_steps": 2},
+    "correction_decay": {"correction_decay": 0.9},
+    "calibration_scale": {"calibration_scale": 0.9},
+    "cross_coef": {"cross_coef": "mixing"},
+    "include_self": {"include_self": False},
+    "accounting": {"accounting": "independent"},
+    "alpha": {"alpha": 0.9},
+    "factorization": {"factorization": "independent"},
+    "optimizer_iterations": {"optimizer_iterations": 1},
+    "bands": {"bands": 1},
+    "gossip_steps": {"gossip_steps": 1},       # fewer than the graph's T_mix, which 0 chooses
+    "update_clip": {"update_clip": 0.01},
+    "topology_aware": {"topology_aware": False},
+    # the decay multiplies the noise every decay_period rounds: within a 6-round run only with a short period
+    "decay_gamma": {"decay_gamma": 0.5, "decay_period": 2},
+    "decay_period": {"decay_period": 2},
+    "zero_sum_noise": {"zero_sum_noise": 0.5},
+}
+
+COMMON = set(AlgorithmSettings.model_fields)
+CASES = [(name, key) for name in algorithm_names()
+         for key in algorithm_class(name).Settings.model_fields if key not in COMMON]
+
+
+def _fingerprint(name: str, settings: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, str]:
+    """Final models, noise multipliers and the summary's epsilons of a 6-round tiny run."""
+    raw = tiny_config(experiment={"rounds": 6, "eval_every": 6},
+                      algorithm={"name": name, "lr": 0.1, "batch_size": 16, **settings},
+                      privacy={"epsilon": "inf" if name == "no-noise" else 2.0},
+                      topology={"graph": "erdos-renyi", "agents": 5, "p": 0.7}, engine={"threads": 1})
+    result = run_experiment(validate_config(raw), None, progress=False)
+    summary = result.summary
+    epsilons = {key: value for key, value in summary.items() if "epsilon" in key}
+    multipliers = np.asarray(summary.get("noise_multipliers") or [], dtype=float)
+    return result.state["params"].to(torch.float64).cpu().numpy(), multipliers, repr(sorted(epsilons.items()))
+
+
+@cache
+def _default_fingerprint(name: str) -> tuple[np.ndarray, np.ndarray, str]:
+    return _fingerprint(name, {})
+
+
+def test_every_setting_has_a_moved_value() -> None:
+    missing = sorted({key for name, key in CASES if key not in MOVED and (name, key) not in MOVED})
+    assert not missing, f"add a moved value for {missing} to MOVED"
+
+
+@pytest.mark.parametrize(("name", "key"), CASES, ids=[f"{name}.{key}" for name, key in CASES])
+def test_moving_a_setting_changes_the_run(name: str, key: str) -> None:
+    default = _default_fingerprint(name)
+    moved = _fingerprint(name, MOVED.get((name, key), MOVED[key]))
+    same_models = default[0].shape == moved[0].shape and np.array_equal(default[0], moved[0])
+    same_noise = default[1].shape == moved[1].shape and np.array_equal(default[1], moved[1])
+    assert not (same_models and same_noise and default[2] == moved[2]), \
+        f"algorithm.{key} of '{name}' changed neither the models, the noise nor the reported epsilons"
