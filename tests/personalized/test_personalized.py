@@ -376,6 +376,7 @@ def _config(**personalized) -> dict:
     ({"dataset": "movielens-100k"}, "personalized.agents"),     # the synthetic problem's size, left on MovieLens
     ({"neighbours": 5}, "personalized.neighbours"),             # MovieLens's k-NN graph, on the synthetic problem
     ({"min_points": 50, "max_points": 20}, "personalized.min_points"),
+    ({"validation": True}, "personalized.validation"),          # checked when the config is read, not at the run
 ])
 def test_bad_settings_name_their_field(personalized, field):
     with pytest.raises(ConfigError) as error:

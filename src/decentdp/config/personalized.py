@@ -77,6 +77,8 @@ class PersonalizedSection(BaseModel):
             if unread:
                 raise ValueError(f"{unread[0]}: describes the {dataset} problem, not {self.dataset}'s; remove "
                                  f"{', '.join(unread)}")
+        if self.validation and self.dataset == "synthetic":
+            raise ValueError("validation: the synthetic generator draws fresh problems: tune on another seed instead")
         if self.min_points > self.max_points:
             raise ValueError(f"min_points: {self.min_points} exceeds max_points = {self.max_points}")
         if self.allocation == "optimal" and self.calibration != "paper":
