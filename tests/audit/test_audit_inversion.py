@@ -85,6 +85,15 @@ def test_a_non_private_gradient_is_inverted(digits: tuple, attack: str) -> None:
         assert label == int(dataset.y_train[index])
 
 
+def test_dlg_inverts_most_non_private_gradients_and_their_soft_labels(digits: tuple) -> None:
+    """DLG also learns the label (a softmax over free logits), so a random start can stall where iDLG, told the
+    label, does not (record 1 here, at SSIM 0.06); it still recovers the others and every label it reaches."""
+    dataset = digits[0]
+    results = [_attack(digits, "dlg", None, index) for index in range(4)]
+    assert sum(ssim >= 0.9 for ssim, _ in results) >= 3
+    assert all(label == int(dataset.y_train[index]) for index, (_, label) in enumerate(results))
+
+
 def test_a_private_gradient_resists_inversion(digits: tuple) -> None:
     for index in range(2):
         ssim, _ = _attack(digits, "geiping", 1.0, index)

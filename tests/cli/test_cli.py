@@ -120,6 +120,23 @@ def test_privacy_sigma_json_matches_paper(capsys: pytest.CaptureFixture[str]) ->
     assert captured.err == ""
 
 
+def test_privacy_replace_one_prices_a_swapped_record(paper_sigma: float, capsys: pytest.CaptureFixture[str]) -> None:
+    """Under replace-one a record's swap moves the sum by up to 2C, so the same sigma spends more epsilon than
+    under add-remove, and the same epsilon needs more noise; both answers say which relation they assumed."""
+    epsilon = ["privacy", "epsilon", "--sigma", repr(paper_sigma), *SIGMA_ARGS, "--json"]
+    assert main(epsilon) == 0
+    added = _last_json(capsys.readouterr().out)
+    assert main([*epsilon, "--neighbouring", "replace-one"]) == 0
+    swapped = _last_json(capsys.readouterr().out)
+    assert swapped["neighbouring"] == "replace-one" and added["neighbouring"] == "add-remove"
+    assert swapped["epsilon"] > 1.5 * added["epsilon"]
+    sigma = ["privacy", "sigma", "--epsilon", "1", *SIGMA_ARGS, "--json"]
+    assert main(sigma) == 0
+    added = _last_json(capsys.readouterr().out)
+    assert main([*sigma, "--neighbouring", "replace-one"]) == 0
+    assert _last_json(capsys.readouterr().out)["sigma"] > 1.5 * added["sigma"]
+
+
 def test_privacy_sigma_human_readable_names_accountant(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["privacy", "sigma", "--epsilon", "1", *SIGMA_ARGS, "--accountant", "rdp"]) == 0
     out = capsys.readouterr().out
