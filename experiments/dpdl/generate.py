@@ -9,7 +9,8 @@ N = 10, Metropolis-Hastings weights, Dirichlet label split, LeNet-5, expected ba
 epsilon = 4 at delta = 1e-5, 1000 rounds (about 10 local epochs), DPDL's beta = 0.9 and alpha = 0.5,
 CGA's momentum 0.5.  Learning rates are ours (not tuned per method beyond keeping the effective
 step of the momentum methods comparable).  ``data.dirichlet_alpha = 0.5`` and N = 20 or 30 are one
-``--set`` away; ``data.partition = "pathological"`` gives CGA's class split.
+``--set`` away; ``--set data.partition=pathological --set ~data.dirichlet_alpha`` gives CGA's class split (a
+Dirichlet alpha is refused outside the Dirichlet partition).
 """
 
 from __future__ import annotations

@@ -87,11 +87,13 @@ def test_a_non_private_gradient_is_inverted(digits: tuple, attack: str) -> None:
 
 def test_dlg_inverts_most_non_private_gradients_and_their_soft_labels(digits: tuple) -> None:
     """DLG also learns the label (a softmax over free logits), so a random start can stall where iDLG, told the
-    label, does not (record 1 here, at SSIM 0.06); it still recovers the others and every label it reaches."""
+    label, does not (here 7 of 8 records reach SSIM 0.98-1.0 and one stalls at 0.06); the test asks for 5 of 8, and
+    the right label for every image it reconstructs."""
     dataset = digits[0]
-    results = [_attack(digits, "dlg", None, index) for index in range(4)]
-    assert sum(ssim >= 0.9 for ssim, _ in results) >= 3
-    assert all(label == int(dataset.y_train[index]) for index, (_, label) in enumerate(results))
+    results = [_attack(digits, "dlg", None, index) for index in range(8)]
+    reached = [index for index, (ssim, _) in enumerate(results) if ssim >= 0.9]
+    assert len(reached) >= 5
+    assert all(results[index][1] == int(dataset.y_train[index]) for index in reached)
 
 
 def test_a_private_gradient_resists_inversion(digits: tuple) -> None:

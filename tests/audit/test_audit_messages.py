@@ -108,14 +108,16 @@ def test_bad_inputs_are_clear_errors(private: Experiment) -> None:
         run_message_audit(private, _audit(100, target=2))
 
 
-@pytest.mark.parametrize(("sections", "field"), [
-    ({"privacy": {"epsilon": 1.0, "noise": "secure"}}, "privacy.noise"),
-    ({"augmentation": {"kind": "shift"}}, "augmentation.kind"),
-    ({"averaging": {"kind": "ema"}}, "averaging.kind"),
+@pytest.mark.parametrize(("algorithm", "sections", "field"), [
+    ("dp-dsgd", {"privacy": {"epsilon": 1.0, "noise": "secure"}}, "privacy.noise"),
+    ("dp-dsgd", {"augmentation": {"kind": "shift"}}, "augmentation.kind"),
+    ("dp-dsgd", {"averaging": {"kind": "ema"}}, "averaging.kind"),
+    ("decor", {"privacy": {"epsilon": 1.0, "colluding": [[0, 1]]}}, "privacy.colluding"),  # DECOR calibrates for it
 ])
-def test_settings_the_blocks_do_not_run_are_refused_not_dropped(sections: dict[str, Any], field: str) -> None:
+def test_settings_the_blocks_do_not_run_are_refused_not_dropped(algorithm: str, sections: dict[str, Any],
+                                                                 field: str) -> None:
     with pytest.raises(ConfigError) as error:
-        _experiment(1.0, **sections)
+        _experiment(1.0, algorithm=algorithm, **sections)
     assert error.value.field == field
 
 

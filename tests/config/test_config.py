@@ -76,8 +76,6 @@ INVALID_TOML: list[tuple[str, str, str, tuple[str, ...]]] = [
      ("is not used by optimizer 'adam'",)),
     ("nesterov-without-momentum", '[algorithm]\nname = "dp-dsgd"\nnesterov = true', "algorithm.nesterov",
      ("needs momentum > 0",)),
-    ("iterations-without-an-optimiser", '[algorithm]\nname = "mafalda-sgd"\nfactorization = "independent"\n'
-     'optimizer_iterations = 10', "algorithm.optimizer_iterations", ("is used by factorization = 'optimal' only",)),
     ("lr-schedule-unknown", '[algorithm]\nlr_schedule = "step"', "algorithm.lr_schedule",
      ("'step' is not one of the allowed values", "'constant'", "'logspace'", "'cosine'")),
     ("section-unknown", "[training]\nrounds = 3", "training", ("unknown key", f"allowed keys: {SECTIONS}")),

@@ -394,10 +394,14 @@ def test_bad_settings_name_their_field(personalized, field):
     ("engine", {"backend": "ray"}, "engine.backend", "one process"),
     ("engine", {"device": "cuda"}, "engine.device", "on the CPU"),
     ("averaging", {"kind": "ema"}, "averaging.kind", "is not read"),
+    ("algorithm", {"weight_decay": 0.5}, "algorithm.weight_decay", "is not read"),
+    ("engine", {"noise_streams": "batched"}, "engine.noise_streams", "privacy.noise = 'simulation'"),
 ])
 def test_a_setting_a_personalized_run_would_ignore_is_refused(section, values, field, fragment):
     raw = _config()
     raw[section] = {**raw.get(section, {}), **values}
+    if section == "engine" and "noise_streams" in values:  # secure noise draws from each agent's own key
+        raw["privacy"] = {**raw["privacy"], "noise": "secure"}
     with pytest.raises(ConfigError) as error:
         validate_config(raw)
     assert error.value.field == field and fragment in error.value.message

@@ -248,3 +248,16 @@ def test_a_misspelled_objective_is_refused_before_any_trial_trains(tmp_path: Pat
     summary = run_experiment(config, None, progress=False, log=lambda line: None).summary
     for key in trial_objectives(config):
         assert isinstance(summary[key], float | int), key
+
+
+def test_a_personalized_base_is_refused_with_the_way_to_tune_it(tmp_path: Path) -> None:
+    """Its trials would ignore the validation split and be scored on the test data: refused, naming the way that
+    does tune a personalized run."""
+    (tmp_path / "base.toml").write_text(tomli_w.dumps({"privacy": {"epsilon": 1.0},
+                                                       "personalized": {"agents": 12, "dim": 4, "wakeups": 3}}))
+    path = tmp_path / "sweep.toml"
+    path.write_text(tomli_w.dumps({"sweep": {"config": "base.toml", "trials": 2}}) +
+                    '\n[space]\n"personalized.mu" = { low = 0.01, high = 1.0 }\n')
+    with pytest.raises(ConfigError) as error:
+        load_sweep(path)
+    assert error.value.field == "sweep.config" and "personalized.validation" in error.value.message

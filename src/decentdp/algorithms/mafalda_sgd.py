@@ -46,7 +46,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field
 from threadpoolctl import threadpool_limits
 
 from decentdp.algorithms.base import (
@@ -91,14 +91,6 @@ class MafaldaSettings(AlgorithmSettings):
                                                   "0.5 s each at T = 1000)")
     bands: int | None = Field(None, ge=1, description="C's non-zero diagonals (banded factorization: each agent "
                                                       "keeps this many past noise rows instead of T); unset: dense")
-
-    @model_validator(mode="after")
-    def _iterations_need_an_optimiser(self) -> MafaldaSettings:
-        if self.factorization == "independent" and \
-                self.optimizer_iterations != type(self).model_fields["optimizer_iterations"].default:
-            raise ValueError("optimizer_iterations: is used by factorization = 'optimal' only ('independent' has "
-                             "nothing to optimise); remove it")
-        return self
 
 
 @register

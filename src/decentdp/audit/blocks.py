@@ -136,6 +136,10 @@ def refuse_what_blocks_do_not_run(config: ExperimentConfig) -> None:
         raise ConfigError("privacy.noise", "an audit draws its noise from each chunk's seed, so that chunks resume "
                                            "and can be scored again (secure mode's noise has the same distribution):"
                                            " set privacy.noise = 'simulation'")
+    if config.privacy.colluding:
+        raise ConfigError("privacy.colluding", "an audit's blocks calibrate their agents' noise for single "
+                                               "observers (a colluding set would need one set per block): remove it "
+                                               "to audit this training")
     if config.augmentation.kind != "none":
         raise ConfigError("augmentation.kind", "an audit's blocks train on the records as they are (a canary is "
                                                "one record): set augmentation.kind = 'none'")

@@ -469,10 +469,18 @@ class ExperimentConfig(_Section):
                 dotted = f"{section}.{key}"
                 if key in PERSONALIZED_READS.get(section, ()) or not _differs_from_default(self, dotted):
                     continue
-                why = _PERSONALIZED_WHY.get(dotted, "its runner reads [personalized], [privacy], experiment.name, "
-                                                    "seed and eval_every, data.data_dir and engine.threads only")
+                why = _PERSONALIZED_WHY.get(dotted, _PERSONALIZED_READS_IN_WORDS)
                 raise _FieldError(dotted, f"is not read by a [personalized] run ({why}); remove it, e.g. "
                                           f"--set ~{dotted}")
+        settings = self.algorithm.settings  # the [algorithm] extras, resolved: defaults unless the user set them
+        for key, field in type(settings).model_fields.items():
+            if getattr(settings, key) != field.get_default(call_default_factory=True):
+                raise _FieldError(f"algorithm.{key}", f"is not read by a [personalized] run "
+                                                      f"({_PERSONALIZED_READS_IN_WORDS}); remove it")
+        for dotted, reads, mode in MODE_ONLY:
+            section, key = dotted.split(".")
+            if key in PERSONALIZED_READS.get(section, ()) and not reads(self) and _differs_from_default(self, dotted):
+                raise _FieldError(dotted, f"is used with {mode} only, which this run does not have; remove it")
 
     def to_toml_dict(self) -> dict[str, Any]:
         """The resolved config as TOML-writable data ('inf' for infinity, no None values), with the
@@ -529,6 +537,10 @@ _PERSONALIZED_WHY = {
     "privacy.colluding": "its reported epsilon already bounds all other agents together",
     "engine.backend": "it runs in one process (it takes seconds)",
 }
+
+_PERSONALIZED_READS_IN_WORDS = ("its runner reads [personalized], [privacy] (one budget), experiment.name, seed and "
+                                "eval_every, data.data_dir, schedule.kind, and engine.threads, device and "
+                                "noise_streams only")
 
 _FEATURE_DATASETS = ("a9a",)
 _RANDOM_GRAPHS = ("erdos-renyi", "geometric", "fiedler", "k-regular", "partial-mesh")

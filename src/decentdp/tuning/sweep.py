@@ -253,10 +253,6 @@ def _read_toml(file: Path, field: str) -> dict[str, Any]:
 def trial_objectives(config: Any) -> tuple[str, ...]:
     """The numbers a trial of ``config`` writes in its ``summary.json``, which a sweep may optimise
     (``tests/tuning/test_sweep.py`` checks them against real runs)."""
-    if config.personalized is not None:
-        task = ("rmse_mean", "rmse_min", "rmse_max") if config.personalized.dataset == "movielens-100k" else \
-            ("accuracy_mean", "accuracy_min", "accuracy_max")
-        return (*task, "objective", "epsilon_max", "wall_seconds")
     averaged = ("last_iterate_accuracy_mean",) if config.averaging.kind != "none" else ()
     return ("accuracy_mean", "accuracy_min", "accuracy_max", "accuracy_std", "consensus_distance", *averaged,
             "epsilon_max", "wall_seconds")
@@ -316,6 +312,12 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), trials: int | No
     if not base_file.is_file():
         raise ConfigError("sweep.config", f"no such config file: {base_file}")
     base_raw = _read_toml(base_file, "sweep.config")
+    if "personalized" in base_raw:
+        raise ConfigError("sweep.config", f"{base_file} is a [personalized] run, which does not read the "
+                                          "validation split a sweep's trials train on (data.validation_fraction); "
+                                          "tune it with personalized.validation = true on MovieLens "
+                                          "(experiments/personalized/tune.py), or on other seeds of the synthetic "
+                                          "problem")
     own = [f"{name}={_toml_value(value)}" for name, value in section.set.items()]  # the file's set table
     assignments = [*own, *overrides]
     base = apply_overrides(base_raw, assignments)
