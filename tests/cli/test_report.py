@@ -13,6 +13,7 @@ import pytest
 import tomli_w
 
 from decentdp.cli.main import main
+from decentdp.errors import ConfigError
 from decentdp.cli.report import (
     build_report,
     epsilon_figure,
@@ -344,3 +345,44 @@ def test_panel_aliases_make_one_method_under_two_names_one_series(tmp_path: Path
     assert [sorted(found) for found in curves] == [["algorithm=dp-dinno", "algorithm=dp-dsgd"]] * 2
     assert curves[0]["algorithm=dp-dsgd"].get_color() == curves[1]["algorithm=dp-dsgd"].get_color()
     assert sorted(text.get_text() for text in fig.legends[0].get_texts()) == ["algorithm=dp-dinno", "algorithm=dp-dsgd"]
+
+
+def test_paired_differences_are_taken_seed_by_seed_within_each_cell(tmp_path: Path, capsys) -> None:
+    """--paired algorithm.name=dp-dsgt --within privacy.epsilon: each dp-dsgd setting against the dp-dsgt run of
+    its epsilon, on the seeds both have; a seed-shared offset that the spread over seeds hides is exact here."""
+    shift = {0: 0.0, 1: 0.10, 2: -0.05}                       # each seed's split moves both methods alike
+    for epsilon, gap in ((1.0, -0.02), (8.0, 0.01)):
+        for seed in range(3):
+            fake_run(tmp_path / f"dsgt-e{epsilon}-s{seed}", 0.8 + shift[seed], seed=seed, epsilon=epsilon,
+                     algorithm={"name": "dp-dsgt", "lr": 0.1})
+            if seed < 2 or epsilon == 8.0:                    # dp-dsgd lacks seed 2 at epsilon 1
+                fake_run(tmp_path / f"dsgd-e{epsilon}-s{seed}", 0.8 + shift[seed] + gap, seed=seed, epsilon=epsilon,
+                         algorithm={"name": "dp-dsgd", "lr": 0.3})
+    runs, _ = find_runs([tmp_path])
+    report = build_report(runs, paired="algorithm.name=dp-dsgt", within=["privacy.epsilon"])
+    rows = {(row["algorithm.name"], row["privacy.epsilon"]): row for row in report.rows}
+    low, high = rows[("dp-dsgd", 1.0)], rows[("dp-dsgd", 8.0)]
+    assert low["paired_difference"] == pytest.approx(-0.02) and low["paired_std"] == pytest.approx(0.0, abs=1e-12)
+    assert (low["paired_ahead"], low["paired_seeds"]) == (0, 2)
+    assert high["paired_difference"] == pytest.approx(0.01) and (high["paired_ahead"], high["paired_seeds"]) == (3, 3)
+    assert high["std"] > 5 * abs(high["paired_difference"])  # the unpaired spread hides the gap
+    assert rows[("dp-dsgt", 1.0)]["paired_difference"] is None  # a reference is not compared with itself
+    assert main(["report", str(tmp_path), "--paired", "algorithm.name=dp-dsgt", "--within", "privacy.epsilon"]) == 0
+    assert "+1.00 ± 0.00, 3 of 3" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "field", "fragment"), [
+    (["--paired", "algorithm.name"], "--paired", "must be FIELD=VALUE"),
+    (["--paired", "algorithm.name=dp-dinno"], "--paired", "no run has algorithm.name = dp-dinno"),
+    (["--paired", "algorithm.name=dp-dsgt", "--within", "topology.graph"], "--within", "is not one of the other"),
+    (["--within", "privacy.epsilon"], "--within", "give --paired as well"),
+])
+def test_bad_paired_options_name_the_option(tmp_path: Path, argv: list[str], field: str, fragment: str) -> None:
+    fake_run(tmp_path / "a", 0.7, algorithm={"name": "dp-dsgt", "lr": 0.1})
+    fake_run(tmp_path / "b", 0.6, algorithm={"name": "dp-dsgd", "lr": 0.3})
+    runs, _ = find_runs([tmp_path])
+    paired = argv[argv.index("--paired") + 1] if "--paired" in argv else None
+    within = [argv[argv.index("--within") + 1]] if "--within" in argv else []
+    with pytest.raises(ConfigError) as error:
+        build_report(runs, paired=paired, within=within)
+    assert error.value.field == field and fragment in error.value.message

@@ -12,7 +12,12 @@ spent) and ``metrics.jsonl`` (one row per evaluation); see :mod:`decentdp.experi
 4. writes a Markdown table, a CSV file and figures (metric against round, metric against epsilon
    spent, against any numeric config field named by ``--against``, e.g. ``topology.fiedler``, and against
    round in a grid of panels by the fields ``--panels`` names, e.g. a paper figure's sub-plots) to ``--out``,
-   or prints the table (``--json``: one JSON line with one object per group).
+   or prints the table (``--json``: one JSON line with one object per group);
+5. with ``--paired FIELD=VALUE``, compares each group with its reference, the group that has ``FIELD = VALUE``
+   and the same values of every ``--within`` field (by default, of every other differing field), seed by seed:
+   the seeds of one config share their data split, graph and initial model, so the per-seed differences
+   separate a method's effect from the seeds' spread (mean ± std of the differences, and in how many seeds the
+   group is ahead).
 
 Runs that cannot share a table are refused with a message naming the folders: runs on different
 datasets (their accuracies are on different test sets), unfinished runs (unless ``--skip-unfinished``,
@@ -432,10 +437,11 @@ class Report:
     rows: list[dict[str, Any]]
     groups: list[Group]
     paper_source: str | None = None
+    paired: str | None = None  # "FIELD=VALUE" of the reference groups (``--paired``)
 
 
 def build_report(runs: Sequence[Run], metric: str = "accuracy_mean", ignore: Iterable[str] = (),
-                 paper_file: Path | None = None) -> Report:
+                 paper_file: Path | None = None, paired: str | None = None, within: Sequence[str] = ()) -> Report:
     """Group ``runs`` and compute every group's row (see the module docstring)."""
     check_compatible(runs, metric)
     ignore = list(ignore)
@@ -461,7 +467,48 @@ def build_report(runs: Sequence[Run], metric: str = "accuracy_mean", ignore: Ite
             row["paper"] = None if found is None else found.value
             row["paper_std"] = None if found is None else found.std
             row["difference"] = None if found is None else row["mean"] - found.value
-    return Report(metric, fields, labels, shared, rows, groups, source)
+    if paired is not None:
+        add_paired_differences(rows, groups, fields, metric, paired, within)
+    elif within:
+        raise ConfigError("--within", "names the fields a --paired comparison keeps equal: give --paired as well")
+    return Report(metric, fields, labels, shared, rows, groups, source, paired)
+
+
+def add_paired_differences(rows: Sequence[dict[str, Any]], groups: Sequence[Group], fields: Sequence[str],
+                           metric: str, paired: str, within: Sequence[str]) -> None:
+    """Each row's per-seed difference from its reference group (``paired`` = "FIELD=VALUE", matched on the
+    ``within`` fields, by default every other differing field): ``paired_difference`` (mean), ``paired_std``,
+    ``paired_ahead`` (seeds in which the group is above its reference), ``paired_seeds``; None where a group is
+    a reference itself, or has no reference or no seed in common with it."""
+    name, separator, text = paired.partition("=")
+    if not separator or name not in fields:
+        raise ConfigError("--paired", f"must be FIELD=VALUE with FIELD one of the fields that differ between these "
+                                      f"runs ({', '.join(fields)}), got {paired!r}")
+    try:
+        value = _number(tomllib.loads(f"value = {text}")["value"])
+    except tomllib.TOMLDecodeError:
+        value = text
+    matched = list(within) or [other for other in fields if other != name]
+    unknown = [other for other in matched if other not in fields or other == name]
+    if unknown:
+        raise ConfigError("--within", f"{unknown[0]} is not one of the other fields that differ between these runs "
+                                      f"({', '.join(other for other in fields if other != name)})")
+    position = fields.index(name)
+    references = {tuple(group.key[fields.index(other)] for other in matched): group for group in groups
+                  if group.key[position] == _hashable(value)}
+    if not references:
+        raise ConfigError("--paired", f"no run has {name} = {text}; its values here: "
+                                      f"{', '.join(sorted({_value_text(group.runs[0].fields.get(name)) for group in groups}))}")
+    for row, group in zip(rows, groups, strict=True):
+        reference = references.get(tuple(group.key[fields.index(other)] for other in matched))
+        by_seed = {run.seed: float(run.summary[metric]) for run in reference.runs} if reference is not None else {}
+        differences = [float(run.summary[metric]) - by_seed[run.seed] for run in group.runs if run.seed in by_seed]
+        if reference is group or not differences:
+            row.update(paired_difference=None, paired_std=None, paired_ahead=None, paired_seeds=0)
+            continue
+        mean, std = _mean_std(differences)
+        row.update(paired_difference=mean, paired_std=std, paired_ahead=sum(d > 0 for d in differences),
+                   paired_seeds=len(differences))
 
 
 def _scale(metric: str) -> float:
@@ -500,6 +547,7 @@ def markdown(report: Report) -> str:
     header += ["worst agent" + unit] if has_worst else []
     header += ["ε spent", "ε target"]
     header += [f"paper{unit}", "ours − paper"] if paper else []
+    header += [f"− the {report.paired} run, paired by seed (seeds ahead)"] if report.paired else []
     lines = [f"{len(report.rows)} settings from {sum(row['n'] for row in report.rows)} runs; "
              f"{report.metric} of the last evaluation, mean ± sample std over seeds.", ""]
     if report.shared:
@@ -519,6 +567,8 @@ def markdown(report: Report) -> str:
             else:
                 paper_std = "" if row["paper_std"] is None else f" ± {scale * row['paper_std']:.2f}"
                 cells += [f"{scale * row['paper']:.2f}{paper_std}", f"{scale * row['difference']:+.2f}"]
+        if report.paired:
+            cells.append(_paired_text(row, scale))
         lines.append("| " + " | ".join(cells) + " |")
     implied = [name for name in report.fields if name not in report.labels]
     lines.append("")
@@ -532,11 +582,19 @@ def markdown(report: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _paired_text(row: dict[str, Any], scale: float) -> str:
+    if row["paired_difference"] is None:
+        return "—"
+    std = "" if row["paired_std"] is None else f" ± {scale * row['paired_std']:.2f}"
+    return f"{scale * row['paired_difference']:+.2f}{std}, {row['paired_ahead']} of {row['paired_seeds']}"
+
+
 def csv_text(report: Report) -> str:
     """Every group with every differing field and unrounded statistics."""
     columns = [*report.fields, "n", "seeds", "metric", "mean", "std", "min", "max", "worst_agent", "epsilon_spent",
                "epsilon_spent_mean", "epsilon_accountant", "epsilon_target", "delta", "rounds", "wall_seconds",
-               "paper", "paper_std", "difference", "runs"]
+               "paper", "paper_std", "difference", "paired_difference", "paired_std", "paired_ahead", "paired_seeds",
+               "runs"]
     columns = [name for name in columns if any(name in row for row in report.rows)]
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
@@ -560,7 +618,7 @@ def json_rows(report: Report) -> dict[str, Any]:
     rows = [{key: clean(value) for key, value in row.items()} for row in report.rows]
     return {"metric": report.metric, "fields": report.fields, "labels": report.labels,
             "shared": {key: clean(value) for key, value in report.shared.items()}, "rows": rows,
-            "paper_source": report.paper_source}
+            "paper_source": report.paper_source, "paired": report.paired}
 
 
 # ----------------------------------------------------------------------------- figures
@@ -871,6 +929,13 @@ def add_parser(commands: Any) -> None:
                         help="with --out, also the metric against round in a grid of panels, one per value of "
                              "this config field (a row of panels; given twice: rows, then columns), e.g. "
                              "schedule.kind and algorithm.alpha for a paper figure's sub-plots")
+    report.add_argument("--paired", metavar="FIELD=VALUE",
+                        help="compare each setting with the one that has FIELD = VALUE and otherwise the same "
+                             "--within fields, seed by seed (mean ± std of the differences, and in how many seeds "
+                             "it is ahead), e.g. algorithm.name=dpdl")
+    report.add_argument("--within", action="append", default=[], metavar="FIELD",
+                        help="with --paired, a field the compared settings share (repeatable; default: every other "
+                             "field that differs), e.g. privacy.epsilon")
     report.add_argument("--skip-unfinished", action="store_true",
                         help="leave out runs that have not finished (still running, killed) and name them on "
                              "stderr, instead of refusing the report")
@@ -879,7 +944,7 @@ def add_parser(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """``decentdp report``: read, check, group; print the table or JSON; write files with ``--out``."""
     runs, skipped = find_runs(args.results, skip_unfinished=args.skip_unfinished)
-    report = build_report(runs, args.metric, args.ignore, args.paper)
+    report = build_report(runs, args.metric, args.ignore, args.paper, args.paired, args.within)
     for name in args.against:
         if args.out is None:
             raise ConfigError("--against", "draws a figure: give --out DIR as well")
