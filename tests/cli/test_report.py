@@ -13,7 +13,6 @@ import pytest
 import tomli_w
 
 from decentdp.cli.main import main
-from decentdp.errors import ConfigError
 from decentdp.cli.report import (
     build_report,
     epsilon_figure,
@@ -24,6 +23,7 @@ from decentdp.cli.report import (
     read_paper,
     round_figure,
 )
+from decentdp.errors import ConfigError
 
 from conftest import fake_run, tiny_config
 

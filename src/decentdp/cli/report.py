@@ -497,8 +497,8 @@ def add_paired_differences(rows: Sequence[dict[str, Any]], groups: Sequence[Grou
     references = {tuple(group.key[fields.index(other)] for other in matched): group for group in groups
                   if group.key[position] == _hashable(value)}
     if not references:
-        raise ConfigError("--paired", f"no run has {name} = {text}; its values here: "
-                                      f"{', '.join(sorted({_value_text(group.runs[0].fields.get(name)) for group in groups}))}")
+        present = sorted({_value_text(group.runs[0].fields.get(name)) for group in groups})
+        raise ConfigError("--paired", f"no run has {name} = {text}; its values here: {', '.join(present)}")
     for row, group in zip(rows, groups, strict=True):
         reference = references.get(tuple(group.key[fields.index(other)] for other in matched))
         by_seed = {run.seed: float(run.summary[metric]) for run in reference.runs} if reference is not None else {}

@@ -10,8 +10,8 @@ from __future__ import annotations
 import copy
 import math
 import tomllib
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 from pydantic import (
