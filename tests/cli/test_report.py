@@ -371,10 +371,21 @@ def test_paired_differences_are_taken_seed_by_seed_within_each_cell(tmp_path: Pa
     assert "+1.00 ± 0.00, 3 of 3" in capsys.readouterr().out
 
 
+def test_an_ambiguous_reference_is_refused(tmp_path: Path) -> None:
+    """Two dp-dsgt settings (two step sizes) for one epsilon: --within privacy.epsilon cannot pick one."""
+    for lr in (0.1, 0.2):
+        fake_run(tmp_path / f"dsgt-{lr}", 0.7, algorithm={"name": "dp-dsgt", "lr": lr})
+    fake_run(tmp_path / "dsgd", 0.6, algorithm={"name": "dp-dsgd", "lr": 0.3})
+    runs, _ = find_runs([tmp_path])
+    with pytest.raises(ConfigError) as error:
+        build_report(runs, paired="algorithm.name=dp-dsgt", within=["privacy.epsilon"])
+    assert error.value.field == "--within" and "they differ in algorithm.lr" in error.value.message
+
+
 @pytest.mark.parametrize(("argv", "field", "fragment"), [
     (["--paired", "algorithm.name"], "--paired", "must be FIELD=VALUE"),
     (["--paired", "algorithm.name=dp-dinno"], "--paired", "no run has algorithm.name = dp-dinno"),
-    (["--paired", "algorithm.name=dp-dsgt", "--within", "topology.graph"], "--within", "is not one of the other"),
+    (["--paired", "algorithm.name=dp-dsgt", "--within", "topology.grph"], "--within", "is not another config field"),
     (["--within", "privacy.epsilon"], "--within", "give --paired as well"),
 ])
 def test_bad_paired_options_name_the_option(tmp_path: Path, argv: list[str], field: str, fragment: str) -> None:

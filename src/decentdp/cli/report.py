@@ -468,18 +468,19 @@ def build_report(runs: Sequence[Run], metric: str = "accuracy_mean", ignore: Ite
             row["paper_std"] = None if found is None else found.std
             row["difference"] = None if found is None else row["mean"] - found.value
     if paired is not None:
-        add_paired_differences(rows, groups, fields, metric, paired, within)
+        add_paired_differences(rows, groups, fields, metric, paired, within, known)
     elif within:
         raise ConfigError("--within", "names the fields a --paired comparison keeps equal: give --paired as well")
     return Report(metric, fields, labels, shared, rows, groups, source, paired)
 
 
 def add_paired_differences(rows: Sequence[dict[str, Any]], groups: Sequence[Group], fields: Sequence[str],
-                           metric: str, paired: str, within: Sequence[str]) -> None:
+                           metric: str, paired: str, within: Sequence[str], known: Iterable[str]) -> None:
     """Each row's per-seed difference from its reference group (``paired`` = "FIELD=VALUE", matched on the
-    ``within`` fields, by default every other differing field): ``paired_difference`` (mean), ``paired_std``,
-    ``paired_ahead`` (seeds in which the group is above its reference), ``paired_seeds``; None where a group is
-    a reference itself, or has no reference or no seed in common with it."""
+    ``within`` fields, by default every other differing field; a ``within`` field every run shares matches
+    trivially): ``paired_difference`` (mean), ``paired_std``, ``paired_ahead`` (seeds in which the group is above
+    its reference), ``paired_seeds``; None where a group is a reference itself, or has no reference or no seed in
+    common with it."""
     name, separator, text = paired.partition("=")
     if not separator or name not in fields:
         raise ConfigError("--paired", f"must be FIELD=VALUE with FIELD one of the fields that differ between these "
@@ -488,14 +489,26 @@ def add_paired_differences(rows: Sequence[dict[str, Any]], groups: Sequence[Grou
         value = _number(tomllib.loads(f"value = {text}")["value"])
     except tomllib.TOMLDecodeError:
         value = text
-    matched = list(within) or [other for other in fields if other != name]
-    unknown = [other for other in matched if other not in fields or other == name]
+    known = set(known)
+    unknown = [other for other in within if other not in known or other == name]
     if unknown:
-        raise ConfigError("--within", f"{unknown[0]} is not one of the other fields that differ between these runs "
-                                      f"({', '.join(other for other in fields if other != name)})")
+        raise ConfigError("--within", f"{unknown[0]} is not another config field of these runs (dotted, e.g. "
+                                      f"privacy.epsilon; those that differ: "
+                                      f"{', '.join(other for other in fields if other != name)})")
+    matched = [other for other in within if other in fields] if within else [other for other in fields
+                                                                             if other != name]
     position = fields.index(name)
-    references = {tuple(group.key[fields.index(other)] for other in matched): group for group in groups
-                  if group.key[position] == _hashable(value)}
+    references: dict[tuple[Any, ...], Group] = {}
+    for group in groups:
+        if group.key[position] != _hashable(value):
+            continue
+        cell = tuple(group.key[fields.index(other)] for other in matched)
+        if cell in references:  # two references for one cell: the comparison would be ambiguous
+            apart = [other for index, other in enumerate(fields) if group.key[index] != references[cell].key[index]]
+            raise ConfigError("--within", f"two {name} = {text} settings share the --within values "
+                                          f"{_value_text(cell)} (they differ in {', '.join(apart)}): add "
+                                          f"{apart[0]} to --within, or leave --within out")
+        references[cell] = group
     if not references:
         present = sorted({_value_text(group.runs[0].fields.get(name)) for group in groups})
         raise ConfigError("--paired", f"no run has {name} = {text}; its values here: {', '.join(present)}")
