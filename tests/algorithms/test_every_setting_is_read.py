@@ -53,7 +53,7 @@ MOVED: dict[str | tuple[str, str], dict[str, Any] | tuple[dict[str, Any], dict[s
     "gossip_steps": {"gossip_steps": 1},       # fewer than the graph's T_mix, which 0 chooses
     "update_clip": {"update_clip": 0.01},
     "topology_aware": {"topology_aware": False},
-    # the decay multiplies the noise every decay_period rounds: within a 6-round run only with a short period
+    # the decay multiplies the noise every decay_period rounds: within a 4-round run only with a short period
     "decay_gamma": ({"decay_period": 2}, {"decay_gamma": 0.5}),
     "decay_period": {"decay_period": 2},
     "zero_sum_noise": {"zero_sum_noise": 0.5},
@@ -65,8 +65,8 @@ CASES = [(name, key) for name in algorithm_names()
 
 
 def _fingerprint(name: str, settings: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, str]:
-    """Final models, noise multipliers and the summary's epsilons of a 6-round tiny run."""
-    raw = tiny_config(experiment={"rounds": 6, "eval_every": 6},
+    """Final models, noise multipliers and the summary's epsilons of a 4-round tiny run."""
+    raw = tiny_config(experiment={"rounds": 4, "eval_every": 4},
                       algorithm={"name": name, "lr": 0.1, "batch_size": 16, **settings},
                       privacy={"epsilon": "inf" if name == "no-noise" else 2.0},
                       topology={"graph": "erdos-renyi", "agents": 5, "p": 0.7}, engine={"threads": 1})
