@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import math
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -422,10 +422,7 @@ class ExperimentConfig(_Section):
         if self.schedule.offline_probability and not algorithm_class(algo.name).follows_plan:
             raise _FieldError("schedule.offline_probability", f"algorithm '{algo.name}' does not let agents go "
                                                                "offline (its rounds involve every agent)")
-        for dotted, reads, mode in MODE_ONLY:
-            if not reads(self) and _differs_from_default(self, dotted):
-                raise _FieldError(dotted, f"is used with {mode} only, which this run does not have; remove it, "
-                                          f"e.g. --set ~{dotted}")
+        self._refuse_fields_outside_their_mode(MODE_ONLY)
         if topo.redraw_every and topo.graph not in _RANDOM_GRAPHS:
             raise _FieldError("topology.redraw_every", f"redraws a random graph; graph = '{topo.graph}' is fixed "
                                                        f"(random graphs: {', '.join(_RANDOM_GRAPHS)})")
@@ -477,10 +474,16 @@ class ExperimentConfig(_Section):
             if getattr(settings, key) != field.get_default(call_default_factory=True):
                 raise _FieldError(f"algorithm.{key}", f"is not read by a [personalized] run "
                                                       f"({_PERSONALIZED_READS_IN_WORDS}); remove it")
-        for dotted, reads, mode in MODE_ONLY:
-            section, key = dotted.split(".")
-            if key in PERSONALIZED_READS.get(section, ()) and not reads(self) and _differs_from_default(self, dotted):
-                raise _FieldError(dotted, f"is used with {mode} only, which this run does not have; remove it")
+        self._refuse_fields_outside_their_mode([row for row in MODE_ONLY if row[0].split(".")[1] in
+                                                PERSONALIZED_READS.get(row[0].split(".")[0], ())])
+
+    def _refuse_fields_outside_their_mode(self, rows: Sequence[tuple[str, Callable[[ExperimentConfig], bool],
+                                                                     str]]) -> None:
+        """The first of ``rows`` (:data:`MODE_ONLY`'s) whose field this run's mode does not read, yet is set."""
+        for dotted, reads, mode in rows:
+            if not reads(self) and _differs_from_default(self, dotted):
+                raise _FieldError(dotted, f"is used with {mode} only, which this run does not have; remove it, "
+                                          f"e.g. --set ~{dotted}")
 
     def to_toml_dict(self) -> dict[str, Any]:
         """The resolved config as TOML-writable data ('inf' for infinity, no None values), with the
