@@ -21,7 +21,9 @@ view of the oracle's own noise (``privacy.epsilon``: the local epsilon); a non-p
 (``epsilon = 'inf'``) carries the zero-sum noise alone and promises nothing against all neighbours.  What
 one neighbour, or a ``privacy.colluding`` set, learns of each sender is priced by the observer-view
 accountant over every message of the run (each draw held by its sender, the run's relation), capped by the
-local epsilon: ``epsilon_pairwise_network`` / ``epsilon_pairwise_max``.
+local epsilon: ``epsilon_pairwise_network`` / ``epsilon_pairwise_max``.  The unrolled run takes SGD's own step
+(momentum re-sends past gradients, weight decay past models: both linear); Adam's step is not linear in the
+gradients, so under Adam each sender's local epsilon is reported instead.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from pydantic import Field
 
 from decentdp.algorithms.base import Network, RoundContext, RunFacts, State, once_per_graph, prefixed, unprefixed
-from decentdp.algorithms.components.optim import Optimizer, OptimizerAlgorithm, OptimizerSettings
+from decentdp.algorithms.components.optim import SGD, Optimizer, OptimizerAlgorithm, OptimizerSettings
 from decentdp.algorithms.registry import register
 from decentdp.privacy.observer_pricing import Builder, ViewRecipe, pairwise_results, priced_view
 from decentdp.privacy.observer_view import LinearView
@@ -129,26 +131,37 @@ class ZipDL(OptimizerAlgorithm):
             received += links.sum(axis=1)
             draws += n + int(links.sum()) + n
             widest = max(widest, 3 * n + int(links.sum()))
-        return ViewRecipe(received.tolist(), draws, n * facts.rounds, state_size=n, round_sources=widest,
+        return ViewRecipe(received.tolist(), draws, n * facts.rounds, state_size=self._carried_rows(n),
+                          round_sources=widest,
                           unroll=lambda builder: self.unroll(builder, facts))
 
     def linear_view(self, facts: RunFacts) -> LinearView:
         """The whole run as one explicit :class:`~decentdp.privacy.observer_view.LinearView`."""
         return self.view_recipe(facts).dense().view()
 
+    def _carried_rows(self, n: int) -> int:
+        """Rows of the state one round carries into the next: the models, and SGD's momentum buffers."""
+        return 2 * n if isinstance(self.optimizer, SGD) and self.optimizer.momentum else n
+
     def unroll(self, builder: Builder, facts: RunFacts) -> None:
-        """Every round unrolled over sources (plain SGD): ``x_i + sigma_i xi_i`` over ``L_i`` (the oracle's
-        release), the half step, each message ``m_{i->j}`` with its zero-sum draw (held by its sender alone),
-        the aggregation.  The initial model is public; the models are the state carried between rounds."""
+        """Every round unrolled over sources: ``x_i + sigma_i xi_i`` over ``L_i`` (the oracle's release), the
+        run's own SGD step taken on these expressions (momentum, Nesterov and weight decay are linear), each
+        message ``m_{i->j}`` with its zero-sum draw (held by its sender alone), the aggregation.  The initial
+        model is public; the models (and momentum buffers) are the state carried between rounds."""
+        if not isinstance(self.optimizer, SGD):
+            raise ValueError("only SGD's step is linear in the gradients: a run under Adam cannot be unrolled")
         n = len(facts.noise_multipliers)
         own = [{agent} for agent in range(n)]
-        theta = builder.zeros(n)
+        state = builder.zeros(self._carried_rows(n))
         for k, w in self._rounds(facts):
-            theta = builder.carry(theta)
+            state = builder.carry(state)
+            theta, buffers = torch.from_numpy(state[:n]), {"momentum": torch.from_numpy(state[n:])}
             receiver, sender = np.nonzero((w > 0) & ~np.eye(n, dtype=bool))        # sender's message to receiver
             scale = facts.lr(k) / facts.expected_batches
             update = builder.data(range(n)) + facts.noise_multipliers[:, None] * builder.noise(np.ones(n), own)
-            half = theta - scale[:, None] * update
+            gradient = torch.from_numpy(update / facts.expected_batches[:, None])
+            stepped, buffers = self.optimizer.step(theta, gradient, buffers, facts.lr(k))
+            half = stepped.numpy()
             senders = np.concatenate([sender, np.arange(n)])
             receivers = np.concatenate([receiver, np.arange(n)])
             weights = w[receivers, senders]
@@ -156,13 +169,19 @@ class ZipDL(OptimizerAlgorithm):
             noise = zero_sum(torch.from_numpy(g), torch.from_numpy(weights), torch.from_numpy(senders), n).numpy()
             messages = half[senders] + (self.zero_sum_noise * scale)[senders, None] * noise
             builder.send(receiver, messages[: len(sender)])
-            theta = np.zeros_like(theta)
-            np.add.at(theta, receivers, weights[:, None] * messages)
+            theta_next = np.zeros_like(half)
+            np.add.at(theta_next, receivers, weights[:, None] * messages)
+            state = np.concatenate([theta_next, *(buffer.numpy() for buffer in buffers.values())])
 
     def privacy_results(self, state: State, facts: RunFacts) -> AlgorithmPrivacy:
         """What one neighbour (or a ``privacy.colluding`` set) learns of each sender, by the observer-view
-        accountant over every message, capped by the sender's local epsilon."""
+        accountant over every message, capped by the sender's local epsilon; the local epsilon alone under
+        Adam (not linear)."""
         local = np.asarray(facts.local_epsilon, dtype=float)
         observers = [[agent] for agent in range(len(local))] + [list(members) for members in facts.colluding]
-        capped, note = priced_view(local, self.view_recipe(facts), observers, facts.relation, facts.delta)
+        if isinstance(self.optimizer, SGD):
+            capped, note = priced_view(local, self.view_recipe(facts), observers, facts.relation, facts.delta)
+        else:
+            capped = np.repeat(local[:, None], len(observers), axis=1)
+            note = "not linear (algorithm.optimizer = 'adam'): each sender's local epsilon"
         return pairwise_results(capped, facts.colluding, note)
