@@ -105,7 +105,7 @@ def privacy_report(ledger: PrivacyLedger, delta: float, statement: dict[str, Any
         report["epsilon_rdp"] = epsilon_json(ledger.epsilon("rdp"))
     if ledger.has_receiver_releases:
         if ledger.relation == "add-remove":
-            report["epsilon_pairwise_rdp"] = epsilon_json(ledger.pairwise_epsilon("rdp"))
+            report["paper_epsilon_pairwise_rdp"] = epsilon_json(ledger.pairwise_epsilon("rdp"))
         report["paper_epsilon_per_receiver"] = epsilon_json(ledger.pairwise_epsilon(accountant).max(axis=1))
         report["paper_epsilon_per_receiver_view"] = PER_RECEIVER_VIEW
     if paper_accounting is not None:
