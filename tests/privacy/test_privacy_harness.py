@@ -71,6 +71,8 @@ CYCLIC = {"mafalda-sgd"}
 #: sit out rounds, so its receivers mix fewer messages and its senders release fewer.
 SCHEDULES = {"top-dp-async": {"kind": "pairing", "offline_probability": 0.3},
              "udp": {"kind": "sampled", "participation": 0.6}}
+#: Each schedule kind's settings when the harness runs it (offline agents and sampled users included).
+SCHEDULE_SETTINGS = {"synchronous": {"kind": "synchronous"}, **{entry["kind"]: entry for entry in SCHEDULES.values()}}
 
 
 class Sources:
@@ -181,17 +183,21 @@ VALUES = {"alpha": [0.25, 0.5, 0.75], "gossip_steps": [1, 2, 4]}
 def traced_run(name: str, n: int, p: float, seed: int, rounds: int, epsilon: float = 2.0, graph: str = "erdos-renyi",
                settings: dict[str, Any] | None = None, relation: str = "add-remove",
                colluding: list[list[int]] | None = None, data: dict[str, Any] | None = None,
+               agent_epsilons: list[float] | None = None, schedule: dict[str, Any] | None = None,
                ) -> tuple[Any, Sources, list[tuple[np.ndarray, torch.Tensor]]]:
     """Run ``rounds`` rounds of algorithm ``name`` with full batches on a random graph (or ``graph``), traced
-    (``data``: e.g. cyclic sampling's ``{"sampling": "cyclic", "batches": b}``, each batch then a full share)."""
+    (``data``: e.g. cyclic sampling's ``{"sampling": "cyclic", "batches": b}``, each batch then a full share;
+    ``agent_epsilons``: a budget per agent instead of ``epsilon``; ``schedule``: instead of the algorithm's
+    :data:`SCHEDULES` entry or default)."""
     raw = tiny_config(experiment={"rounds": rounds, "eval_every": rounds, "seed": seed}, data=data or {},
                       topology={"graph": graph, "agents": n, **({"p": p} if graph == "erdos-renyi" else {})},
                       algorithm={"name": name, "batch_size": 10_000, "lr": 0.3, **LINEAR_SETTINGS.get(name, {}),
                                  **(settings or {})},
-                      privacy={"epsilon": epsilon, "delta": DELTA, "clip": 1.0, "neighbouring": relation,
+                      privacy={**({"agent_epsilons": agent_epsilons} if agent_epsilons else {"epsilon": epsilon}),
+                               "delta": DELTA, "clip": 1.0, "neighbouring": relation,
                                # the others refuse a colluding set: their one epsilon bounds all observers together
                                "colluding": colluding or [] if name in REPORTS_COLLUDING else []},
-                      **({"schedule": SCHEDULES[name]} if name in SCHEDULES else {}))
+                      **({"schedule": schedule or SCHEDULES[name]} if schedule or name in SCHEDULES else {}))
     experiment = build_experiment(validate_config(raw))
     sources = Sources(capacity=64 * n * (rounds + 1))
     old = experiment.oracle
@@ -409,11 +415,13 @@ def violations(experiment: Any, sources: Sources, log: list[tuple[np.ndarray, to
 @pytest.mark.parametrize(("name", "n", "rounds", "period", "relation", "settings"), [
     ("mafalda-sgd", 5, 8, 1, "add-remove", {}), ("mafalda-sgd", 4, 8, 2, "replace-one", {}),
     ("mafalda-sgd", 5, 6, 6, "add-remove", {}), ("mafalda-sgd", 4, 9, 3, "add-remove", {"bands": 2}),
-    ("dp-dsgd", 4, 6, 2, "add-remove", {}), ("dp-dsgd", 4, 5, 5, "replace-one", {})])
+    ("dp-dsgd", 4, 6, 2, "add-remove", {}), ("dp-dsgd", 4, 5, 5, "replace-one", {}),
+    ("dp-dsgt", 4, 6, 2, "add-remove", {}), ("local", 4, 5, 2, "replace-one", {}),
+    ("dp-dinno", 4, 6, 3, "add-remove", {})])
 def test_cyclic_participation_is_priced_at_or_above_every_observers_exact_loss(
         name: str, n: int, rounds: int, period: int, relation: str, settings: dict[str, Any]) -> None:
     """Cyclic sampling (b batches, a record in the rounds t = c mod b of one class): the ledger's epsilon (the
-    whole-run Gaussian of mafalda-sgd's factorization, dense or banded; DP-D-SGD's ceil(T/b) unsampled releases)
+    whole-run Gaussian of mafalda-sgd's factorization, dense or banded; the others' ceil(T/b) unsampled releases)
     and the observer-view accountant's pairwise and colluding epsilons are at least each observer's exact loss,
     the supremum over one class's data terms at a time.  For mafalda-sgd the observer of every message (all the
     others) learns exactly the whole-run Gaussian sens(C) / sigma: the ledger's epsilon is that loss."""
@@ -426,6 +434,35 @@ def test_cyclic_participation_is_priced_at_or_above_every_observers_exact_loss(
     if name == "mafalda-sgd":
         local = experiment.ledger.reported_epsilon()[0]
         np.testing.assert_allclose(everyone, local, rtol=1e-3)
+
+
+@pytest.mark.parametrize("name", TRACED)
+def test_heterogeneous_budgets_are_priced_at_or_above_every_observers_exact_loss(name: str) -> None:
+    """Agents with different budgets (``privacy.agent_epsilons``) calibrate different multipliers, so messages
+    mix noise of different sizes: every reported epsilon (all others, each single agent, the pairwise matrix,
+    a colluding set) is still at least its observer's exact loss."""
+    n, colluding = 4, [0, 3]
+    experiment, sources, log = traced_run(name, n, 0.8, 5, 2, colluding=[colluding],
+                                          agent_epsilons=[0.5, 1.0, 2.0, 4.0])
+    assert len(set(np.round(experiment.ledger.reported_epsilon()[0], 6))) > 1
+    found, _ = violations(experiment, sources, log, 2, None, "add-remove", colluding)
+    assert not found, found
+
+
+OTHER_SCHEDULES = [(name, kind) for name in TRACED for kind in algorithm_class(name).schedules
+                   if kind != SCHEDULES.get(name, {"kind": algorithm_class(name).schedules[0]})["kind"]]
+
+
+@pytest.mark.parametrize(("name", "kind"), OTHER_SCHEDULES)
+def test_every_schedule_an_algorithm_runs_is_priced_at_or_above_every_observers_exact_loss(name: str,
+                                                                                           kind: str) -> None:
+    """The property test above runs each algorithm under one schedule; the others it supports (pairing with
+    offline agents, UDP's synchronous rounds) change who receives what, and each is checked here."""
+    n, colluding = 5, [0, 4]
+    experiment, sources, log = traced_run(name, n, 0.8, 7, 3, colluding=[colluding], schedule=SCHEDULE_SETTINGS[kind])
+    assert experiment.config.schedule.kind == kind
+    found, _ = violations(experiment, sources, log, 3, None, "add-remove", colluding)
+    assert not found, found
 
 
 def test_a_planted_bug_noise_scaled_down_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
