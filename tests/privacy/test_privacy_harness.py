@@ -32,6 +32,7 @@ from tests.conftest import tiny_config
 
 from decentdp.algorithms import algorithm_class, algorithm_names
 from decentdp.config import validate_config
+from decentdp.errors import ConfigError
 from decentdp.experiment.build import build_experiment
 from decentdp.experiment.loop import run_facts
 from decentdp.privacy import oracle as oracle_module
@@ -71,6 +72,8 @@ CYCLIC = {"mafalda-sgd"}
 #: sit out rounds, so its receivers mix fewer messages and its senders release fewer.
 SCHEDULES = {"top-dp-async": {"kind": "pairing", "offline_probability": 0.3},
              "udp": {"kind": "sampled", "participation": 0.6}}
+#: Algorithms built for one fixed graph, which refuse ``topology.redraw_every``.
+FIXED_GRAPH = {"decor", "mafalda-sgd"}
 #: Each schedule kind's settings when the harness runs it (offline agents and sampled users included).
 SCHEDULE_SETTINGS = {"synchronous": {"kind": "synchronous"}, **{entry["kind"]: entry for entry in SCHEDULES.values()}}
 
@@ -184,13 +187,14 @@ def traced_run(name: str, n: int, p: float, seed: int, rounds: int, epsilon: flo
                settings: dict[str, Any] | None = None, relation: str = "add-remove",
                colluding: list[list[int]] | None = None, data: dict[str, Any] | None = None,
                agent_epsilons: list[float] | None = None, schedule: dict[str, Any] | None = None,
-               ) -> tuple[Any, Sources, list[tuple[np.ndarray, torch.Tensor]]]:
+               redraw_every: int = 0) -> tuple[Any, Sources, list[tuple[np.ndarray, torch.Tensor]]]:
     """Run ``rounds`` rounds of algorithm ``name`` with full batches on a random graph (or ``graph``), traced
     (``data``: e.g. cyclic sampling's ``{"sampling": "cyclic", "batches": b}``, each batch then a full share;
     ``agent_epsilons``: a budget per agent instead of ``epsilon``; ``schedule``: instead of the algorithm's
-    :data:`SCHEDULES` entry or default)."""
+    :data:`SCHEDULES` entry or default; ``redraw_every``: a new random graph every that many rounds)."""
     raw = tiny_config(experiment={"rounds": rounds, "eval_every": rounds, "seed": seed}, data=data or {},
-                      topology={"graph": graph, "agents": n, **({"p": p} if graph == "erdos-renyi" else {})},
+                      topology={"graph": graph, "agents": n, **({"p": p} if graph == "erdos-renyi" else {}),
+                                **({"redraw_every": redraw_every} if redraw_every else {})},
                       algorithm={"name": name, "batch_size": 10_000, "lr": 0.3, **LINEAR_SETTINGS.get(name, {}),
                                  **(settings or {})},
                       privacy={**({"agent_epsilons": agent_epsilons} if agent_epsilons else {"epsilon": epsilon}),
@@ -204,8 +208,13 @@ def traced_run(name: str, n: int, p: float, seed: int, rounds: int, epsilon: flo
     oracle = TracingOracle(old.model, old.sampler, experiment.ledger, old.rng, old.mechanism, old.clip_norm)
     oracle.sources = TracingNoiseDraw.sources = sources
     log: list[tuple[np.ndarray, torch.Tensor]] = []
-    network = SimulatedNetwork(experiment.topology, dtype=torch.float64)
-    simulator = Simulator(experiment.algorithm, GraphSequence(network), oracle, experiment.simulator.scheduler,
+    built = experiment.graphs   # fixed, or redrawn every topology.redraw_every rounds: each graph in float64
+    graphs = GraphSequence(SimulatedNetwork(experiment.topology, dtype=torch.float64),
+                           lambda epoch: SimulatedNetwork(built.at(epoch * built.redraw_every).topology,
+                                                          dtype=torch.float64),
+                           built.redraw_every) if built.redraw_every else \
+        GraphSequence(SimulatedNetwork(experiment.topology, dtype=torch.float64))
+    simulator = Simulator(experiment.algorithm, graphs, oracle, experiment.simulator.scheduler,
                           experiment.simulator.schedule, experiment.simulator.rng,
                           wrap_network=lambda net: TracingNetwork(net, log))
     experiment.simulator, experiment.oracle, experiment.graphs = simulator, oracle, simulator.graphs
@@ -462,6 +471,22 @@ def test_every_schedule_an_algorithm_runs_is_priced_at_or_above_every_observers_
     experiment, sources, log = traced_run(name, n, 0.8, 7, 3, colluding=[colluding], schedule=SCHEDULE_SETTINGS[kind])
     assert experiment.config.schedule.kind == kind
     found, _ = violations(experiment, sources, log, 3, None, "add-remove", colluding)
+    assert not found, found
+
+
+@pytest.mark.parametrize("name", TRACED)
+def test_redrawn_graphs_are_priced_at_or_above_every_observers_exact_loss(name: str) -> None:
+    """A new random graph every round (``topology.redraw_every = 1``): who receives what changes each round, and
+    the unrolled views (Muffliato, Zip-DL) follow each round's graph.  DECOR's edge keys and MAFALDA-SGD's
+    factorization belong to one fixed graph: they refuse a redrawn one, naming the field."""
+    n, colluding, rounds = 5, [0, 4], 3
+    if name in FIXED_GRAPH:
+        with pytest.raises(ConfigError, match="topology.redraw_every"):
+            traced_run(name, n, 0.6, 11, rounds, colluding=[colluding], redraw_every=1)
+        return
+    experiment, sources, log = traced_run(name, n, 0.6, 11, rounds, colluding=[colluding], redraw_every=1)
+    assert len({tuple(map(tuple, experiment.graphs.at(k).topology.adjacency().tolist())) for k in range(rounds)}) > 1
+    found, _ = violations(experiment, sources, log, rounds, None, "add-remove", colluding)
     assert not found, found
 
 
