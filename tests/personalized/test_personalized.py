@@ -21,7 +21,13 @@ from decentdp.data.personal import PersonalData
 from decentdp.data.synthetic_linear import synthetic_linear
 from decentdp.errors import ConfigError, DataError
 from decentdp.experiment.loop import run_experiment
-from decentdp.personalized.local import LABEL_SHARE, local_dp_release, local_models, output_perturbation
+from decentdp.personalized.local import (
+    CERTIFIED_TOLERANCE,
+    LABEL_SHARE,
+    local_dp_release,
+    local_models,
+    output_perturbation,
+)
 from decentdp.personalized.objective import (
     build_problem,
     clip_rows,
@@ -315,7 +321,7 @@ def test_warm_start_noise_dwarfs_the_local_models_whatever_lambda():
     problem = build_problem(data, mu=0.04)
     local = local_models(problem, clip)
     assert bool((torch.linalg.vector_norm(local, dim=1) <= clip / (2 * problem.reg) + 1e-9).all())
-    sensitivity = clip / (problem.counts.double() * problem.reg)  # 2C / (m Lambda) with Lambda = 2 lambda_i
+    sensitivity = (1 + CERTIFIED_TOLERANCE) * clip / (problem.counts.double() * problem.reg)  # 2C / (m Lambda)
     scaled = torch.cat([torch.linalg.vector_norm(output_perturbation(problem, local, clip, epsilon, AgentRandom(seed))
                                                  - local, dim=1) * epsilon / sensitivity for seed in range(5)])
     # Gamma(p, 1): mean p, variance p; 1000 draws give a ~1.4% standard error on the mean
@@ -335,11 +341,49 @@ def test_secure_warm_start_is_an_exact_grid_laplace_release_of_the_l1_sensitivit
     problem = build_problem(data, mu=0.04)
     local = local_models(problem, clip)
     released = output_perturbation(problem, local, clip, epsilon, SecureRandom(0, AgentKeys.generate(range(300))))
-    sensitivity = math.sqrt(dim) * clip / (problem.counts.double() * problem.reg)
+    sensitivity = math.sqrt(dim) * (1 + CERTIFIED_TOLERANCE) * clip / (problem.counts.double() * problem.reg)
     steps = torch.tensor([grid_step(float(s)) for s in sensitivity], dtype=torch.float64)[:, None]
     assert torch.equal(torch.round(released / steps), released / steps)        # on each agent's grid, exactly
     scaled = ((released - local) * epsilon / sensitivity[:, None]).abs()
     assert abs(float(scaled.mean()) - 1) < 0.08                                # 1500 draws of |Laplace(1)|
+
+
+def test_private_local_models_are_certified_and_move_at_most_the_certified_sensitivity():
+    """The warm start's models are iterates, not exact minimisers: local_models certifies each one's clipped
+    objective gradient (at most CERTIFIED_TOLERANCE C / m_i), and for datasets that differ in one record
+    (replaced by a far point with the opposite label) the models move by at most the sensitivity that
+    output_perturbation adds noise for, (1 + CERTIFIED_TOLERANCE) C / (m_i lambda_i)."""
+    from dataclasses import replace
+
+    from decentdp.personalized.objective import data_gradient_sums
+
+    clip, rng = 1.0, np.random.default_rng(5)
+    data = synthetic_linear(40, 8, min_points=5, max_points=30, seed=4)
+    problem = build_problem(data, mu=0.04)
+    local = local_models(problem, clip)
+    counts = problem.counts.clamp(min=1).double()
+    gradient = data_gradient_sums(problem, local, torch.arange(problem.n_agents), clip, 2) / counts[:, None] \
+        + 2 * problem.reg[:, None] * local
+    assert bool((torch.linalg.vector_norm(gradient, dim=1) <= CERTIFIED_TOLERANCE * clip / counts).all())
+    bound = (1 + CERTIFIED_TOLERANCE) * clip / (counts * problem.reg)
+    ratios = []
+    for row in rng.choice(len(data.y_train), 12, replace=False):
+        x, y = data.x_train.copy(), data.y_train.copy()
+        x[row], y[row] = -50.0 * x[row], -y[row]
+        moved = local_models(build_problem(replace(data, x_train=x, y_train=y), mu=0.04), clip)
+        agent = int(data.owner_train[row])
+        ratios.append(float(torch.linalg.vector_norm(moved[agent] - local[agent]) / bound[agent]))
+    assert 0.1 < max(ratios) <= 1.0   # within the bound (0.22 here), and the bound is not vacuous
+
+
+def test_an_uncertified_warm_start_is_refused(monkeypatch: pytest.MonkeyPatch):
+    from decentdp.errors import PrivacyError
+    from decentdp.personalized import local
+
+    monkeypatch.setattr(local, "MAX_CLIPPED_STEPS", 0)
+    problem = build_problem(synthetic_linear(10, 4, min_points=5, max_points=20, seed=1), mu=0.04)
+    with pytest.raises(PrivacyError, match="personalized.warm_start"):
+        local_models(problem, 1.0)
 
 
 def test_the_secure_warm_starts_exact_loss_stays_within_its_epsilon():
