@@ -145,6 +145,24 @@ def test_npz_missing_key(tmp_path: Path) -> None:
         load_dataset("mnist", tmp_path)
 
 
+@pytest.mark.parametrize("content", [b"", b"hello\n", b"truncated", b"single array"])
+def test_npz_not_an_archive(tmp_path: Path, content: bytes) -> None:
+    """An empty, garbage, truncated or single-array mnist.npz is a DataError naming the file (an empty file was
+    numpy's EOFError, a text file 'contains pickled (object) data')."""
+    path = tmp_path / "mnist.npz"
+    if content == b"truncated":
+        np.savez(path, **tiny_mnist())
+        path.write_bytes(path.read_bytes()[:1000])
+    elif content == b"single array":
+        with path.open("wb") as file:
+            np.save(file, tiny_mnist()["x_train"])
+    else:
+        path.write_bytes(content)
+    with pytest.raises(DataError, match="mnist.npz: expected an npz .zip. archive") as info:
+        load_dataset("mnist", tmp_path)
+    assert "pickle" not in str(info.value)
+
+
 def test_idx_bad_magic(tmp_path: Path) -> None:
     arrays = tiny_mnist()
     write_idx(tmp_path, arrays, gz=False)
@@ -310,6 +328,17 @@ def test_cifar_labels_out_of_range(tmp_path: Path) -> None:
         batch = {b"data": np.zeros((1, 3072), np.uint8), b"labels": [10]}
         (folder / member).write_bytes(pickle.dumps(batch, protocol=2))
     with pytest.raises(DataError, match="labels"):
+        load_dataset("cifar10", tmp_path)
+
+
+@pytest.mark.parametrize("data", [np.full((1, 3072), 0.5), np.full((1, 3072), 300), "str"])
+def test_cifar_data_not_uint8(tmp_path: Path, data: object) -> None:
+    """Pixels that are not uint8 are refused, naming the batch file: they were cast (0.5 -> 0, 300 -> 44) or
+    raised numpy's ValueError."""
+    write_cifar(tmp_path, "cifar10", as_tarball=False)
+    batch = {b"data": data, b"labels": [0]}
+    (tmp_path / "cifar-10-batches-py" / "test_batch").write_bytes(pickle.dumps(batch, protocol=2))
+    with pytest.raises(DataError, match="test_batch: expected uint8 data"):
         load_dataset("cifar10", tmp_path)
 
 

@@ -328,9 +328,11 @@ def _read_npz(path: Path, sources: dict[str, str]) -> dict[str, np.ndarray]:
     """Read the four arrays of an MNIST-style npz file (the Keras layout), checking their shapes and dtypes
     from the arrays' headers before any array is read (:func:`_check_layout`)."""
     try:
+        # (np.load would read a single .npy array, fail on an empty file, and blame pickles for anything else)
+        if not zipfile.is_zipfile(path):
+            raise DataError(f"{path}: expected an npz (zip) archive with keys {list(_NPZ_KEYS)}; this file is not "
+                            "one (empty, truncated, or a single array?)")
         npz = np.load(path, allow_pickle=False)
-        if not isinstance(npz, np.lib.npyio.NpzFile):
-            raise DataError(f"{path}: expected an npz archive with keys {list(_NPZ_KEYS)}, found a single array")
         with npz:
             missing = [k for k in _NPZ_KEYS if k not in npz.files]
             if missing:
@@ -464,8 +466,10 @@ def _load_cifar(name: str, data_dir: Path) -> Dataset:
             batch = _unpickle(data, source)
             if b"data" not in batch or label_key not in batch:
                 raise DataError(f"{source}: missing key b'data' or {label_key!r}")
-            x = np.asarray(batch[b"data"], dtype=np.uint8)
+            x = np.asarray(batch[b"data"])
             y = np.asarray(batch[label_key])
+            if x.dtype != np.uint8:  # (a cast would wrap or truncate pixels silently, or fail with a traceback)
+                raise DataError(f"{source}: expected uint8 data with pixels 0..255, got {x.dtype}")
             if x.ndim != 2 or x.shape[1] != 3 * 32 * 32 or y.ndim != 1 or len(x) != len(y):
                 raise DataError(f"{source}: expected data (n, 3072) and n labels, got {x.shape}, {y.shape}")
             xs.append(x)
