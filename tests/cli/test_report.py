@@ -217,6 +217,7 @@ def test_a_figure_option_that_cannot_be_drawn_is_refused(tmp_path: Path, capsys,
     ("empty", [], "no results folder under"),
     ("missing", [], "no such results folder"),
     ("plain", ["--metric", "loss_max"], "no numeric 'loss_max'"),
+    ("bad-epsilon", [], "summary.json: epsilon_max must be a number, \"inf\" or null, got 'abc'"),
     ("plain", ["--ignore", "privacy.nothing"], "--ignore: privacy.nothing is not a config field"),
     ("plain", ["--paper", "PAPER:unit = 'points'"], "unit must be one of"),
     ("plain", ["--paper", "PAPER:row = [{ value = 1.0, match = { 'privacy.nope' = 1 } }]"], "privacy.nope"),
@@ -241,6 +242,9 @@ def test_bad_input_is_one_clear_error(tmp_path: Path, capsys, setup: str, args: 
         runs.mkdir()
     elif setup == "plain":
         fake_run(runs / "a", 0.7)
+    elif setup == "bad-epsilon":  # a hand-edited summary
+        summary = fake_run(runs / "a", 0.7) / "summary.json"
+        summary.write_text(json.dumps({**json.loads(summary.read_text()), "epsilon_max": "abc"}))
     if args and args[-1].startswith("PAPER:"):
         paper = tmp_path / "paper.toml"
         paper.write_text(args[-1].removeprefix("PAPER:") + "\n")

@@ -138,6 +138,10 @@ def read_run(folder: Path) -> Run:
     summary = _read_json(summary_file)
     if not isinstance(summary, dict) or "finished" not in summary:
         raise DecentDPError(f"{summary_file} is not a decentdp run summary")
+    for key in ("epsilon_max", "epsilon_target"):  # (the table takes their float; a hand-edited one would crash it)
+        value = summary.get(key)
+        if not (value is None or value == "inf" or isinstance(value, (int, float)) and not isinstance(value, bool)):
+            raise DecentDPError(f"{summary_file}: {key} must be a number, \"inf\" or null, got {value!r}")
     if summary.get("finished") is False:
         raise UnfinishedRunError(f"{folder}: the run stopped after round {summary.get('rounds')} of "
                                  f"{summary.get('config', {}).get('experiment', {}).get('rounds', '?')}; "
