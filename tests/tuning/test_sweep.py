@@ -54,6 +54,11 @@ def test_hold_out_takes_records_from_every_agent_and_keeps_the_rest() -> None:
     ('"privacy.delta" = { low = 1e-6, high = 2.0 }', {}, "the value 2.0 makes an invalid config"),
     ('"algorithm.lr" = { low = 1.0, high = 0.1 }', {}, "low must be below high"),
     ('"algorithm.lr" = { low = 0.1, high = 1.0 }', {"method": "grid"}, "a grid needs values = [...] or a step"),
+    ('"privacy.epsilon" = { low = 1.0, high = inf }', {}, "space.privacy.epsilon: low and high must be finite"),
+    ('"privacy.clip" = { low = 0.1, high = 1.0, step = 1e-6 }', {"method": "grid"},
+     "space.privacy.clip: the step makes a grid of 900001 values, more than 100000"),  # (1e18 values: out of memory)
+    ('"privacy.clip" = { low = 0.1, high = 0.5, step = 0.001 }\n"algorithm.lr" = { low = 0.1, high = 0.5, '
+     'step = 0.001 }', {"method": "grid"}, "space: the grid has 160801 combinations, more than 100000"),
     ('"algorithm.lr" = { low = 0.1, high = 1.0 }', {"trials": None}, "sweep.trials: is required"),
     ('"algorithm.lr" = { values = [0.1] }', {"workers": 0}, "sweep.workers"),
     ('"experiment.seed" = { values = [0, 1] }', {}, "space.experiment.seed: is set by the sweep itself"),
@@ -69,6 +74,28 @@ def test_bad_sweep_files_name_the_field(tmp_path: Path, capsys, space: str, extr
     assert not out.exists()
 
 
+@pytest.mark.parametrize(("where", "message"), [
+    ("SWEEP", "SWEEP: {path} is a directory, not a sweep file"),  # was "no such sweep file"
+    ("sweep.config", "sweep.config: {path} is a directory, not a TOML config file"),
+])
+def test_a_directory_for_a_file_is_named_as_one(tmp_path: Path, capsys, where: str, message: str) -> None:
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    path = folder if where == "SWEEP" else write_sweep(tmp_path, LR_VALUES, config="folder")
+    assert main(["sweep", str(path), "--out", str(tmp_path / "out")]) == 2
+    assert message.format(path=folder) in capsys.readouterr().err
+
+
+def test_an_out_below_a_file_is_one_clear_error(tmp_path: Path, capsys) -> None:
+    """It was NotADirectoryError's traceback, from the sweep folder's mkdir."""
+    path = write_sweep(tmp_path, LR_VALUES)
+    assert main(["sweep", str(path), "--out", str(path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"--out: cannot create the sweep folder {path / 'out'}: Not a directory" in err
+    assert "Traceback" not in err
+
+
+LR_VALUES = '"algorithm.lr" = { values = [0.1] }\n'
 PRIVATE = {"distribution": "negative-binomial", "mean_trials": 3.0, "eta": 1.0, "score_noise": 1.0}
 LR = '"algorithm.lr" = { low = 0.05, high = 0.5, log = true }\n'
 

@@ -81,6 +81,7 @@ TRIALS_DIR = "trials"
 SPEC_ATTR = "decentdp_sweep"
 TRIALS_ATTR = "decentdp_private_trials"  # K of a private selection, drawn once when the study is created
 _WATCHER = "decentdp-sweep-parent"
+MAX_GRID = 100_000  # grid points a grid search may visit (every field's values, and all their combinations)
 _RESERVED = {"experiment.seed": "[sweep] seeds", "data.validation_fraction": "[sweep] validation_fraction",
              "engine.threads": "one thread per worker", "data.data_dir": "--data-dir"}
 
@@ -108,6 +109,8 @@ class Dimension(BaseModel):
         if self.values is None:
             if self.low is None or self.high is None:
                 raise ValueError("needs values = [...], or both low and high")
+            if not (math.isfinite(self.low) and math.isfinite(self.high)):
+                raise ValueError(f"low and high must be finite numbers (got {self.low} and {self.high})")
             if not self.low < self.high:
                 raise ValueError(f"low must be below high (got {self.low} and {self.high})")
             if self.log and self.low <= 0:
@@ -124,6 +127,8 @@ class Dimension(BaseModel):
             raise ValueError("a grid needs values = [...] or a step")
         assert self.low is not None and self.high is not None
         count = int(math.floor((self.high - self.low) / self.step + 1e-9)) + 1
+        if count > MAX_GRID:  # (the grid is a list in memory, and Optuna lists every combination)
+            raise ValueError(f"the step makes a grid of {count} values, more than {MAX_GRID}: take a larger step")
         points = [self.low + k * self.step for k in range(count)]
         return [int(round(p)) for p in points] if self.integer else [round(p, 12) for p in points]
 
@@ -268,6 +273,8 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), trials: int | No
     from decentdp.config import apply_overrides, overridden_algorithm_keys, parse_override, validate_config
 
     file = Path(path)
+    if file.is_dir():
+        raise ConfigError("SWEEP", f"{file} is a directory, not a sweep file")
     if not file.is_file():
         raise ConfigError("SWEEP", f"no such sweep file: {file}")
     raw = _read_toml(file, "SWEEP")
@@ -309,6 +316,8 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), trials: int | No
         section = section.model_copy(update={"trials": trials})
         options += ["--trials", str(trials)]
     base_file = (file.parent / section.config).resolve()
+    if base_file.is_dir():
+        raise ConfigError("sweep.config", f"{base_file} is a directory, not a TOML config file")
     if not base_file.is_file():
         raise ConfigError("sweep.config", f"no such config file: {base_file}")
     base_raw = _read_toml(base_file, "sweep.config")
@@ -362,6 +371,10 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), trials: int | No
                 dim.grid()
             except ValueError as exc:
                 raise ConfigError(f"space.{name}", f"{exc} (method = 'grid')") from None
+        size = math.prod(len(dim.grid()) for dim in space.values())
+        if size > MAX_GRID:
+            raise ConfigError("space", f"the grid has {size} combinations, more than {MAX_GRID}: search fewer values "
+                                       "(or use method = 'random' or 'tpe')")
     if section.selection == "best":
         if section.private is not None:
             raise ConfigError("sweep.private", "is used only with selection = 'private'")
@@ -528,7 +541,10 @@ class SweepRunner:
         self.sweep = sweep
         self.out = out
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # e.g. below a file
+            raise ConfigError("--out", f"cannot create the sweep folder {out}: {exc.strerror or exc}") from None
         storage = f"sqlite:///{(out / STUDY_FILE).resolve()}"
         names = optuna.study.get_all_study_names(storage)
         if names:
