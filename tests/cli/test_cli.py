@@ -828,6 +828,17 @@ def test_init_refuses_to_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture
     assert out.read_text() == "# my own config\n"
 
 
+def test_init_under_a_file_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """OUT's folder is a file: said as such (it was "OUT: mine.toml/x.toml already exists", which it did not)."""
+    (tmp_path / "mine.toml").write_text("# my own config\n")
+    out = tmp_path / "mine.toml" / "x.toml"
+    code = main(["init", str(out)])
+    captured = capsys.readouterr()
+    _assert_user_error(code, captured.err, "OUT", f"{tmp_path / 'mine.toml'} is a file, not a folder")
+    assert "already exists" not in captured.err
+    assert (tmp_path / "mine.toml").read_text() == "# my own config\n"
+
+
 def test_init_unknown_template_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "x.toml"
     code = main(["init", str(out), "--template", "dp-sgd-please"])

@@ -583,6 +583,11 @@ def _init(args: argparse.Namespace) -> int:
         raise ConfigError("OUT", f"{out} already exists; refusing to overwrite it (choose another name or remove it)")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # (not OUT: it is a file of the folder's name that exists)
+        raise ConfigError("OUT", f"cannot write {out}: {out.parent} is a file, not a folder") from None
+    except OSError as exc:
+        raise ConfigError("OUT", f"cannot write {out}: {exc.strerror or exc}") from None
+    try:
         with out.open("x", encoding="utf-8") as file:  # "x": never replaces a file created meanwhile
             file.write(text)
     except FileExistsError:
