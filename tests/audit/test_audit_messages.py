@@ -145,3 +145,26 @@ def test_chunks_kept_in_a_folder_give_the_same_audit_from_separate_processes(pri
     with pytest.raises(ConfigError) as error:
         run_message_audit(private, other, store=ChunkStore(folder))
     assert error.value.field == "--chunk-dir"
+
+
+@pytest.mark.parametrize("damage", ["file", "spec", "chunk"])
+def test_a_damaged_chunk_dir_is_one_clear_error(tmp_path: Path, damage: str) -> None:
+    """--chunk-dir naming a file, an unreadable spec.json or a damaged chunk: a ConfigError naming --chunk-dir and
+    the file (they were FileExistsError's, JSONDecodeError's and BadZipFile's tracebacks)."""
+    folder = tmp_path / "chunks"
+    spec = {"kind": "messages", "chunks": 2}
+    if damage == "file":
+        folder.write_text("not a folder\n")
+    else:
+        store = ChunkStore(folder)
+        store.open(spec)
+        store.save(0, np.zeros(4), np.ones(4, dtype=bool), 1.0, 2.0)
+        assert store.load(0) is not None
+        damaged = folder / ("spec.json" if damage == "spec" else "chunk-00000.npz")
+        damaged.write_bytes(damaged.read_bytes()[:10])
+    with pytest.raises(ConfigError) as error:
+        store = ChunkStore(folder)
+        store.open(spec)
+        store.load(0)
+    assert error.value.field == "--chunk-dir"
+    assert str(folder / {"file": "", "spec": "spec.json", "chunk": "chunk-00000.npz"}[damage]) in str(error.value)

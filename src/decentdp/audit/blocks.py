@@ -25,6 +25,7 @@ import json
 import math
 import os
 import time
+import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -277,11 +278,21 @@ class ChunkStore:
 
     def open(self, spec: dict[str, Any]) -> None:
         """Create the folder, or check that it belongs to the audit described by ``spec``."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        if self.folder.exists() and not self.folder.is_dir():
+            raise ConfigError("--chunk-dir", f"{self.folder} is a file, not a folder")
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError("--chunk-dir", f"cannot create {self.folder}: {exc.strerror or exc}") from None
         path = self.folder / "spec.json"
         text = json.dumps(spec, sort_keys=True, indent=1)
         if path.exists():
-            if json.loads(path.read_text(encoding="utf-8")) != json.loads(text):
+            try:
+                held = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise ConfigError("--chunk-dir", f"cannot read {path} ({exc}); restore it, or choose another "
+                                                 "folder") from None
+            if held != json.loads(text):
                 raise ConfigError("--chunk-dir", f"{self.folder} holds the chunks of another audit (its spec.json "
                                                  "differs from this one's settings); choose another folder")
         else:
@@ -295,8 +306,12 @@ class ChunkStore:
         path = self._path(index)
         if not path.exists():
             return None
-        with np.load(path) as saved:
-            return (saved["scores"], saved["member"], float(saved["epsilon"]), float(saved["noise_multiplier"]))
+        try:
+            with np.load(path) as saved:
+                return (saved["scores"], saved["member"], float(saved["epsilon"]), float(saved["noise_multiplier"]))
+        except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as exc:
+            raise ConfigError("--chunk-dir", f"{path} is damaged ({exc}); delete it to train that chunk "
+                                             "again") from None
 
     def save(self, index: int, scores: np.ndarray, member: np.ndarray, epsilon: float, noise: float) -> None:
         """Write chunk ``index`` atomically (a temporary file renamed into place)."""
