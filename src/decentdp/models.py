@@ -20,7 +20,7 @@ which seeds the initialisation without touching the global random state.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import torch
@@ -107,6 +107,33 @@ def build_model(
         that cannot handle ``input_shape`` / ``num_classes``; ``model.<option>`` for an option
         the builder does not accept or an invalid option value.
     """
+    builder = _builder_taking(name, options)
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        # Seed only the CPU generator (torch.manual_seed would also reseed CUDA, which fork_rng
+        # with devices=[] does not restore); the model is created on the CPU even under another
+        # default device, so that every device starts from the same parameters (moved there after).
+        torch.default_generator.manual_seed(seed)
+        return builder(tuple(input_shape), num_classes, **options)  # type: ignore[call-arg]
+
+
+def check_model_options(name: str, options: Mapping[str, object]) -> None:
+    """Refuse, naming ``model.options.<option>``, an option model ``name`` does not take or a value its builder
+    refuses, before any data is read (so that ``--dry-run`` and a sweep's first trial catch it).  The builder runs
+    on the meta device (no memory, no initialisation) for 32x32 three-channel inputs and ten classes; whether the
+    model fits the data's shape and classes is checked when :func:`build_model` builds it for them."""
+    builder = _builder_taking(name, options)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            builder((3, 32, 32), 10, **options)  # type: ignore[call-arg]
+    except ConfigError as error:
+        if error.field.startswith("model.options."):
+            raise
+    except (TypeError, ValueError) as error:  # a value the builder passed on to torch unchecked
+        raise ConfigError("model.options", f"model {name!r} cannot be built with {dict(options)}: {error}") from None
+
+
+def _builder_taking(name: str, options: Mapping[str, object]) -> ModelBuilder:
+    """The builder of model ``name``, after refusing an unknown name or an option it does not take."""
     if name not in MODELS:
         raise ConfigError("model.name", f"unknown model {name!r}; choose one of: {', '.join(sorted(MODELS))}")
     builder = MODELS[name]
@@ -119,12 +146,7 @@ def build_model(
         if option not in accepted:
             allowed = f"accepted options: {', '.join(accepted)}" if accepted else "it takes no options"
             raise ConfigError(f"model.options.{option}", f"model {name!r} has no option {option!r}; {allowed}")
-    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
-        # Seed only the CPU generator (torch.manual_seed would also reseed CUDA, which fork_rng
-        # with devices=[] does not restore); the model is created on the CPU even under another
-        # default device, so that every device starts from the same parameters (moved there after).
-        torch.default_generator.manual_seed(seed)
-        return builder(tuple(input_shape), num_classes, **options)  # type: ignore[call-arg]
+    return builder
 
 
 def count_parameters(model: nn.Module) -> int:

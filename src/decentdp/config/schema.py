@@ -29,6 +29,7 @@ from decentdp.algorithms import algorithm_class, algorithm_names
 from decentdp.algorithms.base import AlgorithmSettings
 from decentdp.config.personalized import PersonalizedSection
 from decentdp.errors import ConfigError
+from decentdp.models import check_model_options
 from decentdp.topology import PARAM_USERS
 
 DatasetName = Literal["digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "a9a"]
@@ -410,6 +411,10 @@ class ExperimentConfig(_Section):
             return self
         if algo.lr_schedule != "constant" and algo.lr_final is None:
             raise _FieldError("algorithm.lr_final", f"is required by lr_schedule = '{algo.lr_schedule}'")
+        try:
+            check_model_options(self.model.name, self.model.options)
+        except ConfigError as error:
+            raise _FieldError(error.field, error.message) from None
         supported = algorithm_class(algo.name).schedules
         if self.schedule_kind not in supported:
             raise _FieldError("schedule.kind", f"'{self.schedule_kind}' is not supported by algorithm '{algo.name}' "
