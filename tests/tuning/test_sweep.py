@@ -123,6 +123,18 @@ def test_bad_private_selections_name_the_field(tmp_path: Path, capsys, extra: di
     assert message in capsys.readouterr().err
 
 
+def test_private_selection_over_an_algorithm_whose_budgets_name_one_agent_is_refused(tmp_path: Path) -> None:
+    """DECOR's ledger budgets one curious agent's view; a trial's score pools every agent's model, whose
+    everyone-together loss (epsilon_local) is far larger, so its ledger cannot price a private selection
+    (a reviewer measured 6.75 reported where the trials' epsilon_local_max was 123)."""
+    path = write_sweep(tmp_path, LR, trials=None, selection="private", private=PRIVATE)
+    base = tiny_config(privacy={"epsilon": 5.0, "accountant": "rdp"}, algorithm={"name": "decor", "lr": 0.1,
+                                                                                 "batch_size": 16})
+    (tmp_path / "base.toml").write_text(tomli_w.dumps(base))
+    with pytest.raises(ConfigError, match="algorithm.name: 'decor' budgets one curious agent's view"):
+        load_sweep(path)
+
+
 def test_private_selection_with_a_poisson_count_and_its_spec() -> None:
     sweep = load_sweep(REPO / "experiments" / "sweeps" / "demo-private.toml")
     assert sweep.private is not None and sweep.spec()["private"]["mean_trials"] == 4.0
@@ -222,6 +234,27 @@ def test_sweep_runs_resumes_without_rerunning_and_refuses_a_changed_space(tmp_pa
     assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 2
     assert "search space changed in algorithm.lr" in capsys.readouterr().err
     assert (out / "study.db").read_bytes() == before
+
+
+@pytest.mark.slow
+def test_a_private_selection_whose_trials_calibrate_different_noise_claims_no_epsilon(tmp_path: Path, capsys,
+                                                                                        monkeypatch) -> None:
+    """A searched batch size changes each trial's sampling rate and so its RDP curve: the theorem needs Q's curve
+    over every batch size the search could draw, so the selection's epsilon is null (no bound), and the worst
+    trial that ran is given as an estimate, labelled."""
+    space = '"algorithm.batch_size" = { values = [4, 64] }\n'
+    from decentdp.tuning.selection import TrialCount
+
+    monkeypatch.setattr(TrialCount, "sample", lambda self, rng: 6)  # K fixed; the seeded sampler then draws both
+    path = write_sweep(tmp_path, space, trials=None, selection="private", private=PRIVATE)
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    selection = json.loads((out / "selection.json").read_text())
+    assert len({t["epsilon_max"] for t in selection["trials"]}) > 1
+    assert not selection["trials_rdp_equal"] and "no epsilon is claimed" in selection["warning"]
+    assert selection["epsilon_max"] is None and selection["epsilon_per_agent"] is None
+    assert selection["estimate_epsilon_max"] > 0 and "no bound" in printed
 
 
 @pytest.mark.slow

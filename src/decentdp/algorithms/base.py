@@ -367,6 +367,10 @@ class Algorithm(ABC):
     #: observer-view accountant over the run's messages).  The others report one epsilon that bounds every observer
     #: at once, all other agents together, so a colluding set adds nothing there and is refused.
     reports_colluding: ClassVar[bool] = False
+    #: Whether the budgets' epsilon (the ledger's) bounds every observer together.  DECOR's names one curious
+    #: agent or colluding set (its everyone-together loss is ``epsilon_local``), so what pools every agent's
+    #: model, such as a private selection's score, cannot be priced on its ledger.
+    budgets_bound_everyone: ClassVar[bool] = True
     #: How its agents may draw their batches (``data.sampling``); the first is its default.  ``poisson``:
     #: independent Poisson batches every round (amplified by sampling); ``cyclic``: each agent's records split
     #: once into ``b`` fixed batches, batch ``t mod b`` in round ``t`` (:class:`~decentdp.privacy.sampling.

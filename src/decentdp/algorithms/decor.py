@@ -83,6 +83,7 @@ class Decor(OptimizerAlgorithm):
 
     name: ClassVar[str] = "decor"
     reports_colluding: ClassVar[bool] = True
+    budgets_bound_everyone: ClassVar[bool] = False
     Settings = DecorSettings
     samplings: ClassVar[tuple[str, ...]] = ("poisson",)
     sampling_note: ClassVar[str] = "its own calibration plans for Poisson-sampled rounds"

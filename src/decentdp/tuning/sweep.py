@@ -69,6 +69,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from decentdp.algorithms import algorithm_class
 from decentdp.errors import ConfigError, DecentDPError
 from decentdp.results.files import CHECKPOINT_FILE, write_atomic
 
@@ -416,6 +417,10 @@ def _check_private(sweep: Sweep, base_config: Any) -> None:
     if base_config.privacy.neighbouring != "add-remove":
         raise ConfigError("privacy.neighbouring", "private selection adds RDP curves, which decentdp computes for "
                                                   "add-remove neighbours only")
+    if not algorithm_class(base_config.algorithm.name).budgets_bound_everyone:
+        raise ConfigError("algorithm.name", f"'{base_config.algorithm.name}' budgets one curious agent's view, but "
+                                            "a trial's score pools every agent's model: private selection prices "
+                                            "trials on budgets that bound every observer together")
 
 
 def _lookup(name: str, config: Any) -> tuple[bool, Any]:
@@ -715,10 +720,14 @@ class SweepRunner:
         curves, deltas = [], []
         for folder in self.seed_folders(Path(trial.user_attrs["folder"])):
             try:
-                ledger = PrivacyLedger.from_state_dict(json.loads((folder / "privacy.json").read_text())["ledger"])
+                report = json.loads((folder / "privacy.json").read_text())
+                ledger = PrivacyLedger.from_state_dict(report["ledger"])
             except (OSError, KeyError, ValueError) as exc:
                 raise DecentDPError(f"cannot read the privacy ledger of {folder} ({exc}); private selection "
                                     "needs every finished trial's privacy.json") from None
+            if not str(report.get("epsilon_observer", "everyone")).startswith("everyone"):
+                raise DecentDPError(f"{folder}: its ledger budgets {report['epsilon_observer']!r}, not every "
+                                    "observer together, which a trial's pooled score needs")
             curves.append(ledger.rdp_curves())
             deltas.append(ledger.delta)
         if len(curves) == 1:
@@ -767,12 +776,13 @@ class SweepRunner:
         # fields leave the calibrated noise alone (all trials' curves equal), else it is an estimate.
         same = bool(np.allclose(stacked, stacked[:1], rtol=1e-9, atol=0.0, equal_nan=True))
         epsilons = [rdp_epsilon(selection_rdp(curve, count), delta) for curve in worst]
+        figures = {"epsilon_per_agent": epsilons, "epsilon_max": max(epsilons),
+                   "epsilon_one_trial_max": max(rdp_epsilon(curve, delta) for curve in worst),
+                   "epsilon_k_fold_composition_max": max(rdp_epsilon(self.total * curve, delta) for curve in worst)}
+        if not same:  # no bound (null: infinite); the trials that ran give an estimate, labelled as one
+            figures = {**{key: None for key in figures}, **{f"estimate_{key}": value for key, value in figures.items()}}
         chosen = max(complete, key=lambda t: t.value)
-        return {**report, "delta": delta,
-                "epsilon_per_agent": epsilons, "epsilon_max": max(epsilons),
-                "epsilon_one_trial_max": max(rdp_epsilon(curve, delta) for curve in worst),
-                "epsilon_k_fold_composition_max": max(rdp_epsilon(self.total * curve, delta) for curve in worst),
-                "trials_rdp_equal": same,
+        return {**report, "delta": delta, **figures, "trials_rdp_equal": same,
                 **({} if same else {"warning": _UNEQUAL_TRIALS}),
                 "trials": [{"trial": t.number, "epsilon_max": max(rdp_epsilon(c, d) for c in curves)}
                            for t, (curves, d) in zip(complete, rdp, strict=True)],
@@ -786,8 +796,9 @@ class SweepRunner:
         return sorted(trials, key=lambda t: t.value, reverse=reverse)[:count]
 
 
-_UNEQUAL_TRIALS = ("the trials' RDP curves differ (the searched fields change the calibrated noise): the bound "
-                   "uses the worst trial that ran, and a hyper-parameter the search did not draw may cost more")
+_UNEQUAL_TRIALS = ("the trials' RDP curves differ (the searched fields change the calibrated noise): the theorem "
+                   "needs Q's curve over every hyper-parameter the search could draw, not only those that ran, so "
+                   "no epsilon is claimed (null); estimate_* use the worst trial that ran and are not a bound")
 
 
 def _validation_size(folder: Path) -> int:
@@ -857,12 +868,18 @@ def selection_summary(selection: dict[str, Any], out: Path) -> str:
     if released is None:
         lines.append(selection["reason"])
     else:
-        lines += [f"released: trial {released['trial']}, noisy validation accuracy {released['noisy_accuracy']:.4f} "
-                  f"(score_noise {selection['score_noise']:g} on the count of correct predictions)",
-                  f"epsilon of the selection at delta {selection['delta']:g}: {selection['epsilon_max']:.3f} (worst "
-                  f"agent; one trial with its score: {selection['epsilon_one_trial_max']:.3f}; "
-                  f"{selection['trials_drawn']} trials composed: {selection['epsilon_k_fold_composition_max']:.3f})",
-                  "running best.toml on the test set is a further run: its epsilon composes with the selection's"]
+        lines.append(f"released: trial {released['trial']}, noisy validation accuracy "
+                     f"{released['noisy_accuracy']:.4f} (score_noise {selection['score_noise']:g} on the count of "
+                     "correct predictions)")
+        if selection["trials_rdp_equal"]:
+            lines.append(f"epsilon of the selection at delta {selection['delta']:g}: {selection['epsilon_max']:.3f} "
+                         f"(worst agent; one trial with its score: {selection['epsilon_one_trial_max']:.3f}; "
+                         f"{selection['trials_drawn']} trials composed: "
+                         f"{selection['epsilon_k_fold_composition_max']:.3f})")
+        else:
+            lines.append(f"epsilon of the selection: no bound (see the warning); the trials that ran estimate "
+                         f"{selection['estimate_epsilon_max']:.3f} at delta {selection['delta']:g}")
+        lines.append("running best.toml on the test set is a further run: its epsilon composes with the selection's")
         if "warning" in selection:
             lines.append(f"warning: {selection['warning']}")
     lines.append(f"details: {out / SELECTION_FILE}")
