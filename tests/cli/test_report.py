@@ -401,3 +401,18 @@ def test_bad_paired_options_name_the_option(tmp_path: Path, argv: list[str], fie
     with pytest.raises(ConfigError) as error:
         build_report(runs, paired=paired, within=within)
     assert error.value.field == field and fragment in error.value.message
+
+
+def test_epsilon_towards_a_narrower_observer_is_marked_with_everyone_togethers(tmp_path: Path) -> None:
+    """DECOR's budgets name one curious agent; the table's accuracy pools every agent's model, so a row whose
+    runs budget a narrower observer is marked, and the footnote gives everyone together's epsilon (a reviewer
+    found DECOR's 4.0 beside DP-DSGT's 4.0 with nothing saying they bound different observers)."""
+    fake_run(tmp_path / "plain", 0.8)
+    narrow = fake_run(tmp_path / "narrow", 0.9, algorithm={"name": "dp-dsgd"})
+    summary = json.loads((narrow / "summary.json").read_text())
+    summary.update(epsilon_observer="one curious agent: its own noise known", epsilon_local_max=123.4)
+    (narrow / "summary.json").write_text(json.dumps(summary))
+    text = markdown(build_report(find_runs([tmp_path])[0]))
+    assert text.count(" †") == 1 and "| 4.200 † |" in text
+    assert "† ε spent towards a narrower observer than everyone together: one curious agent" in text
+    assert "bounded by epsilon_local: up to 123.400" in text

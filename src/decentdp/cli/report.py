@@ -340,6 +340,9 @@ def group_row(group: Group, fields: Sequence[str], metric: str) -> dict[str, Any
         "wall_seconds": statistics.fmean(float(run.summary.get("wall_seconds") or 0.0) for run in group.runs),
         "runs": [str(run.path) for run in group.runs],
     })
+    if first.summary.get("epsilon_observer"):  # budgets towards a narrower observer than everyone together (DECOR)
+        row["epsilon_observer"] = first.summary["epsilon_observer"]
+        row["epsilon_local"] = max(_epsilon(run.summary.get("epsilon_local_max")) for run in group.runs)
     if metric == "accuracy_mean" and all(isinstance(run.summary.get("accuracy_min"), (int, float))
                                          for run in group.runs):
         row["worst_agent"] = statistics.fmean(float(run.summary["accuracy_min"]) for run in group.runs)
@@ -577,7 +580,8 @@ def markdown(report: Report) -> str:
         cells = [_value_text(row[name]) for name in report.labels]
         cells += [str(row["n"]), f"{scale * row['mean']:.2f}{std}"]
         cells += [f"{scale * row['worst_agent']:.2f}"] if has_worst else []
-        cells += [_epsilon_text(row["epsilon_spent"]), _epsilon_text(row["epsilon_target"])]
+        narrower = " †" if row.get("epsilon_observer") else ""
+        cells += [_epsilon_text(row["epsilon_spent"]) + narrower, _epsilon_text(row["epsilon_target"])]
         if paper:
             if row["paper"] is None:
                 cells += ["—", "—"]
@@ -592,6 +596,13 @@ def markdown(report: Report) -> str:
     accountants = sorted({str(row["epsilon_accountant"]) for row in report.rows})
     lines.append(f"ε spent: the largest over agents and seeds ({', '.join(accountants).upper()} accountant); "
                  f"δ = {', '.join(sorted({_value_text(row['delta']) for row in report.rows}))}.")
+    narrower = [row for row in report.rows if row.get("epsilon_observer")]
+    if narrower:  # the table's metric pools every agent's model: everyone together is the observer that reads it
+        together = max(_epsilon(row["epsilon_local"]) for row in narrower)
+        lines.append(f"† ε spent towards a narrower observer than everyone together: "
+                     f"{narrower[0]['epsilon_observer'].split(':')[0]}. Everyone together, who sees every model "
+                     f"the metric is computed from, is bounded by epsilon_local: up to {_epsilon_text(together)} "
+                     "in these rows.")
     if implied:
         lines.append(f"Also differing, set by the columns above: {', '.join(implied)} (all values in the CSV).")
     if paper:
@@ -609,7 +620,8 @@ def _paired_text(row: dict[str, Any], scale: float) -> str:
 def csv_text(report: Report) -> str:
     """Every group with every differing field and unrounded statistics."""
     columns = [*report.fields, "n", "seeds", "metric", "mean", "std", "min", "max", "worst_agent", "epsilon_spent",
-               "epsilon_spent_mean", "epsilon_accountant", "epsilon_target", "delta", "rounds", "wall_seconds",
+               "epsilon_spent_mean", "epsilon_accountant", "epsilon_observer", "epsilon_local",
+               "epsilon_target", "delta", "rounds", "wall_seconds",
                "paper", "paper_std", "difference", "paired_difference", "paired_std", "paired_ahead", "paired_seeds",
                "runs"]
     columns = [name for name in columns if any(name in row for row in report.rows)]
