@@ -107,6 +107,11 @@ class Decor(OptimizerAlgorithm):
         if lonely:
             raise ConfigError("topology.graph", f"agent(s) {lonely} have no neighbour: decor's correlated noise "
                                                 "cancels between neighbours, and an isolated agent's would not")
+        if not np.isfinite(plan.budgets).all():
+            raise ConfigError("privacy.agent_epsilons", "decor calibrates every agent's own noise against its "
+                                                        "neighbours' edge noise, and an agent with an infinite "
+                                                        "budget leaves its edges unpriced: give every agent a "
+                                                        "finite budget")
         n = len(plan.budgets)
         edges = graph_edges(np.array([(agent, other) for agent, neighbours in enumerate(plan.neighbours)
                                       for other in neighbours]))

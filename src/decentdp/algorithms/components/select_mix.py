@@ -15,6 +15,7 @@ baseline's file states (:meth:`~decentdp.algorithms.base.Algorithm.calibrate`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -127,8 +128,10 @@ class SelectMix(Algorithm):
 
 
 def calibrated_gaussian(plan: NoisePlan, sigma_of: Callable[[float, float], float], method: str) -> Calibrated:
-    """A baseline's Gaussian mechanism with ``sigma_i = sigma_of(epsilon_i, q_i)`` (its paper's formula), and
-    the paper's claim (every agent meets its stated budget) for the report beside our accounting."""
-    sigmas = per_agent_multipliers(list(zip(plan.budgets, plan.sample_rates, strict=True)), sigma_of)
+    """A baseline's Gaussian mechanism with ``sigma_i = sigma_of(epsilon_i, q_i)`` (its paper's formula; no noise
+    for an agent without a budget, as in every algorithm), and the paper's claim (every agent meets its stated
+    budget) for the report beside our accounting."""
+    sigmas = per_agent_multipliers(list(zip(plan.budgets, plan.sample_rates, strict=True)),
+                                   lambda epsilon, rate: 0.0 if math.isinf(epsilon) else sigma_of(epsilon, rate))
     paper = {"method": method, "claimed_epsilon": list(plan.budgets), "noise_multipliers": sigmas}
     return Calibrated(GaussianMechanism(torch.tensor(sigmas, dtype=torch.float32), plan.clip), sigmas, paper)
