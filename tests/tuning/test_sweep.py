@@ -212,6 +212,8 @@ def test_sweep_runs_resumes_without_rerunning_and_refuses_a_changed_space(tmp_pa
     best = tomllib.loads((out / "best.toml").read_text())
     assert best["algorithm"]["lr"] == result["best"][0]["params"]["algorithm.lr"]
     assert best["data"]["validation_fraction"] == 0.0  # the best config is for a final run on the test set
+    for name in ("best.md", "best.toml"):  # the choice read exact validation scores: said beside the result
+        assert "not differentially private" in (out / name).read_text()
 
     # A killed sweep: one trial was running when it stopped.  Asking for one more trial resumes the study,
     # reruns neither finished trial, and runs the interrupted one with its own values.

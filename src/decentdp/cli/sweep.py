@@ -12,6 +12,7 @@ from typing import Any
 from decentdp.errors import ConfigError, DecentDPError
 from decentdp.results.files import write_atomic
 from decentdp.tuning.sweep import (
+    NOT_PRIVATE_SELECTION,
     SELECTION_FILE,
     STUDY_FILE,
     TRIALS_DIR,
@@ -85,9 +86,13 @@ def run(args: argparse.Namespace) -> int:
 
     score = f"noisy validation accuracy = {best[0].value:.6g}" if sweep.private is not None else \
         f"validation {sweep.section.objective} = {best[0].value:.6g}"
+    caveat = "" if sweep.private is not None else f"\n# {NOT_PRIVATE_SELECTION}"
     write_atomic(out / "best.toml", "# The best trial of decentdp sweep " + str(args.sweep_file) + f" ({score}); "
-                 "evaluate it on the test set with decentdp run\n" + tomli_w.dumps(best_config(sweep, best[0])))
+                 f"evaluate it on the test set with decentdp run{caveat}\n"
+                 + tomli_w.dumps(best_config(sweep, best[0])))
     table = best_table(sweep, best)
+    if sweep.private is None:  # the choice itself read exact validation scores: say so beside the result
+        table += f"\n{NOT_PRIVATE_SELECTION}\n"
     write_atomic(out / "best.md", table)
     print(table, end="")
     print(f"best config: {out / 'best.toml'} (validation_fraction removed: run it to measure test accuracy); "

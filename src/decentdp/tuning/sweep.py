@@ -82,6 +82,10 @@ TRIALS_DIR = "trials"
 SPEC_ATTR = "decentdp_sweep"
 TRIALS_ATTR = "decentdp_private_trials"  # K of a private selection, drawn once when the study is created
 _WATCHER = "decentdp-sweep-parent"
+#: Said beside every result of ``selection = "best"`` (best.md, best.toml): the choice is not private.
+NOT_PRIVATE_SELECTION = ("selection = 'best': this choice read exact validation scores, so it is not differentially "
+                         "private; each trial's epsilon bounds that trial alone, not the choice (selection = "
+                         "'private' prices it)")
 MAX_GRID = 100_000  # grid points a grid search may visit (every field's values, and all their combinations)
 _RESERVED = {"experiment.seed": "[sweep] seeds", "data.validation_fraction": "[sweep] validation_fraction",
              "engine.threads": "one thread per worker", "data.data_dir": "--data-dir"}
