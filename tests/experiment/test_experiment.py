@@ -49,6 +49,27 @@ def test_resume_refuses_a_different_config(tmp_path: Path) -> None:
         run_experiment(changed, tmp_path / "run", progress=False, resume=True)
 
 
+def test_resume_refuses_other_records_than_the_run_started_on(tmp_path: Path) -> None:
+    """The data directory is not part of the config, so a resume compares the records it loads with setup.json's
+    fingerprint: the run's noise (replayed from the seed, or its keys) must never continue on other data."""
+    import numpy as np
+
+    for name, seed in (("first", 0), ("other", 1)):
+        rng = np.random.default_rng(seed)
+        (tmp_path / name).mkdir()
+        np.savez(tmp_path / name / "mnist.npz", x_train=rng.integers(0, 256, (40, 28, 28), dtype=np.uint8),
+                 y_train=np.arange(40, dtype=np.uint8) % 10, x_test=rng.integers(0, 256, (10, 28, 28), dtype=np.uint8),
+                 y_test=np.arange(10, dtype=np.uint8))
+    config = validate_config(tiny_config(data={"dataset": "mnist"}, experiment={"rounds": 4, "checkpoint_every": 2}))
+    run_experiment(config, tmp_path / "run", data_dir=tmp_path / "first", progress=False, stop_after=2)
+    fingerprint = json.loads((tmp_path / "run" / "setup.json").read_text())["data_fingerprint"]
+    with pytest.raises(ConfigError, match="--data-dir: the records loaded differ"):
+        run_experiment(config, tmp_path / "run", data_dir=tmp_path / "other", progress=False, resume=True)
+    resumed = run_experiment(config, tmp_path / "run", data_dir=tmp_path / "first", progress=False, resume=True)
+    assert resumed.summary["finished"]
+    assert json.loads((tmp_path / "run" / "setup.json").read_text())["data_fingerprint"] == fingerprint
+
+
 def test_resume_may_evaluate_and_checkpoint_at_another_cadence_and_ends_the_same(tmp_path: Path) -> None:
     """Evaluations and checkpoints draw nothing from the run's streams, so a long grid may resume a stopped run
     evaluating less often (``RECORDING_FIELDS``): the state, ledger and final metrics are the uninterrupted run's."""

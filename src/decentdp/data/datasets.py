@@ -9,6 +9,7 @@ downloaded and nothing is cached on disk. ``digits`` ships inside scikit-learn a
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import pickle
 import tarfile
@@ -81,6 +82,14 @@ class Dataset:
         """Shape ``(C, H, W)`` of one image, what a model's first layer is built for."""
         c, h, w = self.x_train.shape[1:]
         return (int(c), int(h), int(w))
+
+    def fingerprint(self) -> str:
+        """SHA-256 of every record (features and labels, both splits) as loaded: what a resumed run checks, so
+        that its noise, replayed from the seed or the keys, never continues on other records."""
+        digest = hashlib.sha256()
+        for tensor in (self.x_train, self.y_train, self.x_test, self.y_test):
+            digest.update(tensor.detach().contiguous().cpu().numpy().data)  # (no copy for a CPU tensor)
+        return digest.hexdigest()
 
     def to(self, device: torch.device | str) -> Dataset:
         """The same dataset with its tensors on ``device`` (itself when they are already there)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import pickle
 import secrets
@@ -198,6 +199,18 @@ class ResultsFolder:
             raise ConfigError("--out", f"cannot create the results folder {self.path}: {exc.strerror}") from None
         self._acquire(created)
         return None
+
+    def check_same_data(self, setup: dict[str, Any]) -> None:
+        """Refuse to resume on other records than the run started on (``setup.json``'s ``data_fingerprint``; a
+        folder written before it was recorded is not checked): the run's noise would continue on them."""
+        try:
+            held = json.loads((self.path / SETUP_FILE).read_text(encoding="utf-8")).get("data_fingerprint")
+        except (OSError, ValueError):
+            held = None
+        if held is not None and held != setup["data_fingerprint"]:
+            raise ConfigError("--data-dir", f"the records loaded differ from those the run in {self.path} started "
+                                            f"on (setup.json's data_fingerprint): resuming would continue its noise "
+                                            "on other data; pass the data directory it started with")
 
     def start(self, experiment: Experiment) -> None:
         """The files known before the first round: resolved config, provenance, the run's setup."""
