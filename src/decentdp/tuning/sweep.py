@@ -371,12 +371,12 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), trials: int | No
     if section.selection == "private":  # before the grid's own checks: a private grid is refused as such
         _check_private(sweep, base_config)
     if section.method == "grid":
+        size = 1
         for name, dim in space.items():
             try:
-                dim.grid()
+                size *= len(dim.grid())
             except ValueError as exc:
                 raise ConfigError(f"space.{name}", f"{exc} (method = 'grid')") from None
-        size = math.prod(len(dim.grid()) for dim in space.values())
         if size > MAX_GRID:
             raise ConfigError("space", f"the grid has {size} combinations, more than {MAX_GRID}: search fewer values "
                                        "(or use method = 'random' or 'tpe')")
