@@ -77,5 +77,5 @@ def test_the_gaussian_rule_finds_far_tail_thresholds_for_large_evaluations() -> 
 
 def test_too_few_runs_for_the_split_is_a_clear_error() -> None:
     assert split_sizes(100, 0.2) == (20, 80)
-    with pytest.raises(ConfigError, match="--models.*at least"):
+    with pytest.raises(ConfigError, match="audit.models.*at least.*--models"):
         split_sizes(2 * MIN_RUNS_PER_PART, 0.2)

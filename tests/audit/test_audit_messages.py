@@ -102,7 +102,7 @@ def test_bad_inputs_are_clear_errors(private: Experiment) -> None:
         run_message_audit(private, _audit(100, canary_index=10**6))
     with pytest.raises(ConfigError, match="audit.canary_parameter.*no parameter"):
         run_message_audit(private, _audit(100, canary_parameter="conv.weight"))
-    with pytest.raises(ConfigError, match="--models"):
+    with pytest.raises(ConfigError, match="audit.models.*--models"):  # the config's field, and the flag that sets it
         run_message_audit(private, _audit(20))
     with pytest.raises(ConfigError, match="audit.target"):
         run_message_audit(private, _audit(100, target=2))

@@ -92,14 +92,15 @@ class AuditBound:
         return asdict(self)
 
 
-def split_sizes(runs: int, selection_fraction: float, field: str = "--models") -> tuple[int, int]:
+def split_sizes(runs: int, selection_fraction: float) -> tuple[int, int]:
     """Runs per world that choose the threshold and that evaluate it; a ConfigError when a part is too small."""
     selection = int(round(selection_fraction * runs))
     if min(selection, runs - selection) < MIN_RUNS_PER_PART:
         need = math.ceil(MIN_RUNS_PER_PART / min(selection_fraction, 1 - selection_fraction))
-        raise ConfigError(field, f"{runs} runs per world leave {selection} to choose the threshold and "
-                                 f"{runs - selection} to evaluate it (fraction {selection_fraction:g}); each part "
-                                 f"needs at least {MIN_RUNS_PER_PART}: use at least {need} runs per world")
+        raise ConfigError("audit.models", f"{runs} runs per world leave {selection} to choose the threshold and "
+                                          f"{runs - selection} to evaluate it (fraction {selection_fraction:g}); each "
+                                          f"part needs at least {MIN_RUNS_PER_PART}: use at least {need} runs per "
+                                          f"world (audit.models, or --models on the command line)")
     return selection, runs - selection
 
 
