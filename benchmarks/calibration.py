@@ -7,7 +7,10 @@ to calibrate sigma with RDP (what runs used before) and with the default ``tight
 same epsilon.  Also the cost of a secure-mode noise draw against a simulation-mode one, and of a long
 ledger: one agent charged 100,000 releases, each with its own noise scale (alternately Gaussian and
 Laplace), then its epsilon; the seconds per release over the first and the last tenth show whether a
-charge's cost grows with the history (it must not: the ledger keeps running RDP totals).
+charge's cost grows with the history (it must not: the ledger keeps running RDP totals).  And, A/B in the
+same process, the sampled-Gaussian RDP curve from dp_accounting's per-order loops against the vectorised
+series ``rdp_curve`` uses (``privacy/sampled_gaussian_rdp.py``), per curve, inside a tight calibration, and in
+building DECOR's quick start (digits, 16 agents: one calibration per distinct rate, then its observers' curves).
 
     python benchmarks/calibration.py [--json]
 """
@@ -22,8 +25,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from dp_accounting.rdp import rdp_privacy_accountant
 
-from decentdp.privacy.accounting import calibrate_noise_multiplier, epsilon_of_history, epsilon_spent, rdp_curve
+from decentdp.privacy import accounting
+from decentdp.privacy.accounting import calibrate_noise_multiplier, epsilon_spent, rdp_curve
 from decentdp.privacy.events import gaussian_event, laplace_event
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.rng import AgentKeys, AgentRandom, SecureRandom, Stream
@@ -38,7 +43,7 @@ def _timed(call: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, fl
 
 
 def _clear_caches() -> None:
-    for cached in (calibrate_noise_multiplier, epsilon_of_history, rdp_curve):
+    for cached in (calibrate_noise_multiplier, accounting._epsilon_of_merged, rdp_curve):
         cached.cache_clear()
 
 
@@ -49,13 +54,56 @@ def calibration_rows() -> list[dict[str, float]]:
         rdp, rdp_s = _timed(calibrate_noise_multiplier, epsilon, 1e-5, q, count, accountant="rdp")
         _clear_caches()
         tight, tight_s = _timed(calibrate_noise_multiplier, epsilon, 1e-5, q, count)
-        evaluations = epsilon_of_history.cache_info().misses
+        evaluations = accounting._epsilon_of_merged.cache_info().misses  # (epsilon_of_history's cache)
         _, cached_s = _timed(calibrate_noise_multiplier, epsilon, 1e-5, q, count)
         rows.append({"epsilon": epsilon, "q": q, "releases": count, "sigma_rdp": rdp, "sigma_tight": tight,
                      "seconds_rdp": rdp_s, "seconds_tight": tight_s, "seconds_cached": cached_s,
                      "accountant_calls_tight": evaluations,
                      "epsilon_reached_tight": epsilon_spent(tight, 1e-5, q, count)})
     return rows
+
+
+def dp_accountings_series(sample_rate: float, noise_multiplier: float, orders: np.ndarray) -> np.ndarray:
+    """The same curve from dp_accounting's per-order loops (what ``rdp_curve`` used before)."""
+    return rdp_privacy_accountant._compute_rdp_poisson_subsampled_gaussian(sample_rate, noise_multiplier, orders)
+
+
+def series_rows() -> list[dict[str, float]]:
+    """Per setting: one curve at its tight sigma, and the whole tight calibration, with each series (A/B)."""
+    rows = []
+    vectorised = accounting.sampled_gaussian_rdp
+    for epsilon, q, count in SETTINGS:
+        row: dict[str, float] = {"epsilon": epsilon, "q": q, "releases": count}
+        for label, series in (("dp_accounting", dp_accountings_series), ("vectorised", vectorised)):
+            accounting.sampled_gaussian_rdp = series
+            try:
+                _clear_caches()
+                sigma, row[f"seconds_calibration_{label}"] = _timed(calibrate_noise_multiplier, epsilon, 1e-5, q,
+                                                                    count)
+                _clear_caches()
+                _, row[f"seconds_curve_{label}"] = _timed(rdp_curve, gaussian_event(sigma, q))
+                row[f"sigma_{label}"] = sigma
+            finally:
+                accounting.sampled_gaussian_rdp = vectorised
+        rows.append(row)
+    return rows
+
+
+def decor_build_row(config: str = "experiments/correlated/decor-digits.toml") -> dict[str, float]:
+    """Seconds to build DECOR's quick start (data, graph, calibration) with each series, caches cleared."""
+    from decentdp.config import load_config
+    from decentdp.experiment.build import build_experiment
+
+    row: dict[str, float] = {}
+    vectorised = accounting.sampled_gaussian_rdp
+    for label, series in (("dp_accounting", dp_accountings_series), ("vectorised", vectorised)):
+        accounting.sampled_gaussian_rdp = series
+        try:
+            _clear_caches()
+            _, row[f"seconds_{label}"] = _timed(build_experiment, load_config(config))
+        finally:
+            accounting.sampled_gaussian_rdp = vectorised
+    return row
 
 
 def noise_rows(rows: int = 10, dim: int = 100_000) -> dict[str, float]:
@@ -92,13 +140,24 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows, noise, ledger = calibration_rows(), noise_rows(), long_ledger_row()
+    rows, series, decor = calibration_rows(), series_rows(), decor_build_row()
+    noise, ledger = noise_rows(), long_ledger_row()
     print("| epsilon | q | releases | sigma RDP | sigma tight | s RDP | s tight (accountant calls) | s cached |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print(f"| {row['epsilon']:g} | {row['q']:g} | {row['releases']} | {row['sigma_rdp']:.4f} | "
               f"{row['sigma_tight']:.4f} | {row['seconds_rdp']:.3f} | {row['seconds_tight']:.2f} "
               f"({row['accountant_calls_tight']}) | {row['seconds_cached']:.6f} |")
+    print("\n| epsilon | q | releases | curve s, dp_accounting | curve s, vectorised | calibration s, dp_accounting | "
+          "calibration s, vectorised | same sigma |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|")
+    for row in series:
+        print(f"| {row['epsilon']:g} | {row['q']:g} | {row['releases']} | {row['seconds_curve_dp_accounting']:.4f} | "
+              f"{row['seconds_curve_vectorised']:.4f} | {row['seconds_calibration_dp_accounting']:.2f} | "
+              f"{row['seconds_calibration_vectorised']:.2f} | "
+              f"{row['sigma_dp_accounting'] == row['sigma_vectorised']} |")
+    print(f"DECOR quick start built in {decor['seconds_dp_accounting']:.2f} s with dp_accounting's series, "
+          f"{decor['seconds_vectorised']:.2f} s vectorised")
     print(f"noise: {noise['values']} values, simulation {noise['seconds_simulation']:.3f} s, "
           f"secure {noise['seconds_secure']:.3f} s")
     print(f"long ledger: {ledger['releases']} distinct releases charged in {ledger['seconds_charging']:.1f} s "
@@ -106,7 +165,8 @@ def main() -> None:
           f"{ledger['microseconds_per_release_last_tenth']:.0f} over the last: x{ledger['last_over_first']:.2f}), "
           f"epsilon in {ledger['seconds_epsilon']:.2f} s")
     if args.json:
-        print(json.dumps({"calibration": rows, "noise": noise, "long_ledger": ledger}))
+        print(json.dumps({"calibration": rows, "series": series, "decor_build": decor, "noise": noise,
+                          "long_ledger": ledger}))
 
 
 if __name__ == "__main__":

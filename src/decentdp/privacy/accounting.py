@@ -41,6 +41,7 @@ from dp_accounting.rdp.rdp_privacy_accountant import _laplace_rdp
 
 from decentdp.errors import ConfigError, PrivacyError
 from decentdp.privacy.events import gaussian_event
+from decentdp.privacy.sampled_gaussian_rdp import sampled_gaussian_rdp
 
 AccountantName = Literal["tight", "pld", "rdp"]
 ACCOUNTANTS: tuple[str, ...] = ("tight", "pld", "rdp")
@@ -168,7 +169,9 @@ def rdp_curve(event: dp_accounting.DpEvent) -> np.ndarray:
 
     Unsampled Gaussian and Laplace events use the closed forms dp_accounting itself evaluates
     (``alpha / (2 sigma^2)``; Mironov 2017, Prop. 6), without building an accountant per event, so
-    that a ledger of 10^5 releases with distinct noise stays fast; every other event is priced by
+    that a ledger of 10^5 releases with distinct noise stays fast; a Poisson-sampled Gaussian uses
+    dp_accounting's series vectorised (:mod:`decentdp.privacy.sampled_gaussian_rdp`: the same values, a
+    tenth of the time, which a calibration's dozens of curves feel); every other event is priced by
     dp_accounting's ``RdpAccountant``.
     """
     if isinstance(event, dp_accounting.NonPrivateDpEvent):
@@ -178,6 +181,9 @@ def rdp_curve(event: dp_accounting.DpEvent) -> np.ndarray:
     elif isinstance(event, dp_accounting.LaplaceDpEvent):
         epsilon = 1 / event.noise_multiplier
         curve = np.array([_laplace_rdp(epsilon, order) for order in RDP_ORDERS])
+    elif (isinstance(event, dp_accounting.PoissonSampledDpEvent)
+          and type(event.event) is dp_accounting.GaussianDpEvent):
+        curve = sampled_gaussian_rdp(event.sampling_probability, event.event.noise_multiplier, RDP_ORDERS)
     else:
         with _quiet_absl():
             accountant = rdp_privacy_accountant.RdpAccountant()
