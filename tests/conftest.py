@@ -98,6 +98,7 @@ def load_script(path: Path, name: str) -> ModuleType:
     return module
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the group marks into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``--dist loadgroup``), run the Ray tests in one worker, one after another:
     each starts a local Ray cluster, and two at once would compete for the same cores and ports.
@@ -109,6 +110,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.get_closest_marker("ray"):
             item.add_marker(pytest.mark.xdist_group("ray"))
     items.sort(key=lambda item: (not item.get_closest_marker("ray"), not item.get_closest_marker("slow")))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Fail a Ray test that pytest-xdist did not put in the Ray group (rather than let two clusters run at once):
+    xdist groups by a suffix it writes into each node id, which pytest 9.2 no longer lets it write
+    (pytest-dev/pytest-xdist#1386; ``pyproject.toml`` keeps pytest below 9.2).  A worker's own ``dist`` option
+    reads "no"; xdist tells it of loadgroup through ``option.loadgroup``."""
+    if ("PYTEST_XDIST_WORKER" in os.environ and getattr(item.config.option, "loadgroup", False)
+            and item.get_closest_marker("ray") and not item.nodeid.endswith("@ray")):
+        pytest.fail("pytest-xdist did not group the Ray tests on one worker (no '@ray' suffix in the node id): this "
+                    "pytest breaks --dist loadgroup; install the test extra's pytest (< 9.2)", pytrace=False)
 
 
 def cifar_batch(n: int, rng: np.random.Generator, label_key: bytes, n_classes: int) -> dict[bytes, object]:
