@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from dp_accounting.rdp import rdp_privacy_accountant
 
+from decentdp.config import load_config
+from decentdp.experiment.build import build_experiment
 from decentdp.privacy import accounting
 from decentdp.privacy.accounting import calibrate_noise_multiplier, epsilon_spent, rdp_curve
 from decentdp.privacy.events import gaussian_event, laplace_event
@@ -91,9 +93,6 @@ def series_rows() -> list[dict[str, float]]:
 
 def decor_build_row(config: str = "experiments/correlated/decor-digits.toml") -> dict[str, float]:
     """Seconds to build DECOR's quick start (data, graph, calibration) with each series, caches cleared."""
-    from decentdp.config import load_config
-    from decentdp.experiment.build import build_experiment
-
     row: dict[str, float] = {}
     vectorised = accounting.sampled_gaussian_rdp
     for label, series in (("dp_accounting", dp_accountings_series), ("vectorised", vectorised)):
