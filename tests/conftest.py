@@ -113,7 +113,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Fail a Ray test that pytest-xdist did not put in the Ray group (rather than let two clusters run at once):
+    """Under ``--dist loadgroup`` (``pyproject.toml``'s default), fail a Ray test that pytest-xdist did not put in
+    the Ray group, rather than let two clusters run at once (another ``--dist`` mode is the caller's choice):
     xdist groups by a suffix it writes into each node id, which pytest 9.2 no longer lets it write
     (pytest-dev/pytest-xdist#1386; ``pyproject.toml`` keeps pytest below 9.2).  A worker's own ``dist`` option
     reads "no"; xdist tells it of loadgroup through ``option.loadgroup``."""

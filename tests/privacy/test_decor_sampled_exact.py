@@ -224,7 +224,7 @@ def test_the_published_one_round_system_is_what_the_run_sends_every_round(honest
     assert system.edge_scale == pytest.approx(CORRELATION * float(np.mean(system.own / system.batches)), rel=1e-12)
     for observer, sender in {(claim.observer, claim.sender) for claim in reported_claims(run)}:
         traced = traced_round_multipliers(run, observer, sender)
-        np.testing.assert_allclose(traced, system.multiplier(observer, sender), rtol=1e-6,
+        np.testing.assert_allclose(traced, system.multiplier(observer, sender), rtol=1e-9,
                                    err_msg=f"observer {observer}, sender {sender}")
 
 

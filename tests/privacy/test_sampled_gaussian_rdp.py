@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from decentdp.privacy.accounting import RDP_ORDERS, rdp_curve
+from decentdp.privacy.accounting import RDP_ORDERS, epsilon_of_history, epsilon_spent, rdp_curve
+from decentdp.privacy.events import gaussian_event
 from decentdp.privacy.sampled_gaussian_rdp import sampled_gaussian_rdp
 
 RATES = [1e-5, 1e-3, 0.01, 0.0625, 0.2, 0.5, 0.9, 0.999]
@@ -29,7 +30,8 @@ def test_every_order_equals_dp_accountings(rate: float, caplog: pytest.LogCaptur
     for multiplier in MULTIPLIERS:
         ours = sampled_gaussian_rdp(rate, multiplier, orders)
         reference = rdp_privacy_accountant._compute_rdp_poisson_subsampled_gaussian(rate, multiplier, orders)
-        np.testing.assert_allclose(ours, reference, rtol=1e-13, atol=0, err_msg=f"q={rate}, sigma={multiplier}")
+        np.testing.assert_allclose(ours, reference, rtol=1e-13, atol=0, equal_nan=False,
+                                   err_msg=f"q={rate}, sigma={multiplier}")
 
 
 def test_edge_rates_and_multipliers_match_dp_accounting() -> None:
@@ -42,4 +44,16 @@ def test_edge_rates_and_multipliers_match_dp_accounting() -> None:
 def test_rdp_curve_prices_a_sampled_gaussian_with_the_vectorised_series() -> None:
     event = dp_accounting.PoissonSampledDpEvent(0.013, dp_accounting.GaussianDpEvent(1.37))
     reference = rdp_privacy_accountant.RdpAccountant().compose(event).rdp
-    np.testing.assert_allclose(rdp_curve(event), reference, rtol=1e-13, atol=0)
+    np.testing.assert_allclose(rdp_curve(event), reference, rtol=1e-13, atol=0, equal_nan=False)
+
+
+def test_it_fails_closed_where_dp_accounting_would_raise() -> None:
+    """A multiplier whose square underflows (dp_accounting divides by zero) is priced as no noise, and NaN never
+    reaches the conversion to epsilon, where ``max(0, nan)`` would read as no privacy loss at all."""
+    assert np.isinf(sampled_gaussian_rdp(0.1, 1e-170, RDP_ORDERS)).all()
+    assert epsilon_spent(1e-170, 1e-5, 0.1, 100, accountant="rdp") == np.inf
+    history = ((gaussian_event(1.0, 0.1), 1000), (gaussian_event(1e-170, 0.1), 1))
+    assert epsilon_of_history(history, 1e-5, "rdp") == np.inf
+    for rate, multiplier in [(float("nan"), 1.0), (1.5, 1.0), (-0.1, 1.0), (0.1, -1.0), (0.1, float("nan"))]:
+        with pytest.raises(ValueError):
+            sampled_gaussian_rdp(rate, multiplier, RDP_ORDERS)

@@ -100,7 +100,8 @@ def split_sizes(runs: int, selection_fraction: float) -> tuple[int, int]:
         raise ConfigError("audit.models", f"{runs} runs per world leave {selection} to choose the threshold and "
                                           f"{runs - selection} to evaluate it (fraction {selection_fraction:g}); each "
                                           f"part needs at least {MIN_RUNS_PER_PART}: use at least {need} runs per "
-                                          f"world (audit.models, or --models on the command line)")
+                                          f"world (audit.models, or --models on the command line; with "
+                                          f"--chunk-dir, the chunks trained so far count)")
     return selection, runs - selection
 
 

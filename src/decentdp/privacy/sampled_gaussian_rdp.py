@@ -30,12 +30,20 @@ FIRST_TERMS = 64
 
 def sampled_gaussian_rdp(sample_rate: float, noise_multiplier: float, orders: np.ndarray) -> np.ndarray:
     """RDP of one release of the Gaussian mechanism of multiplier ``noise_multiplier`` on a Poisson sample at
-    rate ``sample_rate``, at each of ``orders`` (all above 1), under add/remove-one neighbouring."""
+    rate ``sample_rate``, at each of ``orders`` (all above 1), under add/remove-one neighbouring.
+
+    It fails closed: a rate outside [0, 1] or a negative multiplier is refused (as dp_accounting refuses them),
+    a multiplier whose square underflows to 0 is priced as no noise, and any order whose series gives NaN is
+    priced at infinity, so that no input can make the epsilon smaller than the mechanism's."""
     orders = np.asarray(orders, dtype=np.float64)
     q, sigma = float(sample_rate), float(noise_multiplier)
+    if not 0 <= q <= 1:
+        raise ValueError(f"the sampling rate must lie in [0, 1], got {sample_rate!r}")
+    if not sigma >= 0:
+        raise ValueError(f"the noise multiplier must be non-negative, got {noise_multiplier!r}")
     if q == 0:
         return np.zeros(len(orders))
-    if sigma == 0:
+    if sigma**2 == 0:
         return np.full(len(orders), np.inf)
     if q == 1:
         return orders / (2 * sigma**2)
@@ -43,7 +51,8 @@ def sampled_gaussian_rdp(sample_rate: float, noise_multiplier: float, orders: np
     log_a = np.empty(len(orders))
     log_a[integer] = [_log_a_integer(q, sigma, int(order)) for order in orders[integer]]
     log_a[~integer] = _log_a_fractional(q, sigma, orders[~integer])
-    return log_a / (orders - 1)
+    curve = log_a / (orders - 1)
+    return np.where(np.isnan(curve), np.inf, curve)
 
 
 def _log_comb(n: np.ndarray | float, k: np.ndarray | float) -> np.ndarray:
