@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from decentdp.privacy.accounting import RDP_ORDERS, epsilon_of_history, epsilon_spent, rdp_curve
+from decentdp.privacy.accounting import RDP_ORDERS, epsilon_of_history, epsilon_spent, rdp_curve, rdp_epsilon
 from decentdp.privacy.events import gaussian_event
+from decentdp.privacy.ledger import _rdp_epsilon_fast
 from decentdp.privacy.sampled_gaussian_rdp import sampled_gaussian_rdp
 
 RATES = [1e-5, 1e-3, 0.01, 0.0625, 0.2, 0.5, 0.9, 0.999]
@@ -57,3 +58,14 @@ def test_it_fails_closed_where_dp_accounting_would_raise() -> None:
     for rate, multiplier in [(float("nan"), 1.0), (1.5, 1.0), (-0.1, 1.0), (0.1, -1.0), (0.1, float("nan"))]:
         with pytest.raises(ValueError):
             sampled_gaussian_rdp(rate, multiplier, RDP_ORDERS)
+
+
+def test_a_nan_order_bounds_nothing_in_either_conversion() -> None:
+    """Whatever produced it, a NaN in a composed curve must not read as no privacy loss: it is skipped like an
+    infinite order, so the other orders give the epsilon (and a curve of NaN gives infinity)."""
+    curve = 100 * rdp_curve(gaussian_event(1.0, 0.1))
+    poisoned = curve.copy()
+    poisoned[3] = np.nan
+    for conversion in (rdp_epsilon, _rdp_epsilon_fast):
+        assert conversion(poisoned, 1e-5) == pytest.approx(conversion(curve, 1e-5), rel=1e-12)
+        assert conversion(np.full_like(curve, np.nan), 1e-5) == np.inf

@@ -196,8 +196,10 @@ def rdp_curve(event: dp_accounting.DpEvent) -> np.ndarray:
 
 
 def rdp_epsilon(total: np.ndarray, delta: float) -> float:
-    """Epsilon at ``delta`` of a composed RDP curve (dp_accounting's conversion; infinite orders are skipped)."""
-    epsilon, _ = rdp_privacy_accountant.compute_epsilon(RDP_ORDERS, total, delta)
+    """Epsilon at ``delta`` of a composed RDP curve (dp_accounting's conversion; infinite orders are skipped).
+    An order whose value is NaN bounds nothing and counts as infinite: dp_accounting's conversion would pick it
+    and report ``max(0, nan)``, an epsilon of 0."""
+    epsilon, _ = rdp_privacy_accountant.compute_epsilon(RDP_ORDERS, np.where(np.isnan(total), np.inf, total), delta)
     return float(epsilon)
 
 

@@ -257,8 +257,10 @@ def _search(fits: Callable[[int], bool], guess: int) -> int:
 
 def _rdp_epsilon_fast(total: np.ndarray, delta: float) -> float:
     """dp_accounting's RDP-to-epsilon conversion (``compute_epsilon``) in one vectorised expression: the
-    same formula and cases, equal up to the last bits of the logarithms."""
+    same formula and cases, equal up to the last bits of the logarithms; a NaN order counts as infinite (as in
+    :func:`~decentdp.privacy.accounting.rdp_epsilon`)."""
     orders = RDP_ORDERS
+    total = np.where(np.isnan(total), np.inf, total)
     with np.errstate(all="ignore"):
         epsilon = total + np.log1p(-1 / orders) - np.log(delta * orders) / (orders - 1)
         epsilon = np.where(orders > 1.01, epsilon, np.inf)
