@@ -123,6 +123,19 @@ def test_bad_private_selections_name_the_field(tmp_path: Path, capsys, extra: di
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("space", "field"), [
+    ('"privacy.neighbouring" = { values = ["add-remove", "replace-one"] }\n', "space.privacy.neighbouring"),
+    ('"algorithm.name" = { values = ["dp-dsgd", "decor"] }\n', "space.algorithm.name"),
+])
+def test_a_space_that_reaches_an_unpriceable_trial_is_refused(tmp_path: Path, space: str, field: str) -> None:
+    """Each edge of the space is checked as the base config is: a searched field that makes some trials
+    replace-one (whose ledgers the selection's add-remove RDP curves would price at about half their epsilon) or
+    DECOR is refused before any trial runs (a reviewer's sweep with replace-one in its space was accepted)."""
+    path = write_sweep(tmp_path, LR + space, trials=None, selection="private", private=PRIVATE)
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        load_sweep(path)
+
+
 def test_private_selection_over_an_algorithm_whose_budgets_name_one_agent_is_refused(tmp_path: Path) -> None:
     """DECOR's ledger budgets one curious agent's view; a trial's score pools every agent's model, whose
     everyone-together loss (epsilon_local) is far larger, so its ledger cannot price a private selection
@@ -260,6 +273,26 @@ def test_a_private_selection_whose_trials_calibrate_different_noise_claims_no_ep
 
 
 @pytest.mark.slow
+def test_a_private_selection_searching_a_noisy_field_claims_no_epsilon_even_when_the_trials_agree(
+        tmp_path: Path, capsys, monkeypatch) -> None:
+    """One trial (K = 1) of a search over the batch size: the trials that ran agree (there is one), yet a draw of
+    the other batch size would have had another RDP curve. A reviewer measured 9.585 reported where the worst
+    curve of both gives 9.696: the space, not the trials that ran, decides whether an epsilon is claimed."""
+    from decentdp.tuning.selection import TrialCount
+
+    monkeypatch.setattr(TrialCount, "sample", lambda self, rng: 1)
+    space = LR + '"algorithm.batch_size" = { values = [4, 64] }\n'
+    path = write_sweep(tmp_path, space, trials=None, selection="private", private=PRIVATE)
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    selection = json.loads((out / "selection.json").read_text())
+    assert selection["trials_completed"] == 1 and selection["trials_rdp_equal"]
+    assert not selection["space_keeps_noise"] and "algorithm.batch_size" in selection["warning"]
+    assert selection["epsilon_max"] is None and selection["estimate_epsilon_max"] > 0 and "no bound" in printed
+
+
+@pytest.mark.slow
 def test_private_selection_releases_a_noisy_best_and_its_epsilon_and_resumes_with_the_same_k(
         tmp_path: Path, capsys) -> None:
     optuna = pytest.importorskip("optuna")
@@ -284,6 +317,7 @@ def test_private_selection_releases_a_noisy_best_and_its_epsilon_and_resumes_wit
                                                                                 for t in selection["trials"])
     assert len(selection["epsilon_per_agent"]) == 4
     assert selection["trials_rdp_equal"] and "warning" not in selection  # lr leaves the calibrated noise alone
+    assert selection["space_keeps_noise"]
     assert "composes with the selection's" in printed and "composes" in selection["next"]
     assert json.loads(printed.strip().splitlines()[-1])["best"][0]["trial"] == released["trial"]
 

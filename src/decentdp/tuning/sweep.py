@@ -353,13 +353,15 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), trials: int | No
             raise
         raise ConfigError("--set", f"with {', '.join(map(repr, culprits))}, the sweep's base config is invalid: "
                                    f"{exc.field}: {exc.message}") from None
+    edge_configs: list[tuple[str, Any]] = []  # (the space field, the config at one of its edges)
     for name, dim in space.items():
         _check_field(name, base_config)
         if dim.integer is False and dim.values is None and _is_integer_field(name, base_config):
             space[name] = dim = dim.model_copy(update={"integer": True})
         for value in dim.edges():
             try:
-                validate_config(apply_overrides(base, [f"{name}={_toml_value(value)}"]))
+                edge = validate_config(apply_overrides(base, [f"{name}={_toml_value(value)}"]))
+                edge_configs.append((f"space.{name}", edge))
             except ConfigError as exc:
                 raise ConfigError(f"space.{name}", f"the value {value!r} makes an invalid config: "
                                                    f"{str(exc).removeprefix('invalid configuration:').strip()}") \
@@ -369,7 +371,7 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), trials: int | No
         raise ConfigError("sweep.objective", f"{section.objective!r} is not a number in a trial's summary.json; "
                                              f"one of: {', '.join(objectives)}")
     if section.selection == "private":  # before the grid's own checks: a private grid is refused as such
-        _check_private(sweep, base_config)
+        _check_private(sweep, base_config, edge_configs)
     if section.method == "grid":
         size = 1
         for name, dim in space.items():
@@ -393,8 +395,9 @@ def _touches(key: str, field: str) -> bool:
     return key == field or key.startswith(f"{field}.") or field.startswith(f"{key}.")
 
 
-def _check_private(sweep: Sweep, base_config: Any) -> None:
-    """What private selection needs of the sweep file and of its base config, one error naming the field."""
+def _check_private(sweep: Sweep, base_config: Any, edge_configs: list[tuple[str, Any]]) -> None:
+    """What private selection needs of the sweep file, of its base config and of the config at every edge of the
+    space (a searched field could make a trial non-private, replace-one or DECOR), one error naming the field."""
     section, private = sweep.section, sweep.private
     if private is None:
         raise ConfigError("sweep.private", "is required by selection = 'private', e.g. private = { distribution = "
@@ -415,16 +418,25 @@ def _check_private(sweep: Sweep, base_config: Any) -> None:
     if private.distribution == "negative-binomial" and not private.mean_trials > 1:
         raise ConfigError("sweep.private.mean_trials", "must be above 1 for the truncated negative binomial "
                                                        f"(got {private.mean_trials})")
-    if not base_config.privacy.private:
-        raise ConfigError("sweep.config", "private selection needs private trials: the base config has no "
-                                          "privacy budget")
-    if base_config.privacy.neighbouring != "add-remove":
-        raise ConfigError("privacy.neighbouring", "private selection adds RDP curves, which decentdp computes for "
-                                                  "add-remove neighbours only")
-    if not algorithm_class(base_config.algorithm.name).budgets_bound_everyone:
-        raise ConfigError("algorithm.name", f"'{base_config.algorithm.name}' budgets one curious agent's view, but "
-                                            "a trial's score pools every agent's model: private selection prices "
-                                            "trials on budgets that bound every observer together")
+    for where, config in [(None, base_config), *edge_configs]:
+        _check_private_trial(config, where)
+
+
+def _check_private_trial(config: Any, where: str | None) -> None:
+    """What private selection needs of one trial's config (the base's, or the one at an edge of ``where``, a
+    searched field), one error naming the field."""
+    if not config.privacy.private:
+        raise ConfigError(where or "sweep.config", "private selection needs private trials: "
+                                                   f"{'a value of it' if where else 'the base config'} leaves no "
+                                                   "privacy budget")
+    if config.privacy.neighbouring != "add-remove":
+        raise ConfigError(where or "privacy.neighbouring", "private selection adds RDP curves, which decentdp "
+                                                           "computes for add-remove neighbours only")
+    if not algorithm_class(config.algorithm.name).budgets_bound_everyone:
+        raise ConfigError(where or "algorithm.name", f"'{config.algorithm.name}' budgets one curious agent's view, "
+                                                     "but a trial's score pools every agent's model: private "
+                                                     "selection prices trials on budgets that bound every observer "
+                                                     "together")
 
 
 def _lookup(name: str, config: Any) -> tuple[bool, Any]:
@@ -729,6 +741,9 @@ class SweepRunner:
             except (OSError, KeyError, ValueError) as exc:
                 raise DecentDPError(f"cannot read the privacy ledger of {folder} ({exc}); private selection "
                                     "needs every finished trial's privacy.json") from None
+            if ledger.relation != "add-remove":
+                raise DecentDPError(f"{folder}: its ledger prices {ledger.relation!r} neighbours; private selection "
+                                    "adds RDP curves, which decentdp computes for add-remove neighbours only")
             if not str(report.get("epsilon_observer", "everyone")).startswith("everyone"):
                 raise DecentDPError(f"{folder}: its ledger budgets {report['epsilon_observer']!r}, not every "
                                     "observer together, which a trial's pooled score needs")
@@ -777,17 +792,21 @@ class SweepRunner:
         stacked = np.stack([curves for curves, _ in rdp])
         worst = stacked.max(axis=0) + gaussian_score_rdp(private.score_noise)
         # Q's curve must bound every trial the search could draw; the worst that ran does so when the searched
-        # fields leave the calibrated noise alone (all trials' curves equal), else it is an estimate.
+        # fields leave the calibrated noise alone (only NOISE_FREE_FIELDS searched, and all trials' curves equal,
+        # which checks it), else it is an estimate.
+        noisy_fields = sorted(set(self.sweep.space) - NOISE_FREE_FIELDS)
         same = bool(np.allclose(stacked, stacked[:1], rtol=1e-9, atol=0.0, equal_nan=True))
         epsilons = [rdp_epsilon(selection_rdp(curve, count), delta) for curve in worst]
         figures = {"epsilon_per_agent": epsilons, "epsilon_max": max(epsilons),
                    "epsilon_one_trial_max": max(rdp_epsilon(curve, delta) for curve in worst),
                    "epsilon_k_fold_composition_max": max(rdp_epsilon(self.total * curve, delta) for curve in worst)}
-        if not same:  # no bound (null: infinite); the trials that ran give an estimate, labelled as one
+        warning = (_NOISY_SPACE.format(fields=", ".join(noisy_fields)) if noisy_fields
+                   else None if same else _UNEQUAL_TRIALS)
+        if warning is not None:  # no bound (null: infinite); the trials that ran give an estimate, labelled as one
             figures = {**{key: None for key in figures}, **{f"estimate_{key}": value for key, value in figures.items()}}
         chosen = max(complete, key=lambda t: t.value)
-        return {**report, "delta": delta, **figures, "trials_rdp_equal": same,
-                **({} if same else {"warning": _UNEQUAL_TRIALS}),
+        return {**report, "delta": delta, **figures, "trials_rdp_equal": same, "space_keeps_noise": not noisy_fields,
+                **({} if warning is None else {"warning": warning}),
                 "trials": [{"trial": t.number, "epsilon_max": max(rdp_epsilon(c, d) for c in curves)}
                            for t, (curves, d) in zip(complete, rdp, strict=True)],
                 "released": {"trial": chosen.number, "params": chosen.params,
@@ -803,6 +822,18 @@ class SweepRunner:
 _UNEQUAL_TRIALS = ("the trials' RDP curves differ (the searched fields change the calibrated noise): the theorem "
                    "needs Q's curve over every hyper-parameter the search could draw, not only those that ran, so "
                    "no epsilon is claimed (null); estimate_* use the worst trial that ran and are not a bound")
+#: Fields a private selection may search and still claim an epsilon: the step, its schedule and the optimizer's
+#: other settings change what a trial releases, never how it is noised or how often (the noise multiplier depends
+#: on the budget, delta, sampling rate, rounds and releases a round), and the clip norm scales the noise with the
+#: sensitivity (every event is in units of it), so every draw's RDP curve is the trials'.
+#: Any other searched field may change the curve of draws that did not run (a batch size drawn only once, or
+#: never), which equal curves among the trials that ran cannot rule out: then no epsilon is claimed.
+NOISE_FREE_FIELDS = frozenset({"algorithm.lr", "algorithm.lr_final", "algorithm.lr_schedule", "algorithm.momentum",
+                               "algorithm.nesterov", "algorithm.weight_decay", "privacy.clip"})
+_NOISY_SPACE = ("the space searches {fields}, which may change the calibrated noise of draws that did not run (the "
+                "theorem needs Q's curve over every draw; equal curves among the trials that ran do not show it), "
+                "so no epsilon is claimed (null); estimate_* use the worst trial that ran and are not a bound. "
+                "Searching only " + ", ".join(sorted(NOISE_FREE_FIELDS)) + " keeps the claim")
 
 
 def _validation_size(folder: Path) -> int:
@@ -875,7 +906,7 @@ def selection_summary(selection: dict[str, Any], out: Path) -> str:
         lines.append(f"released: trial {released['trial']}, noisy validation accuracy "
                      f"{released['noisy_accuracy']:.4f} (score_noise {selection['score_noise']:g} on the count of "
                      "correct predictions)")
-        if selection["trials_rdp_equal"]:
+        if "estimate_epsilon_max" not in selection:
             lines.append(f"epsilon of the selection at delta {selection['delta']:g}: {selection['epsilon_max']:.3f} "
                          f"(worst agent; one trial with its score: {selection['epsilon_one_trial_max']:.3f}; "
                          f"{selection['trials_drawn']} trials composed: "
