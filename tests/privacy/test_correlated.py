@@ -214,6 +214,18 @@ def test_zip_dl_noise_leaves_the_network_average_alone() -> None:
     assert torch.allclose(noisy.mean(dim=0), plain.mean(dim=0), atol=1e-5)
 
 
+def test_a_zip_dl_run_without_privacy_claims_no_finite_pairwise_epsilon(tmp_path: Path) -> None:
+    """Without a budget the oracle releases unclipped means, which no unit sensitivity bounds: every pairwise
+    epsilon is infinite (a reviewer's run wrote 23.2 as epsilon_pairwise_max with private: false)."""
+    raw = tiny_config(algorithm={"name": "zip-dl"}, privacy={"epsilon": "inf"}, experiment={"rounds": 3})
+    result = run_experiment(validate_config(raw), tmp_path / "zip", progress=False, log=lambda _: None)
+    privacy = json.loads((tmp_path / "zip" / "privacy.json").read_text())
+    assert result.summary["epsilon_pairwise_max"] is None or math.isinf(result.summary["epsilon_pairwise_max"])
+    assert all(value is None for row in privacy["epsilon_pairwise_network"] for value in row
+               if value not in (0, 0.0))
+    assert "no noise" in privacy["epsilon_pairwise_network_method"]
+
+
 def test_zip_dl_quick_start_prices_each_neighbours_view_within_the_local_budget(tmp_path: Path) -> None:
     from decentdp.config import load_config
     config = REPO / "experiments" / "correlated" / "zip-dl-digits.toml"

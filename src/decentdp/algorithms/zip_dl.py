@@ -176,12 +176,15 @@ class ZipDL(OptimizerAlgorithm):
     def privacy_results(self, state: State, facts: RunFacts) -> AlgorithmPrivacy:
         """What one neighbour (or a ``privacy.colluding`` set) learns of each sender, by the observer-view
         accountant over every message, capped by the sender's local epsilon; the local epsilon alone under
-        Adam (not linear)."""
+        Adam (not linear), or where an agent adds no noise (a run without privacy releases unclipped means, whose
+        data terms the view's unit sensitivity would not bound)."""
         local = np.asarray(facts.local_epsilon, dtype=float)
         observers = [[agent] for agent in range(len(local))] + [list(members) for members in facts.colluding]
-        if isinstance(self.optimizer, SGD):
-            capped, note = priced_view(local, self.view_recipe(facts), observers, facts.relation, facts.delta)
-        else:
-            capped = np.repeat(local[:, None], len(observers), axis=1)
+        capped = np.repeat(local[:, None], len(observers), axis=1)
+        if not isinstance(self.optimizer, SGD):
             note = "not linear (algorithm.optimizer = 'adam'): each sender's local epsilon"
+        elif not (facts.noise_multipliers > 0).all():
+            note = "an agent adds no noise: each sender's local epsilon"
+        else:
+            capped, note = priced_view(local, self.view_recipe(facts), observers, facts.relation, facts.delta)
         return pairwise_results(capped, facts.colluding, note)
