@@ -15,7 +15,15 @@ import numpy as np
 import pytest
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from decentdp.privacy.accounting import RDP_ORDERS, epsilon_of_history, epsilon_spent, rdp_curve, rdp_epsilon
+from decentdp.privacy.accounting import (
+    RDP_ORDERS,
+    epsilon_of_history,
+    epsilon_spent,
+    gaussian_dp_epsilon,
+    narrow_bracket,
+    rdp_curve,
+    rdp_epsilon,
+)
 from decentdp.privacy.events import gaussian_event
 from decentdp.privacy.ledger import _rdp_epsilon_fast
 from decentdp.privacy.sampled_gaussian_rdp import sampled_gaussian_rdp
@@ -69,3 +77,20 @@ def test_a_nan_order_bounds_nothing_in_either_conversion() -> None:
     for conversion in (rdp_epsilon, _rdp_epsilon_fast):
         assert conversion(poisoned, 1e-5) == pytest.approx(conversion(curve, 1e-5), rel=1e-12)
         assert conversion(np.full_like(curve, np.nan), 1e-5) == np.inf
+
+
+def test_a_nan_noise_multiplier_is_priced_as_no_privacy() -> None:
+    """A NaN multiplier (only reachable through the API) is no noise, never free: its event is non-private, and a
+    NaN Gaussian-DP parameter gives an infinite epsilon (both read as 0 before)."""
+    assert epsilon_of_history(((gaussian_event(float("nan"), 0.1), 100),), 1e-5) == np.inf
+    assert gaussian_dp_epsilon(float("nan"), 1e-5) == np.inf
+
+
+def test_the_bracket_search_never_closes_on_a_point_whose_excess_is_nan() -> None:
+    """Calibration returns the safe end of its bracket; a NaN excess (nothing bounds that point) counts as over
+    the target, so the end returned lies where the excess is finite and at most 0."""
+    def excess(scale: float) -> float:
+        return float("nan") if 0.3 <= scale <= 0.9 else 1.0 - scale
+
+    safe = narrow_bracket(excess, 0.0, 2.0, 1e-6)
+    assert 1.0 <= safe <= 1.0 + 2e-6

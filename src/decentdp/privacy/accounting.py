@@ -281,10 +281,10 @@ def gaussian_dp_epsilon(mu: float, delta: float) -> float:
     """The exact epsilon at ``delta`` of a ``mu``-Gaussian-DP view (the mean shift of a unit Gaussian,
     Dong, Roth & Su 2019): ``delta = Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2)``, solved for the
     smallest epsilon that holds, through dp_accounting's closed-form Gaussian privacy loss."""
+    if math.isnan(mu) or math.isinf(mu):  # (NaN: nothing bounds the view)
+        return math.inf
     if mu <= 0:
         return 0.0
-    if math.isinf(mu):
-        return math.inf
     loss = privacy_loss_mechanism.GaussianPrivacyLoss(1.0 / mu)
 
     def excess(epsilon: float) -> float:  # delta decreases in epsilon; 0 counts as the smallest positive float
@@ -427,10 +427,11 @@ def narrow_bracket(excess: Callable[[float], float], low: float, high: float, to
     return its safe end ``high``.  Regula falsi with the Illinois correction on log epsilon, which is
     nearly linear in sigma there: about five accountant calls instead of a bisection's dozen.  Each
     step lands at least half a tolerance inside the bracket, so that a step next to the root crosses
-    it and closes the bracket."""
+    it and closes the bracket.  An excess that is NaN counts as over the target (``not value <= 0``), so the
+    bracket never closes on a point nothing bounds."""
     while low <= 0 and high - low > tolerance * high:  # no finite excess at 0: bisect away from it first
         middle = (low + high) / 2
-        if excess(middle) > 0:
+        if not excess(middle) <= 0:
             low = middle
         else:
             high = middle
@@ -444,7 +445,7 @@ def narrow_bracket(excess: Callable[[float], float], low: float, high: float, to
         margin = tolerance * high / 2
         middle = min(max(middle, low + margin), high - margin)
         value = excess(middle)
-        if value > 0:
+        if not value <= 0:
             low, f_low = middle, value
             if side == -1:
                 f_high /= 2

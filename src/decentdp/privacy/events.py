@@ -21,8 +21,9 @@ import dp_accounting
 
 def gaussian_event(noise_multiplier: float, sample_rate: float = 1.0) -> dp_accounting.DpEvent:
     """One Gaussian release of a sum with sensitivity ``C`` and noise ``N(0, (sigma C)^2)``, on a
-    Poisson batch of rate ``sample_rate`` (no sampling event when it is 1).  ``sigma = 0`` is not private."""
-    if noise_multiplier <= 0:
+    Poisson batch of rate ``sample_rate`` (no sampling event when it is 1).  ``sigma = 0`` is not private, and
+    neither is a NaN multiplier (no noise to speak of: the release is priced as unbounded, never as free)."""
+    if not noise_multiplier > 0:
         return dp_accounting.NonPrivateDpEvent()
     gaussian = dp_accounting.GaussianDpEvent(float(noise_multiplier))
     return gaussian if sample_rate >= 1.0 else dp_accounting.PoissonSampledDpEvent(float(sample_rate), gaussian)
@@ -39,8 +40,9 @@ def joint_gaussian_event(noise_multiplier: float, sample_rate: float, releases: 
 
 
 def laplace_event(noise_multiplier: float, sample_rate: float = 1.0) -> dp_accounting.DpEvent:
-    """One Laplace release with scale ``b = noise_multiplier * l1_sensitivity`` (pure ``1/noise_multiplier``-DP)."""
-    if noise_multiplier <= 0:
+    """One Laplace release with scale ``b = noise_multiplier * l1_sensitivity`` (pure ``1/noise_multiplier``-DP;
+    as for the Gaussian, zero or NaN is not private)."""
+    if not noise_multiplier > 0:
         return dp_accounting.NonPrivateDpEvent()
     laplace = dp_accounting.LaplaceDpEvent(float(noise_multiplier))
     return laplace if sample_rate >= 1.0 else dp_accounting.PoissonSampledDpEvent(float(sample_rate), laplace)
