@@ -237,6 +237,18 @@ def test_zip_dl_quick_start_prices_each_neighbours_view_within_the_local_budget(
     assert pairwise[0, 8] < 0.8 * pairwise[0, 1]        # the antipodal agent of the ring learns less
 
 
+def test_a_multiplier_just_below_a_grid_point_is_priced_at_the_point_below_it() -> None:
+    """On the geometric grid, a value a hair under a grid point takes the lower point's (larger) epsilon, never
+    the point's own (a reviewer's value 4e-13 below a point was priced at it: below its exact epsilon)."""
+    from decentdp.privacy.accounting import epsilon_spent
+    from decentdp.privacy.correlated import PRICED_MULTIPLIERS, epsilon_upper_bounds
+
+    grid = np.geomspace(2.0, 6.0, PRICED_MULTIPLIERS)
+    values = np.concatenate([np.linspace(2.0, 6.0, PRICED_MULTIPLIERS + 12), [grid[10] * (1 - 4e-13)]])
+    priced = epsilon_upper_bounds(values[None, :], np.array([0.05]), 50, 1e-5, "rdp", "add-remove")[0]
+    assert priced[-1] >= epsilon_spent(float(values[-1]), 1e-5, 0.05, 50, 1, "rdp")
+
+
 def test_many_distinct_multipliers_are_priced_on_a_grid_never_below_their_exact_epsilon() -> None:
     """``epsilon_upper_bounds`` prices up to PRICED_MULTIPLIERS distinct values exactly and more at the grid
     point below each: every entry at least its own accountant's epsilon, and close to it (the grid is fine)."""

@@ -100,10 +100,11 @@ def epsilon_upper_bounds(multipliers: np.ndarray, rates: np.ndarray, steps: int,
         distinct = np.unique(finite)
         grid = distinct if len(distinct) <= PRICED_MULTIPLIERS else \
             np.geomspace(distinct[0], distinct[-1], PRICED_MULTIPLIERS)
+        grid[0], grid[-1] = distinct[0], distinct[-1]  # (geomspace's ends may round away from them)
         priced = np.array([epsilon_spent(float(s), delta, float(rate), steps, 1, accountant, relation) for s in grid])
         block = np.full(values.shape, np.nan)
         usable = np.isfinite(values) & (values > 0)
-        index = np.searchsorted(grid, values[usable] * (1 + 1e-12), side="right") - 1
+        index = np.searchsorted(grid, values[usable], side="right") - 1  # the grid point at or below each
         block[usable] = priced[np.clip(index, 0, len(grid) - 1)]
         block[values == 0] = np.inf
         block[np.isinf(values)] = 0.0
