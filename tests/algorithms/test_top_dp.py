@@ -381,3 +381,12 @@ def test_the_replay_prices_histories_no_lower_than_dp_accounting() -> None:
         coefficients, counts = rng.uniform(0.3, 1.0, parts), rng.integers(1, 300, parts).astype(float)
         total = sum(c * rdp_curve(gaussian_event(scale * k, rate)) for k, c in zip(coefficients, counts, strict=True))
         assert _history_epsilon(scale, coefficients, counts, rate, 1e-5) >= rdp_epsilon(total, 1e-5) - 1e-9
+
+
+def test_the_replay_calibrations_epsilon_is_infinite_where_its_rdp_overflows() -> None:
+    """A multiplier so small that the closed-form RDP overflows to NaN is priced at infinity, not at the epsilon
+    of 0 dp_accounting's conversion reads from a NaN order (only reachable with absurd budgets)."""
+    from decentdp.algorithms.components.topology_noise import _history_epsilon
+
+    with np.errstate(all="ignore"):
+        assert _history_epsilon(1e-160, np.ones(1), np.ones(1), 0.1, 1e-5) == math.inf

@@ -246,7 +246,8 @@ def _history_epsilon(scale: float, coefficients: np.ndarray, counts: np.ndarray,
     """Epsilon at ``delta`` of ``counts[j]`` Poisson-sampled Gaussian releases of multiplier
     ``scale * coefficients[j]`` at rate ``rate``: RDP at integer orders in closed form (Mironov, Talwar &
     Zhang 2019: ``log sum_k C(a, k) (1 - q)^(a - k) q^k exp((k^2 - k) / (2 sigma^2)) / (a - 1)``), converted
-    by dp_accounting's ``compute_epsilon``."""
+    by dp_accounting's ``compute_epsilon`` (an order that overflowed to NaN counts as infinite, not as the
+    epsilon of 0 that conversion would read from it)."""
     a = INTEGER_ORDERS[:, None].astype(np.float64)
     k = np.arange(INTEGER_ORDERS[-1] + 1, dtype=np.float64)[None, :]
     total = np.zeros(len(INTEGER_ORDERS))
@@ -260,6 +261,7 @@ def _history_epsilon(scale: float, coefficients: np.ndarray, counts: np.ndarray,
         terms = np.where(k <= a, terms, -np.inf)
         peak = terms.max(axis=1)
         total += count * (peak + np.log(np.exp(terms - peak[:, None]).sum(axis=1))) / (INTEGER_ORDERS - 1)
+    total = np.where(np.isnan(total), np.inf, total)
     return float(rdp_privacy_accountant.compute_epsilon(INTEGER_ORDERS, total, delta)[0])
 
 
