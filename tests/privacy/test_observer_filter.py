@@ -179,3 +179,17 @@ def test_recursive_epsilon_matches_gaussian_conversion() -> None:
     recipe = Muffliato(MuffliatoSettings(gossip_steps=2)).view_recipe(_facts(network, 2, 2.0))
     loss = recursive_mu(recipe.recursive().view(), [[1]])
     assert loss.epsilon(DELTA)[0, 0] == pytest.approx(gaussian_dp_epsilon(float(loss.mu[0, 0]), DELTA))
+
+
+def test_non_finite_views_price_at_infinity_never_below() -> None:
+    """Fail closed on overflow (a helper's review): a NaN data map is read as seen without noise (infinite mu,
+    in whichever participation class it lies), and a non-finite innovation stops the filter instead of dropping
+    the round's messages (which reported mu = 1.42 below the true 2.45 for a state grown by 1e160)."""
+    from decentdp.privacy.observer_filter import ViewNotFinite, _whitening
+    from decentdp.privacy.observer_view import _sender_mu
+
+    basis, singular = np.eye(2), np.ones(2)
+    assert _sender_mu(np.array([[np.nan], [1.0]]), basis, singular) == (np.inf, np.inf)
+    assert _sender_mu(np.array([[1e300], [1e300]]), basis, np.full(2, 1e-300)) == (np.inf, np.inf)
+    with pytest.raises(ViewNotFinite):
+        _whitening(np.array([[np.inf, 0.0], [0.0, 1.0]]))

@@ -65,6 +65,11 @@ class ViewTooLarge(ValueError):
     """The recursive view would take more memory than its builder was allowed."""
 
 
+class ViewNotFinite(ValueError):
+    """The filter's state overflowed (a carried state that grows without bound): nothing it computes bounds the
+    view, so the caller falls back to the senders' local epsilons."""
+
+
 @dataclass(frozen=True)
 class RoundBlock:
     """One round of a :class:`RecursiveView`: its fresh sources, its messages ``H x + J xi`` and the carry
@@ -316,6 +321,8 @@ def _whitening(innovation: np.ndarray) -> np.ndarray:
     """``W`` with ``W^T W`` the pseudo-inverse of the PSD matrix ``innovation`` (zero directions dropped)."""
     if innovation.size == 0:
         return np.zeros((0, innovation.shape[0]))
+    if not np.all(np.isfinite(innovation)):  # eigh would give NaN and drop the round's messages
+        raise ViewNotFinite("the filter's innovation covariance is not finite")
     values, vectors = np.linalg.eigh((innovation + innovation.T) / 2)
     keep = values > RANK_TOLERANCE * max(float(values[-1]), 0.0) if values[-1] > 0 else np.zeros(len(values), bool)
     return (vectors[:, keep] / np.sqrt(values[keep])).T
@@ -340,7 +347,7 @@ def _leaking_owners(block: RoundBlock, members: list[int], n: int) -> np.ndarray
         outside = data - basis @ (basis.T @ data)
     else:
         outside = data
-    far = np.linalg.norm(outside, axis=0) > LEAK_TOLERANCE * np.maximum(np.linalg.norm(data, axis=0), 1e-300)
+    far = ~(np.linalg.norm(outside, axis=0) <= LEAK_TOLERANCE * np.maximum(np.linalg.norm(data, axis=0), 1e-300))
     leaks[block.data_owner[far & np.any(data, axis=0)]] = True
     return leaks
 

@@ -23,7 +23,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from decentdp.privacy.observer_filter import RecursiveViewBuilder, ViewTooLarge, recursive_cost, recursive_mu
+from decentdp.privacy.observer_filter import (
+    RecursiveViewBuilder,
+    ViewNotFinite,
+    ViewTooLarge,
+    recursive_cost,
+    recursive_mu,
+)
 from decentdp.privacy.observer_view import ViewBuilder, dense_cost, observer_mu
 from decentdp.privacy.report import AlgorithmPrivacy
 from decentdp.results.files import epsilon_json
@@ -109,7 +115,10 @@ def _recursive(recipe: ViewRecipe, observers: Sequence[Collection[int]], relatio
         return (f"not computed: the recursive accountant needs {flops:.2g} floating-point operations and "
                 f"{memory / 2**30:.3g} GiB per observer, beyond {RECURSIVE_BUDGET_FLOPS:.2g} and "
                 f"{VIEW_BUDGET_BYTES / 2**30:.3g} GiB; each sender's local epsilon")
-    out[:] = recursive_mu(view, observers, relation).epsilon(delta)
+    try:
+        out[:] = recursive_mu(view, observers, relation).epsilon(delta)
+    except ViewNotFinite as error:
+        return f"not computed ({error}): each sender's local epsilon"
     return ("the observer-view accountant, round by round (a Kalman filter per observer and a "
             "Cauchy-Schwarz bound over rounds: sound, looser than the dense form)")
 

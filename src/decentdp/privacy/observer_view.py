@@ -252,10 +252,12 @@ def _sender_mu(a: np.ndarray, basis: np.ndarray, singular: np.ndarray) -> tuple[
         return 0.0, 0.0
     coordinates = basis.T @ a
     outside = np.linalg.norm(a - basis @ coordinates)
-    if outside > LEAK_TOLERANCE * np.linalg.norm(a):
+    if not outside <= LEAK_TOLERANCE * np.linalg.norm(a):  # (NaN: nothing shows the data is hidden)
         return np.inf, np.inf
     whitened = coordinates / singular[:, None]
     m = whitened.T @ whitened
+    if not np.all(np.isfinite(m)):
+        return np.inf, np.inf
     bound = min(float(np.abs(m).sum()), m.shape[0] * float(np.linalg.eigvalsh(m)[-1]))
     return float(np.sqrt(max(bound, 0.0))), float(np.sqrt(max(float(m.sum()), 0.0)))
 
