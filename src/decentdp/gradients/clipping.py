@@ -9,11 +9,15 @@ from __future__ import annotations
 import torch
 
 _NORM_EPS = 1e-6
+#: Clipping aims this far inside ``C``: a norm computed in float32 over a large model can be ~1e-6 below the true
+#: one (measured: clipped norms up to 2e-7 above C through the stacked layers, 9e-7 through the flat path), and
+#: the noise is calibrated to a sensitivity of exactly C, so the clipped norm must not exceed it.
+_CLIP_MARGIN = 1.0 - 1e-5
 
 
 def clip_factors(norms: torch.Tensor, clip: float) -> torch.Tensor:
-    """``min(1, C / ||g||)`` for each per-sample gradient norm."""
-    return (clip / (norms + _NORM_EPS)).clamp(max=1.0)
+    """``min(1, C' / ||g||)`` for each per-sample gradient norm, ``C' = C (1 - 1e-5)`` (:data:`_CLIP_MARGIN`)."""
+    return (clip * _CLIP_MARGIN / (norms + _NORM_EPS)).clamp(max=1.0)
 
 
 def clipped_sum(per_sample: torch.Tensor, mask: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
