@@ -138,8 +138,9 @@ class MafaldaSGD(SettingsAlgorithm):
         sens = factorization.sensitivity
         multipliers = [0.0 if math.isinf(budget) else calibrate_noise_multiplier(
             budget, plan.delta, 1.0, 1, 1, plan.accountant, relation=plan.relation) for budget in plan.budgets]
-        # sigma / sens(C) must not fall below the calibrated multiplier by rounding (sens is 1 up to rounding)
-        sigmas = round_up_to_float32(torch.tensor(multipliers, dtype=torch.float64) * sens * (1 + 1e-12)).double()
+        # sigma / sens(C) must not fall below the calibrated multiplier by rounding: the noise is built with C in
+        # float32, whose sensitivity is 1 + 1e-8 where C's is 1 (a helper's measurement, 10 agents), so 1e-6 of slack
+        sigmas = round_up_to_float32(torch.tensor(multipliers, dtype=torch.float64) * sens * (1 + 1e-6)).double()
         mechanism = MatrixFactorizationMechanism(sigmas.float(), plan.clip, factorization)
         mu = [sens / sigma if sigma > 0 else math.inf for sigma in sigmas.tolist()]
         paper = {"paper_mu_local": mu,

@@ -36,7 +36,7 @@ import torch
 
 from decentdp.privacy.accounting import epsilon_spent
 from decentdp.privacy.events import gaussian_event, joint_gaussian_event
-from decentdp.privacy.mechanisms import NOISE_BLOCK_BYTES, GaussianMechanism, NoiseDraw
+from decentdp.privacy.mechanisms import NOISE_BLOCK_BYTES, GaussianMechanism, NoiseDraw, round_up_to_float32
 
 #: Relative size below which an eigenvalue of an observer's noise covariance counts as zero.
 RANK_TOLERANCE = 1e-10
@@ -140,8 +140,10 @@ class CorrelatedGaussianMechanism(GaussianMechanism):
             for draw, (i, j) in zip(draws, pairs, strict=True):
                 for agent, sign in ((i, 1.0), (j, -1.0)):
                     if agent in held:
-                        scale = sign * self.edge_scale * self.sensitivity * float(self.expected_batches[agent])
-                        values[held[agent]].add_(draw.to(values.dtype), alpha=scale)
+                        scale = self.edge_scale * self.sensitivity * float(self.expected_batches[agent])
+                        if values.dtype != torch.float64:  # add_ rounds alpha to the nearest: round it up instead
+                            scale = float(round_up_to_float32(torch.tensor(scale, dtype=torch.float64)))
+                        values[held[agent]].add_(draw.to(values.dtype), alpha=sign * scale)
 
     def agent_event(self, owner: int, sample_rate: float, rows: int) -> dp_accounting.DpEvent:
         return joint_gaussian_event(float(self.event_multipliers[owner]), sample_rate, rows)
