@@ -207,7 +207,9 @@ def test_padding_and_non_finite_gradients_contribute_nothing() -> None:
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     summed, _ = clipped_sum(per_sample, mask, clip=1.0)
     assert torch.isfinite(summed).all()
-    torch.testing.assert_close(summed, torch.tensor([[1.0] * 4, [1.0] * 4]) * 2 * 0.5 / (1 + 5e-7), rtol=1e-5, atol=0)
+    # each kept gradient has norm 2: clipped to C (1 - 1e-5) by the factor C (1 - 1e-5) / (2 + 1e-6)
+    expected = torch.tensor([[1.0] * 4, [1.0] * 4]) * 2 * (1 - 1e-5) / (2 + 1e-6)
+    torch.testing.assert_close(summed, expected, rtol=1e-6, atol=0)
 
 
 def test_noise_multipliers_are_never_below_plan_in_float32() -> None:
