@@ -36,7 +36,7 @@ import torch
 
 from decentdp.privacy.accounting import epsilon_spent
 from decentdp.privacy.events import gaussian_event, joint_gaussian_event
-from decentdp.privacy.mechanisms import NOISE_BLOCK_BYTES, GaussianMechanism, NoiseDraw
+from decentdp.privacy.mechanisms import NOISE_BLOCK_BYTES, GaussianMechanism, NoiseDraw, round_up_to_float32
 
 #: Relative size below which an eigenvalue of an observer's noise covariance counts as zero.
 RANK_TOLERANCE = 1e-10
@@ -112,12 +112,6 @@ def epsilon_upper_bounds(multipliers: np.ndarray, rates: np.ndarray, steps: int,
     return out
 
 
-def _float32_at_or_above(value: float) -> float:
-    """The smallest float32 at or above ``value`` (a host number: no tensor, whatever the default device)."""
-    single = np.float32(value)
-    return float(single if float(single) >= value else np.nextafter(single, np.float32(np.inf)))
-
-
 class CorrelatedGaussianMechanism(GaussianMechanism):
     """DECOR's release: the Gaussian mechanism's own noise ``sigma_i C`` (exact on a grid in secure mode), then
     each incident edge's shared noise ``+-tau C L_i`` on the clipped sum (``+-tau C`` once the oracle divides by
@@ -148,7 +142,8 @@ class CorrelatedGaussianMechanism(GaussianMechanism):
                     if agent in held:
                         scale = self.edge_scale * self.sensitivity * float(self.expected_batches[agent])
                         if values.dtype != torch.float64:  # add_ rounds alpha to the nearest: round it up instead
-                            scale = _float32_at_or_above(scale)
+                            # (a host scalar, on the CPU whatever the default device: it only becomes add_'s alpha)
+                            scale = float(round_up_to_float32(torch.tensor(scale, dtype=torch.float64, device="cpu")))
                         values[held[agent]].add_(draw.to(values.dtype), alpha=sign * scale)
 
     def agent_event(self, owner: int, sample_rate: float, rows: int) -> dp_accounting.DpEvent:
