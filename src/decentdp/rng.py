@@ -104,6 +104,24 @@ _PHILOX_CHUNK = 1 << 21
 NOISE_STREAMS: tuple[str, ...] = ("per-row", "batched")
 
 
+def record_hash(records: np.ndarray, seed: int) -> np.ndarray:
+    """A keyed hash (uint64) of each record index, from the record's index and ``seed`` alone: what a record's
+    fixed placement is drawn from (its cyclic batch, its side of a validation split), so that no record's
+    placement depends on which other records exist.  The splitmix64 finaliser (Steele, Lea & Flood 2014),
+    element-wise, applied to the index xor the finalised seed."""
+    key = _splitmix64(np.asarray([seed], dtype=np.uint64))[0]
+    return _splitmix64(np.asarray(records, dtype=np.uint64) ^ key)
+
+
+def _splitmix64(values: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser, element-wise on uint64 (wrapping arithmetic, as in its definition)."""
+    with np.errstate(over="ignore"):
+        z = values + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
 def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The high and low 32 bits of ``a * m`` for 32-bit ``a`` (held in int64) and ``m``, exactly: the
     product is formed from 16-bit halves, so that no int64 intermediate overflows."""

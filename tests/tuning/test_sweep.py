@@ -4,6 +4,7 @@ without rerunning finished trials, and a refused resume when the search space ch
 from __future__ import annotations
 
 import json
+import math
 import re
 import tomllib
 from pathlib import Path
@@ -44,6 +45,35 @@ def test_hold_out_takes_records_from_every_agent_and_keeps_the_rest() -> None:
     assert sorted(np.concatenate([*kept, validation]).tolist()) == list(range(130))
     again, same = hold_out(parts, 0.2, seed=3)
     assert np.array_equal(same, validation)
+
+
+def test_a_per_record_split_moves_no_other_record_when_one_is_added_or_removed() -> None:
+    """Private selection prices the training side by add/remove ledgers and the validation side by the score's
+    noise; that holds only if one record's presence moves no other record across the split.  The exact-count
+    split redraws its permutation (so the test shows it moving others); the per-record split moves none."""
+    parts = [np.arange(0, 400), np.arange(400, 700)]
+    for removed in (0, 17, 399, 650):
+        fewer = [part[part != removed] for part in parts]
+        kept, validation = hold_out(parts, 0.25, seed=5, split="per-record")
+        kept_fewer, validation_fewer = hold_out(fewer, 0.25, seed=5, split="per-record")
+        assert np.array_equal(np.setdiff1d(validation, [removed]), validation_fewer)
+        for agent in range(2):
+            assert np.array_equal(np.setdiff1d(kept[agent], [removed]), kept_fewer[agent])
+    _, exact = hold_out(parts, 0.25, seed=5)
+    _, exact_fewer = hold_out([parts[0][1:], parts[1]], 0.25, seed=5)
+    assert np.setdiff1d(exact_fewer, exact).size > 0  # the exact count moved records other than the removed one
+
+
+def test_a_per_record_split_holds_out_about_the_fraction_and_depends_on_the_seed() -> None:
+    parts = [np.arange(0, 20_000), np.arange(20_000, 30_000)]
+    kept, validation = hold_out(parts, 0.1, seed=1, split="per-record")
+    assert sorted(np.concatenate([*kept, validation]).tolist()) == list(range(30_000))
+    assert abs(len(validation) - 3_000) < 4 * math.sqrt(30_000 * 0.1 * 0.9)  # binomial, four sigmas
+    assert abs(np.isin(np.arange(20_000, 30_000), validation).mean() - 0.1) < 0.015  # each agent's share
+    assert not np.array_equal(validation, hold_out(parts, 0.1, seed=2, split="per-record")[1])
+    assert np.array_equal(validation, hold_out(parts, 0.1, seed=1, split="per-record")[1])
+    with pytest.raises(ConfigError, match="data.validation_split"):
+        hold_out(parts, 0.1, seed=1, split="per-agent")
 
 
 @pytest.mark.parametrize(("space", "extra", "message"), [
@@ -114,6 +144,7 @@ LR = '"algorithm.lr" = { low = 0.05, high = 0.5, log = true }\n'
     ({"private": {**PRIVATE, "trials": 3}}, "sweep.private.trials"),
     ({"objective": "consensus_distance"}, "sweep.objective: private selection scores trials"),
     ({"selection": "best"}, "sweep.private: is used only with selection = 'private'"),
+    ({"validation_split": "exact-count"}, "sweep.validation_split: must be 'per-record' for selection = 'private'"),
 ])
 def test_bad_private_selections_name_the_field(tmp_path: Path, capsys, extra: dict, message: str) -> None:
     path = write_sweep(tmp_path, LR, **{"trials": None, "selection": "private", "private": PRIVATE, **extra})
@@ -151,7 +182,11 @@ def test_private_selection_over_an_algorithm_whose_budgets_name_one_agent_is_ref
 def test_private_selection_with_a_poisson_count_and_its_spec() -> None:
     sweep = load_sweep(REPO / "experiments" / "sweeps" / "demo-private.toml")
     assert sweep.private is not None and sweep.spec()["private"]["mean_trials"] == 4.0
-    assert "private" not in load_sweep(REPO / "experiments" / "sweeps" / "demo-lr.toml").spec()  # old studies resume
+    assert sweep.spec()["validation_split"] == "per-record"  # a study begun with the old split is not resumed
+    assert sweep.trial_config({}, 0)["data"]["validation_split"] == "per-record"
+    best = load_sweep(REPO / "experiments" / "sweeps" / "demo-lr.toml")
+    assert "private" not in best.spec() and "validation_split" not in best.spec()  # old studies resume
+    assert best.trial_config({}, 0)["data"]["validation_split"] == "exact-count"
 
 
 def test_a_private_selection_that_draws_no_trial_releases_nothing(tmp_path: Path, capsys, monkeypatch) -> None:

@@ -70,6 +70,12 @@ class DataSection(_Section):
     validation_fraction: float = Field(0.0, ge=0.0, le=0.5, description="hold out this fraction of each agent's "
                                        "training records and evaluate on them instead of the test set (for "
                                        "tuning, e.g. decentdp sweep); 0 = evaluate on the test set")
+    validation_split: Literal["exact-count", "per-record"] = Field(
+        "exact-count", description="how the validation records are drawn: 'exact-count' (each agent holds out "
+                                   "exactly floor(fraction * |D_i|) records, by a permutation that one added "
+                                   "record redraws) or 'per-record' (each record held out with probability "
+                                   "fraction by a keyed hash of its index, so no record's side depends on "
+                                   "another's: what a private selection's epsilon assumes)")
     sampling: Literal["poisson", "cyclic"] | None = Field(
         None, description="how agents draw batches: 'poisson' (each record independently in each round, with "
                           "probability q = batch_size / |D_i|: amplified by sampling) or 'cyclic' (each agent's "

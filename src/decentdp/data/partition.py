@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from decentdp.errors import ConfigError
+from decentdp.rng import record_hash
 
 PARTITIONS: tuple[str, ...] = ("iid", "overlap", "dirichlet", "unequal", "pathological")
 
@@ -175,19 +176,42 @@ def partition(
     return parts
 
 
-def hold_out(parts: list[np.ndarray], fraction: float, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
+#: How a validation split is drawn (``data.validation_split``): see :func:`hold_out`.
+VALIDATION_SPLITS: tuple[str, ...] = ("exact-count", "per-record")
+_VALIDATION_KEY = 0x56414C  # "VAL": the per-record split's hash key is the seed xor this, apart from other uses
+
+
+def hold_out(parts: list[np.ndarray], fraction: float, seed: int,
+             split: str = "exact-count") -> tuple[list[np.ndarray], np.ndarray]:
     """Carve a validation set out of the agents' training records, for tuning without the test set.
 
-    Each agent gives up ``floor(fraction * |D_i|)`` of its own records, chosen uniformly at random from
-    a stream of ``seed`` separate from the partition's, so every agent keeps its class mix in expectation.
+    ``split = "exact-count"``: each agent gives up exactly ``floor(fraction * |D_i|)`` of its own records,
+    chosen by a random permutation of its records from a stream of ``seed`` separate from the partition's, so
+    every agent keeps its class mix in expectation.  Adding or removing one record redraws the whole
+    permutation, moving other records between the two sides: right for tuning, not for a private selection.
+
+    ``split = "per-record"``: each record is held out with probability ``fraction``, decided by a keyed hash
+    of its index and ``seed`` alone (:func:`~decentdp.rng.record_hash`), so a record's side does not depend
+    on which other records exist: adding or removing one record adds or removes it on one side and moves no
+    other.  This is what a private selection's accounting assumes (its trial ledgers price the training side
+    under add/remove, its score noise the validation side); the counts are binomial instead of exact.
+
     Returns the agents' remaining index arrays and the sorted union of the held-out indices.  The held-out
     records are the agents' private data too: tuning on them has a privacy cost (see the README).
     """
     if not 0.0 <= fraction < 1.0:
         raise ConfigError("data.validation_fraction", f"must lie in [0, 1), got {fraction}")
+    if split not in VALIDATION_SPLITS:
+        raise ConfigError("data.validation_split", f"must be one of {', '.join(VALIDATION_SPLITS)}, got {split!r}")
     rng = np.random.default_rng([seed, 0x5A1])  # "VAL": independent of the partition's stream
     kept, held = [], []
     for part in parts:
+        if split == "per-record":
+            uniform = (record_hash(part, seed ^ _VALIDATION_KEY) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+            out = uniform < fraction
+            held.append(part[out])
+            kept.append(np.sort(part[~out]))
+            continue
         order = rng.permutation(len(part))
         cut = int(fraction * len(part))
         held.append(part[order[:cut]])

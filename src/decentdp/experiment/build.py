@@ -253,7 +253,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
         topology = _topology(config, seed)
     validation = None
     if cfg_data.validation_fraction > 0:  # tuning: evaluate on records held out of the agents' own data
-        parts, validation = hold_out(parts, cfg_data.validation_fraction, seed)
+        parts, validation = hold_out(parts, cfg_data.validation_fraction, seed, cfg_data.validation_split)
     data = AgentData(dataset.x_train, dataset.y_train, tuple(torch.from_numpy(p).to(device) for p in parts))
 
     module = build_model(config.model.name, dataset.input_shape, dataset.num_classes, seed=seed,
@@ -353,7 +353,8 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
         "gradient_engine_fallback_reason": model.fallback_reason,
         "memory_plan": memory.as_dict(),
         "evaluation_set": "test" if validation is None else f"validation: {len(validation)} records held out of "
-                                                            "the agents' training data",
+                                                            "the agents' training data "
+                                                            f"({cfg_data.validation_split})",
     }
     return Experiment(config, dataset, data, topology, model, algorithm, oracle, simulator, evaluator,
                       noise_multipliers, sample_rates, histograms, memory, graphs, schedule, setup, warnings, period)

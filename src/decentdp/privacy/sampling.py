@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from decentdp.rng import AgentRandom
+from decentdp.rng import AgentRandom, record_hash
 
 
 @dataclass(frozen=True)
@@ -177,22 +177,11 @@ class PoissonSampler:
         return Batch(x, y, mask)
 
 
-def _splitmix64(values: np.ndarray) -> np.ndarray:
-    """The splitmix64 finaliser (Steele, Lea & Flood 2014), element-wise on uint64: a keyed hash of each value."""
-    with np.errstate(over="ignore"):
-        z = values + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
-
-
 def cyclic_batches(records: np.ndarray, period: int, seed: int) -> np.ndarray:
     """The batch (``0 .. period-1``) of each record, from a keyed hash of the record's index in the training set
-    and ``seed`` alone: a record's batch does not depend on which other records exist, so adding, removing or
-    replacing one record changes only the batch it is (or was) in."""
-    key = _splitmix64(np.asarray([seed], dtype=np.uint64))[0]
-    hashed = _splitmix64(np.asarray(records, dtype=np.uint64) ^ key)
-    return (hashed % np.uint64(period)).astype(np.int64)
+    and ``seed`` alone (:func:`~decentdp.rng.record_hash`): a record's batch does not depend on which other
+    records exist, so adding, removing or replacing one record changes only the batch it is (or was) in."""
+    return (record_hash(records, seed) % np.uint64(period)).astype(np.int64)
 
 
 class CyclicSampler:

@@ -18,6 +18,7 @@ A sweep file::
     objective = "accuracy_mean"    # a key of summary.json, measured on the validation split
     direction = "maximize"
     validation_fraction = 0.1      # held out of each agent's training records; never the test set
+    validation_split = "exact-count"   # default; a private selection needs (and defaults to) "per-record"
     set = { "experiment.rounds" = 200 }   # fixed overrides of the base config
     selection = "best"             # or "private": see below
 
@@ -88,6 +89,7 @@ NOT_PRIVATE_SELECTION = ("selection = 'best': this choice read exact validation 
                          "'private' prices it)")
 MAX_GRID = 100_000  # grid points a grid search may visit (every field's values, and all their combinations)
 _RESERVED = {"experiment.seed": "[sweep] seeds", "data.validation_fraction": "[sweep] validation_fraction",
+             "data.validation_split": "[sweep] validation_split",
              "engine.threads": "one thread per worker", "data.data_dir": "--data-dir"}
 
 
@@ -177,6 +179,9 @@ class SweepSection(BaseModel):
     objective: str = "accuracy_mean"
     direction: Literal["maximize", "minimize"] = "maximize"
     validation_fraction: float = Field(0.1, gt=0.0, le=0.5)
+    validation_split: Literal["exact-count", "per-record"] | None = Field(
+        None, description="data.validation_split of every trial; default 'per-record' for a private selection "
+                          "(the only one it accepts), 'exact-count' otherwise")
     sampler_seed: int = Field(0, ge=0)
     set: dict[str, Any] = Field(default_factory=dict)
     top: int = Field(5, ge=1, description="trials listed in the final table")
@@ -213,6 +218,14 @@ class Sweep:
             raise ConfigError("sweep.trials", f"is required by method = '{self.section.method}'")
         return self.section.trials
 
+    @property
+    def validation_split(self) -> str:
+        """How the trials hold out their validation records (``data.validation_split``): ``per-record`` for a
+        private selection unless the file says otherwise (which :func:`_check_private` refuses)."""
+        if self.section.validation_split is not None:
+            return self.section.validation_split
+        return "per-record" if self.section.selection == "private" else "exact-count"
+
     def spec(self) -> dict[str, Any]:
         """What must not change when a sweep resumes: everything that defines its trials."""
         return {"method": self.section.method, "objective": self.section.objective,
@@ -222,7 +235,9 @@ class Sweep:
                 "base_config": hashlib.sha256(json.dumps({key: value for key, value in self.base.items()
                                                           if key != "tracking"},  # where it logs, not what
                                                          sort_keys=True, default=str).encode()).hexdigest(),
-                **({"private": self.private.model_dump()} if self.private is not None else {})}
+                **({"private": self.private.model_dump()} if self.private is not None else {}),
+                # named only when per-record, so that a sweep begun before the field existed (exact-count) resumes
+                **({"validation_split": "per-record"} if self.validation_split == "per-record" else {})}
 
     def trial_config(self, params: dict[str, Any], seed: int) -> dict[str, Any]:
         """The raw config of one trial at one seed: the base, the trial's values, the validation split."""
@@ -230,7 +245,7 @@ class Sweep:
 
         assignments = [f"{name}={_toml_value(value)}" for name, value in params.items()]
         assignments += [f"experiment.seed={seed}", f"data.validation_fraction={self.section.validation_fraction}",
-                        "engine.threads=1"]
+                        f"data.validation_split={_toml_value(self.validation_split)}", "engine.threads=1"]
         if self.data_dir is not None:
             assignments.append(f"data.data_dir={_toml_value(self.data_dir)}")
         return apply_overrides(self.base, assignments)
@@ -409,6 +424,11 @@ def _check_private(sweep: Sweep, base_config: Any, edge_configs: list[tuple[str,
     if section.trials is not None:
         raise ConfigError("sweep.trials", "private selection draws the number of trials at random (mean "
                                           "sweep.private.mean_trials); remove trials")
+    if sweep.validation_split != "per-record":
+        raise ConfigError("sweep.validation_split", "must be 'per-record' for selection = 'private' (its default): "
+                                                    "with 'exact-count', adding one record redraws which of the "
+                                                    "others are held out, which the selection's epsilon does not "
+                                                    "price")
     if section.objective != "accuracy_mean" or section.direction != "maximize":
         field = "sweep.objective" if section.objective != "accuracy_mean" else "sweep.direction"
         raise ConfigError(field, "private selection scores trials by their noisy count of correct validation "
@@ -711,9 +731,10 @@ class SweepRunner:
         trial as ``noisy_correct``; returned as a noisy accuracy (divided by the public validation size).
 
         Sensitivity 1: every agent's model is scored on the same pooled validation set
-        (``data.partition.hold_out``), and validation records are never trained on, so adding or removing
-        one validation record changes each agent's count, hence their mean, by at most 1 (and the mean over
-        seeds by at most 1).  A record in an agent's training data reaches the score only through the
+        (``data.partition.hold_out``, per-record: a record's side depends on no other record), and validation
+        records are never trained on, so adding or removing one validation record changes each agent's count,
+        hence their mean, by at most 1 (and the mean over seeds by at most 1), and moves no other record.
+        A record in an agent's training data reaches the score only through the
         trained models, which the trial's own ledger covers (see :meth:`selection`)."""
         assert self.sweep.private is not None and self.rng is not None
         correct, sizes = [], []
