@@ -49,7 +49,7 @@ from unittest import mock
 import numpy as np
 import torch
 from scipy import integrate, optimize, special
-from tests.privacy.test_privacy_harness import Sources, TracingOracle, traced_run
+from tests.privacy.tracing import Sources, TracingOracle, traced_run
 
 from decentdp.experiment.loop import run_facts
 from decentdp.experiment.record import run_privacy_statement, summary
@@ -223,7 +223,7 @@ class SampledRun:
 def sampled_run(name: str, rounds: int, batch_size: int, budgets: list[float], colluding: list[list[int]],
                 agents: int = 4, edge_probability: float = 0.5, seed: int = 0,
                 settings: dict[str, Any] | None = None) -> SampledRun:
-    """Run algorithm ``name`` traced (:func:`~tests.privacy.test_privacy_harness.traced_run`) on an unequal
+    """Run algorithm ``name`` traced (:func:`~tests.privacy.tracing.traced_run`) on an unequal
     partition with batch size ``batch_size`` (so each agent samples at its own rate ``B / |D_u|``), a budget per
     agent, and build what the run reports as ``run_experiment`` writes it.  Each data coordinate is labelled with
     the batch (round, index) the oracle computed it on."""

@@ -51,7 +51,7 @@ from tests.privacy.sampled_exact import (
     sender_view,
     understated,
 )
-from tests.privacy.test_privacy_harness import TRACED, traced_run, violations
+from tests.privacy.tracing import TRACED, traced_run, violations
 
 from decentdp.algorithms import algorithm_class
 from decentdp.privacy.oracle import DataOracle
