@@ -32,6 +32,7 @@ MOVED: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "warm_start_epsilon": ({"warm_start": True}, {"warm_start_epsilon": 0.2}),
     "admm_rho": ({"method": "admm"}, {"admm_rho": 5.0}),
     "admm_local_steps": ({"method": "admm"}, {"admm_local_steps": 2}),
+    "feature_bound": ({}, {"feature_bound": 0.5}),
     "validation": ({"dataset": "movielens-100k"}, {"validation": True}),   # synthetic problems are drawn afresh
     "test_fraction": ({"dataset": "movielens-100k"}, {"test_fraction": 0.4}),
     "als_rank": ({"dataset": "movielens-100k"}, {"als_rank": 2}),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import tomllib
 from pathlib import Path
 
 import dp_accounting
@@ -17,7 +18,7 @@ from tests.conftest import SHARED_DATA
 from decentdp.cli.main import main
 from decentdp.config import load_config, validate_config
 from decentdp.data.movielens import load_movielens
-from decentdp.data.personal import PersonalData
+from decentdp.data.personal import PersonalData, bound_features
 from decentdp.data.synthetic_linear import synthetic_linear
 from decentdp.errors import ConfigError, DataError
 from decentdp.experiment.loop import run_experiment
@@ -37,7 +38,7 @@ from decentdp.personalized.objective import (
     objective_gradient,
 )
 from decentdp.personalized.privacy import calibrate_updates, kairouz_epsilon
-from decentdp.personalized.runner import evaluate, run_personalized
+from decentdp.personalized.runner import build_run, evaluate, run_personalized
 from decentdp.personalized.schedule import plan_wakeups, poisson_ticks
 from decentdp.personalized.solver import PrivateUpdates, coordinate_descent, minimiser
 from decentdp.privacy.ledger import PrivacyLedger
@@ -520,7 +521,8 @@ def test_movielens_cli_path(capsys, tmp_path):
     assert summary["n_agents"] == 943
     for key in ("rmse_mean", "epsilon_max", "epsilon_max_paper", "wall_seconds"):
         assert summary[key] is not None
-    assert 0.9 < summary["rmse_mean"] < 1.2 and summary["epsilon_max"] <= 1.0 + 1e-9
+    # three wake-ups from Theta = 0 (every rating predicted 3, RMSE about 1.25): barely started, but finite
+    assert 0.9 < summary["rmse_mean"] < 1.3 and summary["epsilon_max"] <= 1.0 + 1e-9
 
 
 def test_a_run_states_its_noise_mode_and_spends_the_warm_start_inside_the_budget(tmp_path):
@@ -586,3 +588,87 @@ def test_local_dp_release_loses_at_most_epsilon_for_any_two_records():
     assert (distances + rr * differ).max() <= epsilon + 1e-9
     antipodes = 2 * bound / scale + rr                                      # x = bound e_1, x' = -bound e_1
     assert antipodes == pytest.approx(epsilon, rel=1e-12)
+
+
+def _replace_one_record(data: PersonalData, row: int, scale: float) -> PersonalData:
+    """``data`` with training row ``row``'s features multiplied by ``scale`` (a neighbouring dataset)."""
+    x = data.x_train.copy()
+    x[row] *= scale
+    return PersonalData(x, data.y_train, data.owner_train, data.x_test, data.y_test, data.owner_test, data.weights,
+                        data.task, data.info, data.feature_bound)
+
+
+@pytest.mark.parametrize("allocation", ["equal", "optimal"])
+def test_a_private_runs_steps_and_noise_read_no_record(allocation):
+    """The step alpha_i multiplies agent i's noisy gradient in its broadcast, so it must be public: with the
+    records' own smoothness one replaced record changed alpha_i 15-fold on the demo (a reviewer's finding,
+    reported epsilon 1 against an exact 16.9).  A private run's steps, block constants and (optimal allocation)
+    noise multipliers are the same on neighbouring datasets."""
+    raw = tomllib.loads(DEMO.read_text())
+    raw["personalized"].update({"allocation": allocation, **({"calibration": "paper"} if allocation == "optimal"
+                                                             else {})})
+    config = validate_config(raw)
+    data = synthetic_linear(30, 10, seed=0)
+    for row in (0, 57, len(data.y_train) - 1):
+        runs = []
+        for candidate in (data, _replace_one_record(data, row, 10.0)):
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr("decentdp.personalized.runner.load_personal_data", lambda *_args, c=candidate: c)
+                runs.append(build_run(config))
+        first, second = runs
+        assert torch.equal(first.problem.step, second.problem.step)
+        assert torch.equal(first.problem.block_lipschitz, second.problem.block_lipschitz)
+        assert np.array_equal(first.noise.multipliers, second.noise.multipliers)
+        assert first.setup["training_rows_scaled_to_bound"] == 0 < second.setup["training_rows_scaled_to_bound"]
+    exact = build_problem(data, 0.04)  # a non-private run keeps the records' own (larger) steps
+    assert not torch.equal(exact.step, build_problem(_replace_one_record(data, 0, 10.0), 0.04).step)
+
+
+def test_bound_features_scales_only_the_rows_above_the_bound():
+    data = _regression()
+    norms = np.linalg.norm(data.x_train, axis=1)
+    bound = float(np.median(norms))
+    bounded, rescaled = bound_features(data, bound)
+    after = np.linalg.norm(bounded.x_train, axis=1)
+    assert rescaled == int((norms > bound).sum()) > 0 and np.all(after <= bound * (1 + 1e-12))
+    assert np.array_equal(bounded.x_train[norms <= bound], data.x_train[norms <= bound])
+    assert np.allclose(bounded.x_train / after[:, None], data.x_train / norms[:, None])  # directions kept
+    assert bounded.feature_bound == bound
+
+
+def test_a_private_run_on_data_without_a_declared_bound_names_the_field(monkeypatch):
+    data = _regression()
+    raw = tomllib.loads(DEMO.read_text())
+    monkeypatch.setattr("decentdp.personalized.runner.load_personal_data", lambda *_args: data)
+    with pytest.raises(ConfigError, match="personalized.feature_bound"):
+        build_run(validate_config(raw))
+    raw["personalized"]["feature_bound"] = 2.0
+    run = build_run(validate_config(raw))
+    assert run.setup["feature_bound"] == 2.0 and run.setup["step_smoothness"].startswith("public")
+
+
+def test_one_changed_rating_moves_no_other_target_and_the_run_says_what_it_treats_as_public(tmp_path):
+    """The paper centres each user's ratings by the user's mean, so one changed rating moved every target of
+    its user and the clipped sum by up to 1.6 times the 2C the accounting assumes (a reviewer's measurement on
+    MovieLens-100K).  Targets are now ratings less a public constant."""
+    rng = np.random.default_rng(1)
+    rows = [(user, item, int(rng.integers(1, 6))) for user in range(1, 7)
+            for item in rng.choice(np.arange(1, 30), 12, replace=False)]
+    changed = [(user, item, 5 if rating < 5 else 1) if k == 3 else (user, item, rating)
+               for k, (user, item, rating) in enumerate(rows)]
+    targets = []
+    for name, table in (("a", rows), ("b", changed)):
+        folder = _write_ratings(tmp_path / name, [f"{u}\t{i}\t{r}\t0" for u, i, r in table])
+        data = load_movielens(folder, 0, rank=3, neighbours=2)
+        targets.append((data.x_train, data.y_train))
+        assert data.public_inputs and np.allclose(data.x_train[:, -1], 1.0)
+        assert data.feature_bound >= np.linalg.norm(data.x_train, axis=1).max()
+    moved = np.flatnonzero(targets[0][1] != targets[1][1])
+    assert len(moved) <= 1  # the changed rating's own target (if it is a training rating), no other
+    raw = _config(dataset="movielens-100k", als_rank=3, neighbours=2, wakeups=2)
+    for synthetic_only in ("agents", "dim"):
+        del raw["personalized"][synthetic_only]
+    raw["privacy"]["clip"] = 10.0
+    run_personalized(validate_config(raw), tmp_path / "out", data_dir=tmp_path / "a", log=lambda _line: None)
+    statement = json.loads((tmp_path / "out" / "privacy.json").read_text())
+    assert "movie features" in statement["public_inputs"] and statement["step_smoothness"].startswith("public")

@@ -50,11 +50,18 @@ class PersonalizedSection(BaseModel):
                                                                 "rest, by composition)")
     admm_rho: float = Field(1.0, gt=0.0, description="ADMM penalty (not reported by the papers)")
     admm_local_steps: int = Field(10, ge=1, description="gradient steps of each ADMM primal update")
+    feature_bound: float | None = Field(
+        None, gt=0.0, description="B, a public bound on the feature rows' l2 norm (rows above it are scaled to it): "
+                                  "the step sizes use l'' sup * B^2 + 2 lambda_i instead of the records' own "
+                                  "smoothness, which would leak through the step; default: the dataset's declared "
+                                  "bound in private cd runs (the largest movie-feature norm; the synthetic "
+                                  "generator's sqrt(0.5) (sqrt(dim) + 6)), none in the others")
     validation: bool = Field(False, description="evaluate on a held-out fifth of each agent's training data "
                                                 "instead of its test data (for tuning wakeups)")
     # MovieLens-100K (specs D.5)
     test_fraction: float = Field(0.2, gt=0.0, lt=1.0)
-    als_rank: int = Field(20, ge=1, description="p: dimension of the public movie features")
+    als_rank: int = Field(20, ge=1, description="rank of the public movie features (p = als_rank + 1: a constant 1 "
+                                                 "is appended for the user's offset)")
     als_reg: float = Field(0.1, gt=0.0)
     als_iterations: int = Field(15, ge=1)
     neighbours: int = Field(10, ge=1, description="k of the k-nearest-neighbour similarity graph")

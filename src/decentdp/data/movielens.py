@@ -4,9 +4,14 @@
   1682 movies (GroupLens; research use only, never redistributed with decentdp).
 * Per user, a random 80/20 train/test split of its ratings (``validation=True`` splits the training
   part 80/20 again and evaluates on that held-out fifth: the split the paper tunes on).
-* Ratings are centred user-wise by the user's mean *training* rating.
+* Targets are ratings less the public constant 3 (the scale's midpoint), and each movie's features end
+  with a constant 1, so each user's model learns its own offset.  The paper centres by each user's mean
+  training rating, but then one changed rating moves every target of its user, and the clipped gradient
+  sum moves by up to 1.6 times the 2C the accounting assumes (measured on MovieLens-100K at C = 10).
 * Movie features phi_j in R^p come from weighted-lambda alternating least squares (Zhou et al. 2008)
-  fitted on the training ratings only; the paper treats them as public (known to every agent).
+  fitted on the training ratings (centred user-wise, as the paper's) only; the paper treats them as
+  public (known to every agent), and so does a run here (``public_inputs`` in ``privacy.json``): they
+  and the graph are computed from every user's training ratings, and the epsilon does not cover that.
 * W_ij = 1 when i is among the k nearest neighbours of j, or j of i, by cosine similarity of the
   users' training rating vectors (k = 10).
 """
@@ -23,6 +28,11 @@ from decentdp.data.personal import PersonalData, holdout_masks, sort_by_owner
 from decentdp.errors import ConfigError, DataError
 
 RATINGS_FILE = "u.data"
+#: Subtracted from every rating: a public constant (the 1..5 scale's midpoint), so no rating moves another's target.
+RATING_CENTRE = 3.0
+#: What a private MovieLens run treats as known to every observer (the paper's assumption), for privacy.json.
+PUBLIC_INPUTS = ("the movie features (ALS) and the k-nearest-neighbour graph, as in the paper; both are computed from "
+                 "every user's training ratings, and the epsilon does not cover what they reveal")
 _SUBDIRS = ("movielens-100k", "ml-100k")
 
 
@@ -154,11 +164,15 @@ def load_movielens(data_dir: str | Path | None, seed: int, *, test_fraction: flo
     vectors = np.zeros((n_users, n_items))
     vectors[users[train], items[train]] = ratings[train]
     weights = knn_graph(vectors, neighbours)
-    x_train, y_train, owner_train = sort_by_owner(features[items[train]], centred[train], users[train])
-    x_test, y_test, owner_test = sort_by_owner(features[items[test]], centred[test], users[test])
+    features = np.hstack([features, np.ones((n_items, 1))])  # the user's offset
+    targets = ratings - RATING_CENTRE
+    x_train, y_train, owner_train = sort_by_owner(features[items[train]], targets[train], users[train])
+    x_test, y_test, owner_test = sort_by_owner(features[items[test]], targets[test], users[test])
     info = {"source": str(path), "users": n_users, "items": n_items, "ratings": len(table),
             "train_ratings": int(train.sum()), "evaluation_ratings": int(test.sum()),
             "evaluated_on": "validation (a fifth of the training ratings)" if validation else "test",
             "als": {"rank": rank, "reg": als_reg, "iterations": als_iterations}, "neighbours": neighbours,
-            "edges": int(weights.sum() // 2)}
-    return PersonalData(x_train, y_train, owner_train, x_test, y_test, owner_test, weights, "regression", info)
+            "edges": int(weights.sum() // 2), "targets": f"rating - {RATING_CENTRE:g}, features with a constant 1"}
+    bound = float(np.linalg.norm(features, axis=1).max())  # every movie's, so it reads no user's choice of movies
+    return PersonalData(x_train, y_train, owner_train, x_test, y_test, owner_test, weights, "regression", info,
+                        feature_bound=bound, public_inputs=PUBLIC_INPUTS)

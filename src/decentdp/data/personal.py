@@ -9,7 +9,7 @@ computation over agents is a vectorised gather or scatter, never a Python loop o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -23,7 +23,10 @@ class PersonalData:
 
     ``x_*`` are ``(R, p)`` float64 features, ``y_*`` targets (centred ratings, or labels in {-1, +1}),
     ``owner_*`` the agent of each row (non-decreasing).  ``weights`` is the ``(n, n)`` similarity
-    matrix ``W``; ``info`` describes how the data was made (for ``setup.json``).
+    matrix ``W``; ``info`` describes how the data was made (for ``setup.json``).  ``feature_bound`` is a
+    public bound on every row's l2 norm that the data's maker declares (None: none is known), which a private
+    run's step sizes are computed from (:func:`bound_features`); ``public_inputs`` says what a private run
+    treats as known to every observer, for ``privacy.json``.
     """
 
     x_train: np.ndarray
@@ -35,6 +38,8 @@ class PersonalData:
     weights: np.ndarray
     task: Task
     info: dict[str, Any] = field(default_factory=dict)
+    feature_bound: float | None = None
+    public_inputs: str = ""
 
     @property
     def n_agents(self) -> int:
@@ -48,6 +53,20 @@ class PersonalData:
     def train_counts(self) -> np.ndarray:
         """m_i: the number of training records of each agent."""
         return np.bincount(self.owner_train, minlength=self.n_agents)
+
+
+def bound_features(data: PersonalData, bound: float) -> tuple[PersonalData, int]:
+    """``data`` with every training and test row whose l2 norm exceeds ``bound`` scaled down to it, and how many
+    training rows were.  A map of each record alone (no record moves another), so a private run may apply it to
+    its data; it makes ``bound`` a true bound on the features, which the run's public step sizes assume."""
+    def scaled(x: np.ndarray) -> tuple[np.ndarray, int]:
+        norms = np.linalg.norm(x, axis=1)
+        over = norms > bound
+        return np.where(over[:, None], x * (bound / np.where(over, norms, 1.0))[:, None], x), int(over.sum())
+
+    x_train, rescaled = scaled(data.x_train)
+    x_test, _ = scaled(data.x_test)
+    return replace(data, x_train=x_train, x_test=x_test, feature_bound=bound), rescaled
 
 
 def sort_by_owner(x: np.ndarray, y: np.ndarray, owner: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -7,6 +7,12 @@ with D_ii = sum_j W_ij, confidences c_i = m_i / max_j m_j (a small floor for an 
 lambda_i = 1/m_i, and l the squared loss (regression) or the logistic loss (labels in {-1, +1}).
 Block i has Lipschitz constant L_i = D_ii (1 + mu c_i L_i^loc) and step alpha_i = 1/(1 + mu c_i L_i^loc).
 
+L_i^loc = l'' sup * lambda_max(X_i^T X_i) / m_i + 2 lambda_i reads agent i's records, so a step made from it
+scales the noisy gradient by a factor that depends on the data, and the broadcast is no longer
+post-processing of the noisy release (one replaced record changed alpha_i 15-fold on the demo).  A private
+run's steps therefore use a public bound instead, l'' sup * B^2 + 2 lambda_i with B a public bound on the
+feature norms (``feature_bound``; lambda_max(X_i^T X_i) / m_i <= max_k ||x_k||^2 <= B^2).
+
 Models are one ``(n, p)`` tensor; agents' records are flat, sorted by owner, and a set of agents'
 gradients is one gather, one batched loss derivative and one scatter (no loop over agents).
 """
@@ -38,7 +44,8 @@ class Problem:
     degree: torch.Tensor     # (n,) D_ii
     confidence: torch.Tensor  # (n,) c_i
     reg: torch.Tensor        # (n,) lambda_i
-    local_smoothness: torch.Tensor  # (n,) L_i^loc
+    local_smoothness: torch.Tensor  # (n,) L_i^loc, from the agents' records
+    step_smoothness: torch.Tensor  # (n,) what alpha_i and L_i use: L_i^loc, or a public bound on it (private runs)
     mu: float
     task: Task
 
@@ -52,13 +59,13 @@ class Problem:
 
     @property
     def step(self) -> torch.Tensor:
-        """alpha_i = 1 / (1 + mu c_i L_i^loc), the exact block step (specs D.1)."""
-        return 1.0 / (1.0 + self.mu * self.confidence * self.local_smoothness)
+        """alpha_i = 1 / (1 + mu c_i L_i^loc), the block step (specs D.1); public in a private run."""
+        return 1.0 / (1.0 + self.mu * self.confidence * self.step_smoothness)
 
     @property
     def block_lipschitz(self) -> torch.Tensor:
-        """L_i = D_ii (1 + mu c_i L_i^loc)."""
-        return self.degree * (1.0 + self.mu * self.confidence * self.local_smoothness)
+        """L_i = D_ii (1 + mu c_i L_i^loc); public in a private run."""
+        return self.degree * (1.0 + self.mu * self.confidence * self.step_smoothness)
 
     @property
     def strong_convexity(self) -> float:
@@ -74,8 +81,12 @@ class Problem:
         return shift + torch.arange(total, device=shift.device)
 
 
-def build_problem(data: PersonalData, mu: float, device: torch.device | str = "cpu") -> Problem:
-    """The problem's tensors and constants on ``device``; GraphError names an agent without neighbours."""
+def build_problem(data: PersonalData, mu: float, device: torch.device | str = "cpu",
+                  feature_bound: float | None = None) -> Problem:
+    """The problem's tensors and constants on ``device``; GraphError names an agent without neighbours.
+
+    ``feature_bound`` (a public bound B on the rows' l2 norms, which the caller has made true): the steps and
+    block constants use ``l'' sup * B^2 + 2 lambda_i``, which no record moves, instead of L_i^loc."""
     device = torch.device(device)
     n = data.n_agents
     weights = torch.as_tensor(data.weights, dtype=torch.float64, device=device)
@@ -96,8 +107,9 @@ def build_problem(data: PersonalData, mu: float, device: torch.device | str = "c
     curvature = 2.0 if data.task == "regression" else 0.25  # sup of l'' in the margin
     gram_top = torch.linalg.eigvalsh(agent_grams(x, owner, offsets))[:, -1] / counts.clamp(min=1).double()
     local = curvature * gram_top + 2.0 * reg
+    step_smoothness = local if feature_bound is None else curvature * float(feature_bound) ** 2 + 2.0 * reg
     return Problem(x, torch.as_tensor(data.y_train, dtype=torch.float64, device=device), owner, offsets, counts,
-                   weights, degree, confidence, reg, local, float(mu), data.task)
+                   weights, degree, confidence, reg, local, step_smoothness, float(mu), data.task)
 
 
 def agent_grams(problem_x: torch.Tensor, owner: torch.Tensor, offsets: torch.Tensor,

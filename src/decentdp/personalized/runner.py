@@ -23,7 +23,7 @@ import torch
 from decentdp.config import ExperimentConfig
 from decentdp.config.personalized import PersonalizedSection
 from decentdp.data.movielens import load_movielens
-from decentdp.data.personal import PersonalData
+from decentdp.data.personal import PersonalData, bound_features
 from decentdp.data.synthetic_linear import synthetic_linear
 from decentdp.errors import ConfigError, PrivacyError
 from decentdp.personalized.admm import gossip_admm
@@ -124,8 +124,17 @@ def build_run(config: ExperimentConfig, data_dir: str | Path | None = None,
     assert settings is not None
     seed = config.experiment.seed
     data = load_personal_data(settings, data_dir if data_dir is not None else config.data.data_dir, seed)
-    problem = build_problem(data, settings.mu, device)
     private = config.privacy.private
+    bound, rescaled = settings.feature_bound, 0
+    if bound is None and private and settings.method == "cd":  # a private step must not read the records
+        bound = data.feature_bound
+        if bound is None:
+            raise ConfigError("personalized.feature_bound", f"the {settings.dataset} data declares no bound on its "
+                                                            "feature norms, and a private run's step sizes need a "
+                                                            "public one: set it (rows above it are scaled to it)")
+    if bound is not None:
+        data, rescaled = bound_features(data, bound)
+    problem = build_problem(data, settings.mu, device, bound)
     if settings.warm_start and config.privacy.neighbouring != "replace-one":
         raise ConfigError("personalized.warm_start", "output perturbation's guarantee (Chaudhuri et al. 2011) is "
                                                      "for replace-one neighbours: set privacy.neighbouring = "
@@ -142,11 +151,17 @@ def build_run(config: ExperimentConfig, data_dir: str | Path | None = None,
     setup = {"n_agents": problem.n_agents, "dim": problem.dim, "data": data.info, "method": settings.method,
              "agent_sizes": problem.counts.tolist(), "step": problem.step.tolist(),
              "confidence": problem.confidence.tolist(), "mu": settings.mu,
+             "step_smoothness": "exact: read from the records (the steps are not private)" if bound is None else
+             f"public: l'' sup * B^2 + 2 lambda_i with feature_bound B = {bound:.6g}",
+             "feature_bound": bound, "training_rows_scaled_to_bound": rescaled,
+             "public_inputs": data.public_inputs,
              "ticks": None if plan is None else plan.total_ticks,
              "levels": None if plan is None else plan.n_levels,
              "updates_per_agent": None if plan is None else plan.updates_per_agent().tolist(),
              **privacy_statement(private and settings.method == "cd", config.privacy.neighbouring,
                                  config.privacy.noise, private_evaluation=settings.validation),
+             **({"evaluation_records": "private: each user's held-out ratings (the metrics are not DP releases)"}
+                if settings.dataset == "movielens-100k" else {}),
              "warnings": _warnings(config)}
     if noise is not None:
         setup["noise_multipliers_first_update"] = noise.multipliers[:, 0].tolist()
@@ -274,8 +289,8 @@ def run_personalized(config: ExperimentConfig, out_dir: str | Path | None = None
     if folder is not None:
         write_jsonl(folder / "metrics.jsonl", metrics)
         statement = {key: run.setup[key] for key in ("private", "neighbouring", "neighbouring_assumption", "noise",
-                                                      "evaluation_records", "noise_notice", "evaluation_notice")
-                     if key in run.setup}
+                                                      "evaluation_records", "noise_notice", "evaluation_notice",
+                                                      "public_inputs", "step_smoothness") if key in run.setup}
         write_json(folder / "privacy.json", {**{key: epsilon_json(value) if key != "paper_delta" else value
                                                 for key, value in spent.items()}, **statement})
         write_json(folder / "summary.json", summary)
