@@ -867,3 +867,24 @@ def test_an_interrupt_advises_resume_only_when_there_is_a_checkpoint(
         assert f"--resume --out {out}" in message
     else:
         assert "nothing to resume" in message and "--resume" not in message
+
+
+def test_running_out_of_memory_is_one_message_and_other_errors_still_raise(monkeypatch: pytest.MonkeyPatch,
+                                                                           capsys: pytest.CaptureFixture) -> None:
+    """A config whose sizes do not fit (a reviewer's hidden = 10**9, personalized.dim = 10**9) ended in an
+    allocator's traceback; it is one line naming what to lower.  A RuntimeError that is not the allocator's is
+    a bug and keeps its traceback."""
+    from decentdp.cli import main as cli_main
+
+    for error in (MemoryError("Unable to allocate 13.3 TiB"),
+                  RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 256000000000 bytes")):
+        def fail(_args: object, error: BaseException = error) -> int:
+            raise error
+
+        monkeypatch.setitem(cli_main._COMMANDS, "list", fail)
+        assert main(["list"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("decentdp: error: out of memory") and "Traceback" not in err
+    monkeypatch.setitem(cli_main._COMMANDS, "list", lambda _args: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["list"])

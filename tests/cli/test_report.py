@@ -223,6 +223,15 @@ def test_a_figure_option_that_cannot_be_drawn_is_refused(tmp_path: Path, capsys,
     ("plain", ["--paper", "PAPER:row = [{ value = 1.0, match = { 'privacy.nope' = 1 } }]"], "privacy.nope"),
     ("plain", ["--paper", "PAPER:row = [{ value = 1.0, match = { 'algorithm.name' = 'dp-dsgt' } },"
                                       "{ value = 2.0, match = { 'privacy.epsilon' = 5.0 } }]"], "all match one group"),
+    ("plain", ["--paper", "PAPER:row = 5"], "row must be a list of tables"),
+    ("plain", ["--paper", "PAPER:row = [{ value = 50, std = 'x', match = { 'algorithm.name' = 'dp-dsgt' } }]"],
+     "row 1: std must be a non-negative finite number"),
+    ("plain", ["--paper", "PAPER:row = [{ value = 50, std = -1, match = { 'algorithm.name' = 'dp-dsgt' } }]"],
+     "row 1: std must be a non-negative finite number"),
+    ("plain", ["--paper", "PAPER:row = [{ value = nan, match = { 'algorithm.name' = 'dp-dsgt' } }]"],
+     "row 1 needs a finite numeric value"),
+    ("null-round", [], "metrics.jsonl, line 1: round must be an integer"),
+    ("list-row", [], "metrics.jsonl, line 2: a row must be a JSON object"),
 ])
 def test_bad_input_is_one_clear_error(tmp_path: Path, capsys, setup: str, args: list[str], message: str) -> None:
     runs = tmp_path / "runs"
@@ -242,6 +251,10 @@ def test_bad_input_is_one_clear_error(tmp_path: Path, capsys, setup: str, args: 
         runs.mkdir()
     elif setup == "plain":
         fake_run(runs / "a", 0.7)
+    elif setup in ("null-round", "list-row"):  # a hand-edited metrics.jsonl: refused before anything is written
+        metrics = fake_run(runs / "a", 0.7) / "metrics.jsonl"
+        metrics.write_text('{"round": null, "accuracy_mean": 0.5}\n' if setup == "null-round" else
+                           '{"round": 0, "accuracy_mean": 0.5}\n[1, 2]\n')
     elif setup == "bad-epsilon":  # a hand-edited summary
         summary = fake_run(runs / "a", 0.7) / "summary.json"
         summary.write_text(json.dumps({**json.loads(summary.read_text()), "epsilon_max": "abc"}))
@@ -416,3 +429,18 @@ def test_epsilon_towards_a_narrower_observer_is_marked_with_everyone_togethers(t
     assert text.count(" †") == 1 and "| 4.200 † |" in text
     assert "† ε spent towards a narrower observer than everyone together: one curious agent" in text
     assert "bounded by epsilon_local: up to 123.400" in text
+
+
+def test_out_refuses_a_folder_holding_other_files_and_redraws_an_earlier_report(tmp_path: Path, capsys) -> None:
+    """A reviewer's notes/report.md was overwritten without a word; a results folder got a report mixed in."""
+    run = fake_run(tmp_path / "runs" / "a", 0.7)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "plan.txt").write_text("my notes")
+    for out in (notes, run):
+        assert main(["report", str(tmp_path / "runs"), "--out", str(out)]) == 2
+        assert "holds files that are not an earlier report's" in capsys.readouterr().err
+    assert sorted(p.name for p in notes.iterdir()) == ["plan.txt"]
+    again = tmp_path / "report"
+    for _ in range(2):  # writing the same report folder twice is a redraw
+        assert main(["report", str(tmp_path / "runs"), "--out", str(again)]) == 0

@@ -194,6 +194,8 @@ BUDGET = {"privacy": {"epsilon": 1.0}}
     ({"topology": {"agents": 3}, "privacy": {"agent_epsilons": [1.0, 0.0, 2.0]}}, "privacy.agent_epsilons",
      "positive"),
     ({"experiment": {"rounds": "ten"}}, "experiment.rounds", "valid integer"),
+    ({"experiment": {"seed": 2**64}, "privacy": {"epsilon": 1.0}}, "experiment.seed", "less than 9223372036854775808"),
+    ({"engine": {"threads": 100_000}, "privacy": {"epsilon": 1.0}}, "engine.threads", "less than or equal to 1024"),
     ({"model": {"name": "mlp", "hidden": 3}}, "model.hidden", "allowed keys: name, options"),
     # model options are checked when the config is read (the builder runs on the meta device), not at build time
     ({**BUDGET, "model": {"options": {"nonsense": 1}}}, "model.options.nonsense", "has no option 'nonsense'"),

@@ -392,3 +392,18 @@ def test_a_personalized_base_is_refused_with_the_way_to_tune_it(tmp_path: Path) 
     with pytest.raises(ConfigError) as error:
         load_sweep(path)
     assert error.value.field == "sweep.config" and "personalized.validation" in error.value.message
+
+
+def test_a_damaged_study_is_named_and_left_alone(tmp_path: Path, capsys) -> None:
+    """A crash or a full disk can leave study.db unreadable; resuming says so in one line (not an sqlalchemy
+    traceback) and changes nothing on disk."""
+    pytest.importorskip("optuna")
+    path = write_sweep(tmp_path, LR_VALUES)
+    out = tmp_path / "out"
+    out.mkdir()
+    garbage = np.random.default_rng(0).bytes(4096)
+    (out / "study.db").write_bytes(garbage)
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "study.db is damaged" in err and "Traceback" not in err
+    assert (out / "study.db").read_bytes() == garbage

@@ -606,6 +606,12 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"run": _run, "priva
                                                              "attack": audit_command.run}
 
 
+def _is_out_of_memory(error: RuntimeError) -> bool:
+    """Whether a RuntimeError is an allocator's (torch's CPU allocator, CUDA's out-of-memory), not a bug."""
+    text = str(error)
+    return "can't allocate memory" in text or "out of memory" in text.lower()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``decentdp`` command."""
     args = _build_parser().parse_args(argv)
@@ -617,6 +623,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("decentdp: interrupted", file=sys.stderr)
         return 130
+    except (MemoryError, RuntimeError) as error:  # numpy's and torch's allocators; CUDA's OutOfMemoryError
+        if isinstance(error, RuntimeError) and not _is_out_of_memory(error):
+            raise
+        print(f"decentdp: error: out of memory ({str(error).splitlines()[0][:160]}): the command asks for more "
+              "memory than this machine has; lower the sizes it sets (model.options, topology.agents, "
+              "algorithm.batch_size, personalized.dim or wakeups, audit.models)", file=sys.stderr)
+        return EXIT_USER_ERROR
     except BrokenPipeError:  # the reader went away (``decentdp report --json | head``): nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python would report the flush at exit)
         return 0

@@ -158,6 +158,7 @@ def read_run(folder: Path) -> Run:
             curve = [json.loads(line) for line in metrics_file.read_text(encoding="utf-8").splitlines() if line]
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise DecentDPError(f"cannot read {metrics_file}: {exc}") from None
+        _check_rows(curve, metrics_file)
     fields = flatten(config)
     personalized = config.get("personalized")
     if isinstance(personalized, dict):  # its [data], [topology], [model], [algorithm] are unused defaults
@@ -376,16 +377,21 @@ def read_paper(path: Path) -> tuple[str, list[PaperRow]]:
     if unknown:
         raise ConfigError("--paper", f"{path}: unknown key(s) {', '.join(unknown)}; allowed: source, unit, row")
     rows = []
+    if not isinstance(data.get("row", []), list):
+        raise ConfigError("--paper", f"{path}: row must be a list of tables ([[row]] sections)")
     for index, entry in enumerate(data.get("row", [])):
         where = f"{path}: row {index + 1}"
         if not isinstance(entry, dict) or not isinstance(entry.get("match"), dict) or not entry["match"]:
             raise ConfigError("--paper", f"{where} needs match = {{field = value, ...}}")
-        if not isinstance(entry.get("value"), (int, float)):
-            raise ConfigError("--paper", f"{where} needs a numeric value")
+        value, std = entry.get("value"), entry.get("std")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError("--paper", f"{where} needs a finite numeric value, got {value!r}")
+        if std is not None and (isinstance(std, bool) or not isinstance(std, (int, float))
+                                or not math.isfinite(std) or std < 0):
+            raise ConfigError("--paper", f"{where}: std must be a non-negative finite number, got {std!r}")
         extra = sorted(set(entry) - {"match", "value", "std"})
         if extra:
             raise ConfigError("--paper", f"{where}: unknown key(s) {', '.join(extra)}; allowed: match, value, std")
-        std = entry.get("std")
         scale = PAPER_UNITS[unit]
         rows.append(PaperRow({name: _number(value) for name, value in entry["match"].items()},
                              entry["value"] * scale, None if std is None else std * scale))
@@ -906,6 +912,17 @@ def plot_report(report: Report, out: Path, against: Sequence[str] = (), panels: 
     return written
 
 
+def _check_rows(rows: list[Any], path: Path) -> None:
+    """Refuse a ``metrics.jsonl`` whose rows the figures could not read (a hand edit, another tool's file), naming
+    the line, before anything is written: each row an object, its ``round`` (if any) an integer."""
+    for line, row in enumerate(rows, start=1):
+        if not isinstance(row, dict):
+            raise DecentDPError(f"cannot read {path}, line {line}: a row must be a JSON object, got {row!r:.60}")
+        value = row.get("round", 0)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise DecentDPError(f"cannot read {path}, line {line}: round must be an integer, got {value!r:.60}")
+
+
 def _curve(runs: Sequence[Run], metric: str) -> tuple[list[int], list[float], list[float]]:
     """Mean and std over seeds at the rounds every run evaluated."""
     per_run = [{int(row["round"]): float(row[metric]) for row in run.curve   # (personalized rows count ticks)
@@ -970,6 +987,23 @@ def add_parser(commands: Any) -> None:
                              "stderr, instead of refusing the report")
 
 
+#: What ``decentdp report --out`` writes: a folder holding only these may be written again (the report redrawn).
+REPORT_FILES = ("report.md", "report.csv", "report.json")
+
+
+def _check_report_folder(out: Path) -> None:
+    """Refuse an ``--out`` that holds anything but an earlier report (``REPORT_FILES`` and ``*_vs_*.png``
+    figures): its files would be overwritten, and a results folder would get a report mixed into it."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError("--out", f"{out} exists and is not a directory")
+    if out.is_dir():
+        foreign = sorted(entry.name for entry in out.iterdir()
+                         if not (entry.name in REPORT_FILES or (entry.suffix == ".png" and "_vs_" in entry.name)))
+        if foreign:
+            raise ConfigError("--out", f"{out} holds files that are not an earlier report's ({', '.join(foreign[:3])}"
+                                       f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new folder")
+
+
 def run(args: argparse.Namespace) -> int:
     """``decentdp report``: read, check, group; print the table or JSON; write files with ``--out``."""
     runs, skipped = find_runs(args.results, skip_unfinished=args.skip_unfinished)
@@ -986,6 +1020,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"left out {len(skipped)} unfinished run(s): {_paths(skipped)}", file=sys.stderr)
     table = markdown(report)
     if args.out is not None:
+        _check_report_folder(args.out)
         try:
             args.out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

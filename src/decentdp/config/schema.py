@@ -48,7 +48,8 @@ class _Section(BaseModel):
 class ExperimentSection(_Section):
     name: str = Field("experiment", pattern=r"^\w[\w.-]*$",
                       description="letters, digits, '.', '_', '-' (it names the results folder, so no '/')")
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, lt=2**63, description="the run's seed (below 2**63: torch's generators take a "
+                                                    "signed 64-bit seed)")
     rounds: int = Field(100, ge=1)
     eval_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(0, ge=0, description="rounds between checkpoints; 0 = at evaluations only")
@@ -220,8 +221,9 @@ class EngineSection(_Section):
                                                                      "what the OS reports available")
     agents_per_pass: int | None = Field(None, ge=1, description="agents whose gradients are computed at once; "
                                                                 "default: as many as fit in memory")
-    threads: int | None = Field(None, ge=1, description="compute threads; default: the cores this process may "
-                                                        "use (its CPU affinity)")
+    threads: int | None = Field(None, ge=1, le=1024, description="compute threads (at most 1024: far more start "
+                                                                 "no library's thread pool); default: the cores "
+                                                                 "this process may use (its CPU affinity)")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
                         description="where the run computes: 'auto' (CUDA when present, else the CPU), 'cpu', "
                                     "'cuda' or 'cuda:K'")

@@ -587,14 +587,22 @@ class SweepRunner:
         except OSError as exc:  # e.g. below a file
             raise ConfigError("--out", f"cannot create the sweep folder {out}: {exc.strerror or exc}") from None
         storage = f"sqlite:///{(out / STUDY_FILE).resolve()}"
-        names = optuna.study.get_all_study_names(storage)
-        if names:
-            self.study = optuna.load_study(study_name=names[0], storage=storage)
-            _check_same(self.study.user_attrs.get(SPEC_ATTR, {}), sweep.spec(), out)
-        else:
-            self.study = optuna.create_study(study_name="decentdp", storage=storage,
-                                             direction=sweep.section.direction)
-            self.study.set_user_attr(SPEC_ATTR, sweep.spec())
+        from sqlalchemy.exc import SQLAlchemyError  # optuna's storage layer
+
+        try:
+            names = optuna.study.get_all_study_names(storage)
+            if names:
+                self.study = optuna.load_study(study_name=names[0], storage=storage)
+                _check_same(self.study.user_attrs.get(SPEC_ATTR, {}), sweep.spec(), out)
+            else:
+                self.study = optuna.create_study(study_name="decentdp", storage=storage,
+                                                 direction=sweep.section.direction)
+                self.study.set_user_attr(SPEC_ATTR, sweep.spec())
+        except SQLAlchemyError as exc:  # a crash or a full disk mid-write: say so, touch nothing
+            reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+            raise ConfigError("--out", f"{out / STUDY_FILE} is damaged ({reason}); move it aside and run the same "
+                                       "command again: the finished trials' folders under trials/ are kept and "
+                                       "reused") from None
         self.total = sweep.trials if sweep.private is None else self._private_trials()
         self.rng = os_generator() if sweep.private is not None else None  # the scores' noise
         # A resumed sweep seeds its sampler afresh (the seed and the trials so far), so that it does not
