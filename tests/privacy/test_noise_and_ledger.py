@@ -237,6 +237,18 @@ def test_pld_falls_back_to_rdp_where_it_is_impractical() -> None:
     assert accountant == "tight" and epsilons[0] == ledger.epsilon("rdp")[0]
 
 
+def test_a_history_too_long_for_a_pld_is_priced_by_rdp_at_once() -> None:
+    """A reviewer's 10**12-round run hung in calibration (a PLD self-composed 10**12 times) and 10**30 steps
+    overflowed numpy; past PLD_MAX_RELEASES the PLD declines and ``tight`` is RDP's value, in milliseconds."""
+    from decentdp.privacy.accounting import PLD_MAX_RELEASES, epsilon_of_history
+
+    event = gaussian_event(1.0, 0.01)
+    for count in (PLD_MAX_RELEASES + 1, 10**12, 10**30):
+        with pytest.raises(PrivacyError, match="impractical"):
+            epsilon_of_history(((event, count),), 1e-5, "pld")
+        assert epsilon_of_history(((event, count),), 1e-5) == epsilon_of_history(((event, count),), 1e-5, "rdp")
+
+
 
 
 

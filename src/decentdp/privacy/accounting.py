@@ -53,6 +53,10 @@ _MAX_NOISE_MULTIPLIER = 1e6
 #: Below this sigma a PLD's support explodes (minutes and gigabytes); such mechanisms give
 #: epsilons in the hundreds anyway, where RDP's looser bound is just as informative.
 PLD_MIN_NOISE_MULTIPLIER = 0.1
+#: Above this many releases a PLD takes minutes per evaluation (6 s at 10**7 sampled Gaussians, more than 100 s
+#: at 10**8; a reviewer's 10**12-round run hung in calibration) and overflows numpy past about 10**18; RDP's
+#: curve composes any count at once, so ``tight`` prices such a history by RDP alone.
+PLD_MAX_RELEASES = 10**7
 #: Pessimistic PLD discretisation (a valid upper bound at any value), chosen per history so that its
 #: error stays near 0.25 % of epsilon: ``0.0025 epsilon / (4 + 3e-3 releases)`` clamped to [1e-4, 1e-2],
 #: epsilon from RDP.  The error was measured at about ``(4 + 3e-3 releases) x interval`` (epsilon 9.3
@@ -255,6 +259,11 @@ def _epsilon_of_merged(history: History, delta: float, accountant: str, relation
     if accountant == "pld" and smallest < PLD_MIN_NOISE_MULTIPLIER:
         raise PrivacyError(f"PLD accounting is impractical for sigma = {smallest:g} < {PLD_MIN_NOISE_MULTIPLIER}; "
                            "use the RDP accountant")
+    releases = sum(count for _, count in priced)
+    if accountant == "pld" and releases > PLD_MAX_RELEASES \
+            and not all(type(event) is dp_accounting.GaussianDpEvent for event, _ in priced):
+        raise PrivacyError(f"PLD accounting is impractical for {releases:.3g} releases (more than "
+                           f"{PLD_MAX_RELEASES:.0e}); use the RDP accountant")
     if all(type(event) is dp_accounting.GaussianDpEvent for event, _ in priced):
         return _gaussian_epsilon(priced, delta, relation)
     interval = _pld_interval(history, delta, relation)
@@ -264,7 +273,7 @@ def _epsilon_of_merged(history: History, delta: float, accountant: str, relation
                 accountant_ = make_accountant(accountant, relation, interval)
                 return float(accountant_.compose(history_event(priced)).get_epsilon(delta))
             return _replace_one_pld_epsilon(priced, delta, interval)
-    except MemoryError:  # a distribution too wide to discretise: such epsilons are far beyond any budget
+    except (MemoryError, OverflowError):  # a distribution too wide to discretise: epsilons far beyond any budget
         raise PrivacyError("PLD accounting is impractical for this history (its loss distribution does not fit in "
                            "memory); use the RDP accountant") from None
 
