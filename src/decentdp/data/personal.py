@@ -21,7 +21,7 @@ Task = Literal["regression", "classification"]
 class PersonalData:
     """All agents' training and test records, their similarity graph, and what the task is.
 
-    ``x_*`` are ``(R, p)`` float64 features, ``y_*`` targets (centred ratings, or labels in {-1, +1}),
+    ``x_*`` are ``(R, p)`` float64 features, ``y_*`` targets (ratings less a public constant, or labels in {-1, +1}),
     ``owner_*`` the agent of each row (non-decreasing).  ``weights`` is the ``(n, n)`` similarity
     matrix ``W``; ``info`` describes how the data was made (for ``setup.json``).  ``feature_bound`` is a
     public bound on every row's l2 norm that the data's maker declares (None: none is known), which a private
