@@ -157,3 +157,13 @@ def test_audit_chunks_from_two_commands_meet_in_one_folder(tmp_path: Path,
     alone = _last_json(capsys.readouterr().out)
     assert whole["chunks"] == "2 of 2" and whole["models"] == alone["models"] == 150
     assert whole["epsilon_lower_bound"] == alone["epsilon_lower_bound"]
+
+
+def test_an_audit_of_a_folder_or_of_a_config_without_an_audit_table_says_so(tmp_path: Path, capsys) -> None:
+    """A reviewer's `audit mia DIR` said "no such config file", and a run config without [audit] was refused for
+    its agents and digits instead of for the missing table."""
+    (tmp_path / "run.toml").write_text((Path(__file__).resolve().parents[2] / "experiments" / "demo.toml").read_text())
+    for target, message in ((tmp_path, "is a directory"), (tmp_path / "run.toml", "has no [audit] table")):
+        assert main(["audit", "mia", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err

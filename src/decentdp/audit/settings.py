@@ -85,6 +85,8 @@ class AuditSection(BaseModel):
 def load_audit_config(path: str | Path, overrides: list[str] | None = None) -> tuple[ExperimentConfig, AuditSection]:
     """Read ``path``, apply ``section.key=value`` overrides, validate the experiment and the ``[audit]`` table."""
     file = Path(path)
+    if file.is_dir():
+        raise ConfigError("CONFIG", f"{file} is a directory, not a TOML audit config file")
     if not file.is_file():
         raise ConfigError("CONFIG", f"no such config file: {file}")
     try:
@@ -93,7 +95,10 @@ def load_audit_config(path: str | Path, overrides: list[str] | None = None) -> t
         raise ConfigError("CONFIG", f"cannot read {file} as TOML: {exc}") from None
     explicit = overridden_algorithm_keys(overrides or [])
     raw = apply_overrides(raw, overrides or [])
-    section = raw.pop("audit", {})
+    if "audit" not in raw:
+        raise ConfigError("audit", f"{file} has no [audit] table: an audit config is an experiment config plus its "
+                                   "[audit] settings (see experiments/audits/)")
+    section = raw.pop("audit")
     if not isinstance(section, dict):
         raise ConfigError("audit", "must be a table ([audit])")
     try:
