@@ -93,6 +93,7 @@ def test_a_per_record_split_holds_out_about_the_fraction_and_depends_on_the_seed
     ('"algorithm.lr" = { values = [0.1] }', {"workers": 0}, "sweep.workers"),
     ('"experiment.seed" = { values = [0, 1] }', {}, "space.experiment.seed: is set by the sweep itself"),
     ('"algorithm.lr" = { values = [0.1] }', {"validation_fraction": 0.0}, "sweep.validation_fraction"),
+    ('"algorithm.lr" = { values = [0.1] }', {"set": {"foo.bar": 1}}, "sweep.set.foo.bar: makes the sweep's base"),
 ])
 def test_bad_sweep_files_name_the_field(tmp_path: Path, capsys, space: str, extra: dict, message: str) -> None:
     path = write_sweep(tmp_path, space + "\n", **extra)

@@ -365,6 +365,10 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), trials: int | No
             except ConfigError:
                 pass  # the file's own config is invalid: its error stands
         if not culprits:
+            own_culprits = [name for name in section.set if _touches(name, exc.field)]
+            if own_culprits:  # the sweep file's own set table, not the base config, is at fault
+                raise ConfigError(f"sweep.set.{own_culprits[0]}", f"makes the sweep's base config invalid: "
+                                                                  f"{exc.field}: {exc.message}") from None
             raise
         raise ConfigError("--set", f"with {', '.join(map(repr, culprits))}, the sweep's base config is invalid: "
                                    f"{exc.field}: {exc.message}") from None
