@@ -672,3 +672,64 @@ def test_one_changed_rating_moves_no_other_target_and_the_run_says_what_it_treat
     run_personalized(validate_config(raw), tmp_path / "out", data_dir=tmp_path / "a", log=lambda _line: None)
     statement = json.loads((tmp_path / "out" / "privacy.json").read_text())
     assert "movie features" in statement["public_inputs"] and statement["step_smoothness"].startswith("public")
+
+
+def _first_broadcast(data: PersonalData, feature_bound: float | None) -> tuple[float, float, float]:
+    """Agent 0's first private update from Theta = 0 (2 agents, p = 1, Laplace, eps 1): the broadcast is
+    -k (S + eta) with k = alpha mu c / m, eta ~ Laplace(z C); returns (k S, k z C, the ledger's epsilon)."""
+    clip, delta = 1.0, math.exp(-5)
+    problem = build_problem(data, 0.04, feature_bound=feature_bound)
+    noise = calibrate_updates("laplace", "tight", 1.0, delta, np.ones((2, 1)), "pld", "replace-one")
+    ledger = PrivacyLedger(2, 1.0, delta, budget_accountant="pld", relation="replace-one")
+    private = PrivateUpdates(noise, clip, ledger, AgentRandom(7), problem.counts > 0)
+    theta = torch.zeros(2, 1, dtype=torch.float64)
+    total = float(data_gradient_sums(problem, theta, torch.tensor([0]), clip, 1)[0, 0])
+    coordinate_descent(problem, theta, plan_wakeups(np.array([0]), data.weights, 1), private=private)
+    k = float(problem.step[0]) * 0.04 * float(problem.confidence[0]) / float(problem.counts[0])
+    return k * total, k * float(noise.multipliers[0, 0]) * clip, float(ledger.epsilon("pld")[0])
+
+
+def _laplace_epsilon(first: tuple[float, float], second: tuple[float, float], delta: float) -> float:
+    """The exact epsilon at ``delta`` between Laplace(first) and Laplace(second) (location, scale), both ways:
+    the hockey-stick divergence integrated numerically (scipy quad), solved for epsilon by bisection."""
+    from scipy import integrate, optimize
+
+    def density(location: float, scale: float):
+        return lambda r: math.exp(-abs(r - location) / scale) / (2 * scale)
+
+    def divergence(p, q, epsilon: float) -> float:
+        kinks = sorted({first[0], second[0]})
+        edges = [-np.inf, kinks[0] - 50 * max(first[1], second[1]), *kinks,
+                 kinks[-1] + 50 * max(first[1], second[1]), np.inf]
+        return sum(integrate.quad(lambda r: max(0.0, p(r) - math.exp(epsilon) * q(r)), a, b, limit=400,
+                                  epsabs=1e-15)[0] for a, b in zip(edges[:-1], edges[1:], strict=True) if a < b)
+
+    def one_way(p, q) -> float:
+        if divergence(p, q, 0.0) <= delta:
+            return 0.0
+        return optimize.brentq(lambda e: divergence(p, q, e) - delta, 0.0, 200.0, xtol=1e-7)
+
+    p, q = density(*first), density(*second)
+    return max(one_way(p, q), one_way(q, p))
+
+
+@pytest.mark.parametrize("replacement", [10.0, -3.0, 0.2])
+def test_a_private_updates_broadcast_loses_at_most_the_reported_epsilon(replacement):
+    """Brute force, independent of the ledger: agent 0's broadcast after its one private update is Laplace with
+    a location and scale read off the run on two replace-one neighbours (its second record's feature 1 or
+    ``replacement``); the exact epsilon between the two at delta is at most the reported one.  With the
+    records' own steps (the reviewer's case) the scales differ and the same check fails: 16.9 against 1."""
+    def data(x_second: float) -> PersonalData:
+        x = np.array([[1.0], [x_second], [1.0], [-1.0]])
+        y, owner = np.array([1.0, 1.0, 0.5, 0.5]), np.array([0, 0, 1, 1])
+        return PersonalData(x, y, owner, x, y, owner, np.array([[0.0, 1.0], [1.0, 0.0]]), "regression")
+
+    delta, bound = math.exp(-5), 10.0
+    *first, reported = _first_broadcast(bound_features(data(1.0), bound)[0], bound)
+    *second, _ = _first_broadcast(bound_features(data(replacement), bound)[0], bound)
+    assert first[1] == second[1]  # one public scale
+    assert reported >= _laplace_epsilon(tuple(first), tuple(second), delta) - 1e-6
+    if replacement == 10.0:  # the check has teeth: the old data-dependent step breaks it
+        *leaky_first, _ = _first_broadcast(data(1.0), None)
+        *leaky_second, _ = _first_broadcast(data(10.0), None)
+        assert _laplace_epsilon(tuple(leaky_first), tuple(leaky_second), delta) > 10 * reported
