@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from decentdp.data import datasets
 from decentdp.data.datasets import DATASETS, Dataset, load_dataset
 from decentdp.errors import ConfigError, DataError
 
@@ -319,6 +320,20 @@ def test_cifar_refuses_non_numpy_pickles(tmp_path: Path) -> None:
     (tmp_path / "cifar-10-batches-py" / "test_batch").write_bytes(evil)
     with pytest.raises(DataError, match="refusing"):
         load_dataset("cifar10", tmp_path)
+
+
+def test_cifar_unreadable_batch_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoder error over several lines (numpy's reconstructors can raise such) becomes one line naming the file."""
+    write_cifar(tmp_path, "cifar10", as_tarball=False)
+
+    def fail(_self: object) -> None:
+        raise ValueError("first line of the reason\n  second line\n  third line")
+
+    monkeypatch.setattr(datasets._NumpyOnlyUnpickler, "load", fail)
+    with pytest.raises(DataError) as info:
+        load_dataset("cifar10", tmp_path)
+    assert "\n" not in str(info.value)
+    assert "data_batch_1: not a readable CIFAR batch (first line of the reason)" in str(info.value)
 
 
 def test_cifar_labels_out_of_range(tmp_path: Path) -> None:

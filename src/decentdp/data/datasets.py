@@ -440,8 +440,9 @@ def _unpickle(data: bytes, source: str) -> dict[bytes, Any]:
     """Decode one CIFAR batch (``encoding="bytes"`` as the Python 2 pickles require)."""
     try:
         obj = _NumpyOnlyUnpickler(io.BytesIO(data), encoding="bytes").load()
-    except Exception as exc:  # a corrupt pickle can raise almost anything
-        raise DataError(f"{source}: not a readable CIFAR batch ({exc})") from exc
+    except Exception as exc:  # a corrupt pickle can raise almost anything, some of it over several lines
+        reason = next(iter(str(exc).splitlines()), "") or type(exc).__name__
+        raise DataError(f"{source}: not a readable CIFAR batch ({reason})") from exc
     if not isinstance(obj, dict):
         raise DataError(f"{source}: expected a pickled dict, got {type(obj).__name__}")
     return obj
