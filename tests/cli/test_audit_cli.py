@@ -147,12 +147,16 @@ def test_audit_chunks_from_two_commands_meet_in_one_folder(tmp_path: Path,
     config, chunks = str(_config(tmp_path)), str(tmp_path / "chunks")
     common = ["audit", "messages", config, "--models", "150", "--set", "audit.chunk=75", "--json"]
     assert main([*common, "--chunk-dir", chunks, "--chunks", "0:1"]) == 0
-    half = _last_json(capsys.readouterr().out)
+    text = capsys.readouterr().out
+    half = _last_json(text)
     assert half["chunks"] == "1 of 2" and half["models"] == 75
+    assert "interim bound over 1 of 2 chunks" in text  # its confidence is for one look, not the best of several
     assert main([*common, "--chunk-dir", chunks, "--chunks", "1:2"]) == 0
     capsys.readouterr()
     assert main([*common, "--chunk-dir", chunks, "--chunks", "0:0"]) == 0
-    whole = _last_json(capsys.readouterr().out)
+    text = capsys.readouterr().out
+    whole = _last_json(text)
+    assert "interim" not in text
     assert main(common) == 0
     alone = _last_json(capsys.readouterr().out)
     assert whole["chunks"] == "2 of 2" and whole["models"] == alone["models"] == 150
@@ -167,3 +171,14 @@ def test_an_audit_of_a_folder_or_of_a_config_without_an_audit_table_says_so(tmp_
         assert main(["audit", "mia", str(target)]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
+
+
+def test_a_bound_above_the_nominal_epsilon_warns_with_its_false_alarm_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    """The warning is a test at the bound's confidence: an exactly tight, correct mechanism may trip it in up to
+    1 - confidence of audits, and the message says so rather than calling the accounting wrong outright."""
+    from decentdp.cli.audit import _verdict
+
+    _verdict({"epsilon_nominal": 1.0, "epsilon_lower_bound": 1.2, "confidence": 0.95})
+    assert "WARNING" in (text := capsys.readouterr().out) and "at most 5% of audits" in text
+    _verdict({"epsilon_nominal": 1.0, "epsilon_lower_bound": 0.8, "confidence": 0.95})
+    assert capsys.readouterr().out == ""

@@ -174,6 +174,10 @@ def _audit(kind: str, config: Any, audit: Any, data_dir: str | None, out: Path |
           f"at {100 * summary['confidence']:g}% confidence; nominal epsilon {summary['epsilon_nominal']:g}; "
           f"{summary['wall_seconds']:.1f} s")
     _verdict(summary)
+    done, _, total = str(summary["chunks"]).partition(" of ")
+    if done != total:
+        print(f"interim bound over {summary['chunks']} chunks: its confidence holds for one evaluation, so report "
+              "the bound of the finished audit, not the largest of several interim ones")
     if out is not None:
         selection = summary["selection_runs"]
         member_seen = non_member_seen = 0
@@ -214,7 +218,9 @@ def _verdict(summary: dict[str, Any]) -> None:
         print("the config is non-private: there is no guarantee to refute (the bound is unbounded above); "
               "the bound measures the attack's power")
     elif summary["epsilon_lower_bound"] > nominal:
-        print("WARNING: the bound exceeds the nominal epsilon: the noise or its accounting is wrong")
+        failure = 100 * (1 - summary["confidence"])
+        print(f"WARNING: the bound exceeds the nominal epsilon: the noise or its accounting is probably wrong (a "
+              f"correct mechanism whose epsilon is exactly tight crosses it in at most {failure:g}% of audits)")
 
 
 def _save(out: Path, summary: dict[str, Any], rows: list[dict[str, Any]]) -> None:
