@@ -366,7 +366,8 @@ def test_personalized_neighbours_beyond_the_users_is_refused_before_anything_is_
     data = _ratings(tmp_path / "data", [f"{u}\t{i}\t{(u + i) % 5 + 1}\t0" for u in (1, 2, 3) for i in range(1, 9)])
     config = tmp_path / "movielens.toml"
     config.write_text(tomli_w.dumps({"experiment": {"name": "ml", "seed": 0},
-                                     "privacy": {"epsilon": 1.0, "delta": 1e-5, "clip": 1.0},
+                                     "privacy": {"epsilon": 1.0, "delta": 1e-5, "clip": 1.0,
+                                                 "neighbouring": "replace-one"},
                                      "personalized": {"dataset": "movielens-100k", "neighbours": 10}}))
     out = tmp_path / "out"
     code, _, err = _call(["run", str(config), "--out", str(out), "--data-dir", str(data)])

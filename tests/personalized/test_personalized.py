@@ -18,7 +18,7 @@ from tests.conftest import SHARED_DATA
 from decentdp.cli.main import main
 from decentdp.config import load_config, validate_config
 from decentdp.data.movielens import load_movielens
-from decentdp.data.personal import PersonalData, bound_features
+from decentdp.data.personal import PersonalData, bound_features, holdout_masks
 from decentdp.data.synthetic_linear import synthetic_linear
 from decentdp.errors import ConfigError, DataError
 from decentdp.experiment.loop import run_experiment
@@ -427,6 +427,28 @@ def test_bad_settings_name_their_field(personalized, field):
     with pytest.raises(ConfigError) as error:
         validate_config(_config(**personalized))
     assert error.value.field == field
+
+
+def test_private_updates_refuse_add_remove_neighbours():
+    """Under add-remove, m_i (in the step, c_i, lambda_i and the released mean) differs between neighbours, and
+    MovieLens' split is not neighbour-preserving (below): a private cd run is refused, a non-private one is not."""
+    raw = _config()
+    raw["privacy"] = {**raw["privacy"], "neighbouring": "add-remove"}
+    with pytest.raises(ConfigError) as error:
+        validate_config(raw)
+    assert error.value.field == "privacy.neighbouring" and "replace-one" in error.value.message
+    validate_config({**raw, "privacy": {**raw["privacy"], "epsilon": "inf"}})
+    validate_config({**raw, "personalized": {**raw["personalized"], "method": "local"}})
+
+
+def test_the_per_user_split_is_neighbour_preserving_under_replace_one_only():
+    """holdout_masks draws one key per row in row order: replacing a row keeps every row's key (the same split),
+    removing one shifts the keys of every later row, so other users' ratings move between training and test."""
+    owner = np.repeat(np.arange(4), 25)
+    split = holdout_masks(owner, 0.2, np.random.default_rng(7))
+    assert np.array_equal(split, holdout_masks(owner.copy(), 0.2, np.random.default_rng(7)))  # replace-one: same
+    removed = holdout_masks(np.delete(owner, 3), 0.2, np.random.default_rng(7))  # user 0 loses a rating
+    assert not np.array_equal(split[25:], removed[24:])  # users 1-3's splits change
 
 
 @pytest.mark.parametrize(("section", "values", "field", "fragment"), [

@@ -385,7 +385,7 @@ def test_a_misspelled_objective_is_refused_before_any_trial_trains(tmp_path: Pat
 def test_a_personalized_base_is_refused_with_the_way_to_tune_it(tmp_path: Path) -> None:
     """Its trials would ignore the validation split and be scored on the test data: refused, naming the way that
     does tune a personalized run."""
-    (tmp_path / "base.toml").write_text(tomli_w.dumps({"privacy": {"epsilon": 1.0},
+    (tmp_path / "base.toml").write_text(tomli_w.dumps({"privacy": {"epsilon": 1.0, "neighbouring": "replace-one"},
                                                        "personalized": {"agents": 12, "dim": 4, "wakeups": 3}}))
     path = tmp_path / "sweep.toml"
     path.write_text(tomli_w.dumps({"sweep": {"config": "base.toml", "trials": 2}}) +

@@ -416,6 +416,12 @@ class ExperimentConfig(_Section):
             if self.engine.device.startswith("cuda"):
                 raise _FieldError("engine.device", "personalized runs compute on the CPU (small per-agent models, "
                                                    "seconds a run): use 'auto' or 'cpu'")
+            if privacy.private and self.personalized.method == "cd" and privacy.neighbouring != "replace-one":
+                raise _FieldError("privacy.neighbouring", "private personalized updates need 'replace-one': each "
+                                  "agent's record count m_i sets its step, its confidence c_i, its lambda_i = 1/m_i "
+                                  "and the 1/m_i of its released mean, and MovieLens' per-user 80/20 split redraws "
+                                  "other records when one is added, so the epsilon cannot cover adding or removing "
+                                  "a record")
             return self
         if algo.lr_schedule != "constant" and algo.lr_final is None:
             raise _FieldError("algorithm.lr_final", f"is required by lr_schedule = '{algo.lr_schedule}'")
