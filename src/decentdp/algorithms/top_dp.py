@@ -28,7 +28,8 @@ a neighbour of a redrawn graph that is not in it gets the estimate, as in line 6
 delivers the last round's messages with :meth:`~decentdp.algorithms.base.Network.exchange_rows`
 (in one process the receivers read the released rows in place: no ``(E, d)`` tensor is formed), so
 the state merges and re-splits over processes like any other.  The accounting views (a)-(c) are
-described in :mod:`decentdp.algorithms.components.topology_noise`; budgets hold per receiver (view a).
+described in :mod:`decentdp.algorithms.components.topology_noise`; budgets hold on the joint event of every
+noisy copy of a round's sum, which bounds every observer; the per-receiver view (a) is reported as a paper figure.
 """
 
 from __future__ import annotations
