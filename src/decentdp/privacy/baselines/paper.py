@@ -44,6 +44,14 @@ def li18_step_epsilon(epsilon: float, delta: float, rounds: int) -> float:
     return epsilon / math.sqrt(8 * rounds * math.log(1 / delta))
 
 
+def advanced_composition_epsilon(step_epsilon: float, delta: float, rounds: int) -> float:
+    """Dwork, Rothblum and Vadhan's bound for ``rounds`` pure ``step_epsilon``-DP steps at extra ``delta``:
+    sqrt(2 T ln(1/delta)) eps_0 + T eps_0 (e^eps_0 - 1).  Li18's step budget makes the first term epsilon / 2, so
+    its claimed epsilon holds only while the second stays below epsilon / 2 (small eps_0)."""
+    return (math.sqrt(2 * rounds * math.log(1 / delta)) * step_epsilon
+            + rounds * step_epsilon * math.expm1(step_epsilon))
+
+
 def udp_noise_multiplier(epsilon: float, delta: float, rounds: int, sample_rate: float, participation: float) -> float:
     """Wei et al.'s sigma, in units of the clipped sum's sensitivity: the update ``eta * S / L`` carries noise
     ``Delta_s sqrt(2 q T ln(1/delta)) / epsilon`` with ``Delta_s = 2 eta C / m``, so the sum carries
