@@ -21,6 +21,8 @@ feature, public step sizes for private runs; their tuned (T_i, mu), C = 10):
   split): the budget our sound mechanism needs to beat the purely local models;
 * ``--clip-scan``, a separate pass: validation RMSE for several C at eps-bar = 1 and 16, whether the
   paper's C = 10 still suits targets that are no longer centred user-wise (larger gradients: more clipping);
+  and two test-split references: non-private CD with the private runs' public steps, and private CD at
+  eps-bar = 1000 (clipping, almost no noise) with the non-private row's mu = 1, T_i = 100;
 * ``--literal``, a separate pass: the paper's noise (Theorem 1's Laplace scale 2 C / (eps_i m_i)) on
   per-sample gradients clipped in **l2** norm at C, as Abadi et al.'s clipping (which the paper cites)
   does: the l1 sensitivity of such a gradient is up to sqrt(p) times 2 C, so this is **not** DP (nothing
@@ -182,6 +184,11 @@ def clip_seed(data_dir: str, seed: int) -> dict[str, Any]:
         for clip in clips:
             row[f"eps {epsilon} C {clip:g} (validation)"] = private_rmse(
                 "movielens-eps1", data_dir, seed, [*settings, f"privacy.clip={clip}", "personalized.validation=true"])
+    bound = load_movielens(data_dir, seed).feature_bound
+    row["non-private, public steps (test)"] = private_rmse(NONPRIVATE, data_dir, seed,
+                                                           [f"personalized.feature_bound={bound}"])
+    row["eps 1000, mu 1, T_i 100: clipping, almost no noise (test)"] = private_rmse(
+        "movielens-eps1", data_dir, seed, ["privacy.epsilon=1000", "personalized.mu=1.0", "personalized.wakeups=100"])
     print(f"seed {seed}: {row}", flush=True)
     return row
 
