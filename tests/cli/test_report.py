@@ -74,6 +74,26 @@ def test_seeds_names_and_engine_settings_do_not_split_groups(tmp_path: Path) -> 
     assert len(report.rows) == 1 and report.rows[0]["n"] == 2
 
 
+def _drop_field(folder: Path, section: str, key: str) -> None:
+    """Rewrite a fake run as a run of an older library, whose config had no ``section.key``."""
+    summary = json.loads((folder / "summary.json").read_text())
+    del summary["config"][section][key]
+    (folder / "summary.json").write_text(json.dumps(summary))
+    (folder / "config.toml").write_text(tomli_w.dumps(summary["config"]))
+
+
+def test_a_field_an_older_run_lacks_counts_as_its_default(tmp_path: Path) -> None:
+    """data.validation_split came in after runs of one setting were written: the old run (no field) and the new
+    one (its default, "exact-count") are seeds of one row, while a run that sets another value is a row of its
+    own.  They were two rows, which left seed-1 runs out of the consensus tables."""
+    _drop_field(fake_run(tmp_path / "old", 0.7, seed=0), "data", "validation_split")
+    fake_run(tmp_path / "new", 0.8, seed=1)
+    report = build_report(find_runs([tmp_path])[0])
+    assert len(report.rows) == 1 and report.rows[0]["n"] == 2
+    fake_run(tmp_path / "other", 0.9, seed=2, data={"validation_split": "per-record"})
+    assert sorted(row["n"] for row in build_report(find_runs([tmp_path])[0]).rows) == [1, 2]
+
+
 def test_paper_values_match_the_most_specific_row(tmp_path: Path, capsys) -> None:
     fake_run(tmp_path / "runs" / "a", 0.90, epsilon=1.0)
     fake_run(tmp_path / "runs" / "b", 0.95, epsilon=10.0)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import io
 import json
 import math
@@ -159,7 +160,7 @@ def read_run(folder: Path) -> Run:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise DecentDPError(f"cannot read {metrics_file}: {exc}") from None
         _check_rows(curve, metrics_file)
-    fields = flatten(config)
+    fields = {**schema_defaults(), **flatten(config)}  # a field the run's library did not have yet: its default
     personalized = config.get("personalized")
     if isinstance(personalized, dict):  # its [data], [topology], [model], [algorithm] are unused defaults
         fields = {key: value for key, value in fields.items()
@@ -424,6 +425,31 @@ def schema_fields() -> set[str]:
             if isinstance(model, type) and issubclass(model, BaseModel):
                 names |= {f"{section}.{key}" for key in model.model_fields}
     return names
+
+
+@functools.cache
+def schema_defaults() -> dict[str, Any]:
+    """Each schema field's default as a resolved ``config.toml`` writes it (fields without a default, or with
+    None, which such a file leaves out, are not listed).  A run written before a field existed ran as its
+    default (a new field keeps the old behaviour as its default), so a run whose config lacks the field is
+    read with it: otherwise the field would split old and new runs of one setting into two rows."""
+    from pydantic import BaseModel
+    from pydantic_core import PydanticUndefined
+
+    from decentdp.config import ExperimentConfig
+    from decentdp.config.schema import _toml_ready
+
+    defaults = {}
+    for section, info in ExperimentConfig.model_fields.items():
+        for model in (info.annotation, *typing.get_args(info.annotation)):
+            if not (isinstance(model, type) and issubclass(model, BaseModel)):
+                continue
+            for key, spec in model.model_fields.items():
+                default = spec.get_default(call_default_factory=True)
+                if default is PydanticUndefined or default is None or isinstance(default, BaseModel):
+                    continue
+                defaults[f"{section}.{key}"] = _toml_ready(default)
+    return defaults
 
 
 def check_paper_fields(paper: Sequence[PaperRow], runs: Sequence[Run], file: Path) -> None:
