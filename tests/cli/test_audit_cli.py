@@ -149,7 +149,7 @@ def test_audit_chunks_from_two_commands_meet_in_one_folder(tmp_path: Path,
     assert main([*common, "--chunk-dir", chunks, "--chunks", "0:1"]) == 0
     text = capsys.readouterr().out
     half = _last_json(text)
-    assert half["chunks"] == "1 of 2" and half["models"] == 75
+    assert half["chunks"] == "1 of 2" and half["models"] == 75 and half["complete"] is False
     assert "interim bound over 1 of 2 chunks" in text  # its confidence is for one look, not the best of several
     assert main([*common, "--chunk-dir", chunks, "--chunks", "1:2"]) == 0
     capsys.readouterr()
@@ -159,7 +159,7 @@ def test_audit_chunks_from_two_commands_meet_in_one_folder(tmp_path: Path,
     assert "interim" not in text
     assert main(common) == 0
     alone = _last_json(capsys.readouterr().out)
-    assert whole["chunks"] == "2 of 2" and whole["models"] == alone["models"] == 150
+    assert whole["chunks"] == "2 of 2" and whole["complete"] and whole["models"] == alone["models"] == 150
     assert whole["epsilon_lower_bound"] == alone["epsilon_lower_bound"]
 
 

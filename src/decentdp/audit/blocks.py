@@ -384,7 +384,8 @@ def run_audit(experiment: Experiment, audit: AuditSection, kind: str,
     bound = audit_bound(all_scores[member], all_scores[~member], config.privacy.delta, audit.selection_fraction,
                         audit.confidence, audit.threshold_rule)
     summary = {"audit": kind, "algorithm": config.algorithm.name, "models": models,
-               "chunks": f"{len(scores)} of {len(blocks)}", "epsilon_nominal": min(config.privacy.budgets),
+               "chunks": f"{len(scores)} of {len(blocks)}", "complete": len(scores) == len(blocks),
+               "epsilon_nominal": min(config.privacy.budgets),
                "epsilon_ledger": epsilons[0], "delta": config.privacy.delta, "rounds": config.experiment.rounds,
                "wall_seconds": wall, "seconds_per_model": wall / trained if trained else None,
                **bound.as_dict()}

@@ -174,8 +174,7 @@ def _audit(kind: str, config: Any, audit: Any, data_dir: str | None, out: Path |
           f"at {100 * summary['confidence']:g}% confidence; nominal epsilon {summary['epsilon_nominal']:g}; "
           f"{summary['wall_seconds']:.1f} s")
     _verdict(summary)
-    done, _, total = str(summary["chunks"]).partition(" of ")
-    if done != total:
+    if not summary["complete"]:
         print(f"interim bound over {summary['chunks']} chunks: its confidence holds for one evaluation, so report "
               "the bound of the finished audit, not the largest of several interim ones")
     if out is not None:

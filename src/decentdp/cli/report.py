@@ -412,19 +412,25 @@ def paper_value(paper: Sequence[PaperRow], fields: dict[str, Any], file: Path) -
     return top[0]
 
 
-def schema_fields() -> set[str]:
-    """Every ``section.key`` the config schema defines, set or not (an optional field left unset, such as
-    ``topology.fiedler`` on a complete graph, is absent from a run's resolved config but is still a field)."""
+@functools.cache
+def _schema_specs() -> dict[str, Any]:
+    """Every ``section.key`` the config schema defines, with its pydantic field (an optional section's too)."""
     from pydantic import BaseModel
 
     from decentdp.config import ExperimentConfig
 
-    names = set()
+    specs = {}
     for section, info in ExperimentConfig.model_fields.items():
         for model in (info.annotation, *typing.get_args(info.annotation)):
             if isinstance(model, type) and issubclass(model, BaseModel):
-                names |= {f"{section}.{key}" for key in model.model_fields}
-    return names
+                specs |= {f"{section}.{key}": spec for key, spec in model.model_fields.items()}
+    return specs
+
+
+def schema_fields() -> set[str]:
+    """Every ``section.key`` the config schema defines, set or not (an optional field left unset, such as
+    ``topology.fiedler`` on a complete graph, is absent from a run's resolved config but is still a field)."""
+    return set(_schema_specs())
 
 
 @functools.cache
@@ -436,19 +442,13 @@ def schema_defaults() -> dict[str, Any]:
     from pydantic import BaseModel
     from pydantic_core import PydanticUndefined
 
-    from decentdp.config import ExperimentConfig
-    from decentdp.config.schema import _toml_ready
+    from decentdp.config.schema import toml_ready
 
     defaults = {}
-    for section, info in ExperimentConfig.model_fields.items():
-        for model in (info.annotation, *typing.get_args(info.annotation)):
-            if not (isinstance(model, type) and issubclass(model, BaseModel)):
-                continue
-            for key, spec in model.model_fields.items():
-                default = spec.get_default(call_default_factory=True)
-                if default is PydanticUndefined or default is None or isinstance(default, BaseModel):
-                    continue
-                defaults[f"{section}.{key}"] = _toml_ready(default)
+    for name, spec in _schema_specs().items():
+        default = spec.get_default(call_default_factory=True)
+        if not (default is PydanticUndefined or default is None or isinstance(default, BaseModel)):
+            defaults[name] = toml_ready(default)
     return defaults
 
 

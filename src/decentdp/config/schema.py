@@ -507,7 +507,7 @@ class ExperimentConfig(_Section):
     def to_toml_dict(self) -> dict[str, Any]:
         """The resolved config as TOML-writable data ('inf' for infinity, no None values), with the
         algorithm's own settings (defaults included) inside ``[algorithm]``."""
-        return _toml_ready(self.model_dump())
+        return toml_ready(self.model_dump())
 
 
 def _section_default(section: BaseModel, key: str) -> Any:
@@ -578,11 +578,12 @@ class _FieldError(ValueError):
         self.message = message
 
 
-def _toml_ready(value: Any) -> Any:
+def toml_ready(value: Any) -> Any:
+    """``value`` as TOML can write it: 'inf' for infinity, None values left out (what a resolved config.toml holds)."""
     if isinstance(value, dict):
-        return {k: _toml_ready(v) for k, v in value.items() if v is not None}
+        return {k: toml_ready(v) for k, v in value.items() if v is not None}
     if isinstance(value, list):
-        return [_toml_ready(v) for v in value]
+        return [toml_ready(v) for v in value]
     if isinstance(value, float) and math.isinf(value):
         return "inf"
     return value
