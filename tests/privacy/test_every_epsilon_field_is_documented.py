@@ -60,6 +60,23 @@ def test_every_epsilon_a_run_writes_has_a_row_naming_its_observer(name: str, tmp
     run_experiment(validate_config(raw), tmp_path / "run", progress=False, log=lambda line: None)
     missing = epsilon_fields(tmp_path / "run") - documented_fields()
     assert not missing, f"{name} writes {sorted(missing)}: add a row to README's table of reported epsilons"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    unlabelled = [key for key in paper_figures(summary) if not any(
+        isinstance(summary.get(stem + "_view"), str) for stem in stems(key))]
+    assert not unlabelled, f"{name}'s summary.json shows {unlabelled} without the view they bound"
+
+
+def paper_figures(content: dict[str, object]) -> list[str]:
+    """A file's ``paper_`` epsilons: a paper's own accounting, which is not our bound."""
+    return [key for key in content if key.startswith("paper_") and "epsilon" in key
+            and not isinstance(content[key], str)]
+
+
+def stems(key: str) -> list[str]:
+    """The names a field's view may carry: the field's own and each shorter prefix of it at an underscore
+    (``paper_epsilon_max`` is described by ``paper_epsilon_max_view`` or ``paper_epsilon_view``)."""
+    parts = key.split("_")
+    return ["_".join(parts[:end]) for end in range(len(parts), 1, -1)]
 
 
 def test_the_table_is_found_and_names_the_fields_every_run_writes() -> None:

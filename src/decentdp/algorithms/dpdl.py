@@ -135,4 +135,4 @@ class DPDL(SettingsAlgorithm):
             "paper_epsilon_view": "the paper's Appendix A: each agent's aggregate gradient as one release a round at "
                                   "the multiplier of one message; the N_i + 1 messages on one batch not composed "
                                   "(it bounds an observer of one message alone)"},
-            headline=("paper_epsilon_max",))
+            headline=("paper_epsilon_max", "paper_epsilon_view"))
