@@ -277,3 +277,18 @@ def test_a_parameters_block_still_held_is_never_reused(hold: str) -> None:
     params = params - 0.1 * gradient
     released = _released(oracle, params, 1)
     assert released.data_ptr() != held.data_ptr() and torch.equal(held, before)
+
+
+def test_a_pld_whose_loss_overflows_reads_infinite_quietly_and_tight_is_rdp(recwarn: pytest.WarningsRecorder) -> None:
+    """Past about 709 nats dp_accounting's PLD epsilon overflows (a personalized run at budget 1000 met it: 72
+    replace-one Laplace releases) and answers inf, an upper bound; ``tight`` reports RDP's finite value, which
+    lies below basic composition's 72 * 2 / b, and no overflow warning reaches the user."""
+    from dp_accounting import LaplaceDpEvent
+
+    from decentdp.privacy.accounting import epsilon_of_history
+
+    history, delta, scale = ((LaplaceDpEvent(0.188467), 72),), math.exp(-5), 0.188467
+    assert epsilon_of_history(history, delta, "pld", "replace-one") == math.inf
+    tight = epsilon_of_history(history, delta, "tight", "replace-one")
+    assert tight == epsilon_of_history(history, delta, "rdp", "replace-one") < 72 * 2 / scale
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
