@@ -172,8 +172,8 @@ def priced_claims(run: SampledRun) -> list[tuple[Claim, float]]:
 
 def test_every_sampled_traced_algorithm_is_checked_here_or_says_why_not() -> None:
     """A newly registered Poisson-sampling algorithm that the harness traces needs its rounds here or a reason in
-    :data:`SKIPPED`.  Those the harness does not trace (DPDL, DP-CGA, Li18, central DP-SGD) have no exact check
-    under sampling either; their reasons are the harness's ``NOT_TRACED``."""
+    :data:`SKIPPED`.  Those the harness does not trace (its ``NOT_TRACED``) are checked under sampling in
+    ``test_sampled_exact_untraced.py`` (DPDL, DP-CGA, central DP-SGD) or have no exact check (Li18: Laplace)."""
     assert set(CHECKED) | set(SKIPPED) == set(SAMPLED) and set(SKIPPED) <= set(SAMPLED)
     assert set(ROUNDS) == set(CHECKED)
 

@@ -32,11 +32,13 @@ DELTA = 1e-5
 
 #: Algorithms the harness does not trace, and why.
 NOT_TRACED = {
-    "dpdl": "cosine-similarity weights of received rows (eq. 15-16) are not linear; joint cross-gradient events "
-            "are checked in test_dpdl.py",
-    "dp-cga": "the quadratic-program projection is not linear",
+    "dpdl": "cosine-similarity weights of received rows (eq. 15-16) are not linear; its released sums are checked "
+            "against their exact loss in test_sampled_exact_untraced.py",
+    "dp-cga": "the quadratic-program projection is not linear; its released sums are checked against their exact "
+              "loss in test_sampled_exact_untraced.py",
     "li18": "Laplace noise: not a linear-Gaussian view",
-    "central-dpsgd": "one pooled agent: there is no other agent to observe it",
+    "central-dpsgd": "one pooled agent sends no message; its released sums are checked against their exact loss "
+                     "in test_sampled_exact_untraced.py",
     "no-noise": "non-private: every reported epsilon is infinite",
 }
 
