@@ -202,6 +202,11 @@ class AgentRandom:
         """The source a process holding only ``agent_ids`` gets: the same (it holds no secret) here."""
         return self
 
+    def fingerprint_key(self) -> bytes:
+        """The key of the run's data fingerprint (``setup.json``'s ``data_fingerprint``, an HMAC of the records):
+        from the public seed here, where the noise is public too."""
+        return hashlib.sha256(f"decentdp data fingerprint {self.seed}".encode()).digest()
+
     def record_uniforms(self, round_index: int, step: int, lengths: Sequence[int]) -> torch.Tensor:
         """``sum(lengths)`` float64 uniforms in [0, 1) for Poisson sampling, agent ``i``'s records in its
         slice (one round-wide draw here, see the module docstring)."""
@@ -434,6 +439,12 @@ class SecureRandom(AgentRandom):
     def for_agents(self, agent_ids: Sequence[int]) -> SecureRandom:
         """The same run's source holding the keys of ``agent_ids`` only (what one shard receives)."""
         return SecureRandom(self.seed, self.keys.subset(agent_ids), self.device, self.public_keys)
+
+    def fingerprint_key(self) -> bytes:
+        """The data fingerprint's key, derived from every agent's secret: a plain hash of the records would let
+        anyone holding all records but one test which candidate is in the data; keyed, ``setup.json`` tells
+        nothing of them, and a resumed run (its keys restored) recomputes the same value."""
+        return _derive(b"".join(self.keys.key(agent) for agent in self.keys.agent_ids), "data fingerprint")
 
     def edge_secret(self, i: int, j: int) -> bytes:
         """The key agents ``i`` and ``j`` share (:func:`edge_key`), computed by whichever end this process holds;

@@ -68,6 +68,25 @@ def test_resume_refuses_other_records_than_the_run_started_on(tmp_path: Path) ->
     resumed = run_experiment(config, tmp_path / "run", data_dir=tmp_path / "first", progress=False, resume=True)
     assert resumed.summary["finished"]
     assert json.loads((tmp_path / "run" / "setup.json").read_text())["data_fingerprint"] == fingerprint
+    assert fingerprint.startswith("hmac-sha256:")  # keyed by the seed here (a simulation's noise is public too)
+
+
+def test_a_folder_holding_the_plain_fingerprint_of_earlier_versions_resumes_on_its_records_only(
+        tmp_path: Path) -> None:
+    """Folders written before the fingerprint was keyed hold the records' plain SHA-256: a resume checks it."""
+    from decentdp.data.datasets import load_dataset
+
+    config = validate_config(tiny_config(experiment={"rounds": 4, "checkpoint_every": 2}))
+    run_experiment(config, tmp_path / "run", progress=False, stop_after=2)
+    setup_file = tmp_path / "run" / "setup.json"
+    setup = json.loads(setup_file.read_text())
+    setup_file.write_text(json.dumps(setup | {"data_fingerprint": load_dataset("digits").fingerprint(None)}))
+    assert run_experiment(config, tmp_path / "run", progress=False, resume=True).summary["finished"]
+    run_experiment(config, tmp_path / "other", progress=False, stop_after=2)
+    setup_file = tmp_path / "other" / "setup.json"
+    setup_file.write_text(json.dumps(json.loads(setup_file.read_text()) | {"data_fingerprint": "0" * 64}))
+    with pytest.raises(ConfigError, match="the records loaded differ"):
+        run_experiment(config, tmp_path / "other", progress=False, resume=True)
 
 
 def test_resume_may_evaluate_and_checkpoint_at_another_cadence_and_ends_the_same(tmp_path: Path) -> None:

@@ -167,6 +167,35 @@ def test_secure_run_resumes_with_its_own_keys_and_refuses_without_them(tmp_path:
         run_experiment(config, tmp_path / "run", progress=False, resume=True, log=lambda _: None)
 
 
+def test_a_secure_runs_data_fingerprint_is_keyed_and_still_guards_its_resume(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """setup.json's fingerprint of the records is an HMAC under a key derived from the agents' secrets (a helper's
+    review: a plain SHA-256 let whoever holds every record but one test candidates for it): two runs on the same
+    records publish unrelated values, neither the plain hash; a resume restores the keys, recomputes the same
+    value and goes on, and refuses other records."""
+    import dataclasses
+
+    from decentdp.data.datasets import load_dataset
+
+    monkeypatch.setenv("DECENTDP_KEY_DIR", str(tmp_path / "keys"))
+    config = validate_config(tiny_config(privacy={"noise": "secure"}, experiment={"rounds": 4, "eval_every": 2,
+                                                                                  "checkpoint_every": 2}))
+    run_experiment(config, tmp_path / "run", progress=False, stop_after=2, log=lambda _: None)
+    run_experiment(config, tmp_path / "other", progress=False, stop_after=2, log=lambda _: None)
+    published = [json.loads((tmp_path / name / "setup.json").read_text())["data_fingerprint"] for name in ("run", "other")]
+    plain = load_dataset("digits").fingerprint(None)  # the SHA-256 of the records
+    assert plain not in published and published[0] != published[1]
+    assert all(value.startswith("hmac-sha256:") and plain not in value for value in published)
+    resumed = run_experiment(config, tmp_path / "run", progress=False, resume=True, log=lambda _: None)
+    assert resumed.summary["finished"]
+    assert json.loads((tmp_path / "run" / "setup.json").read_text())["data_fingerprint"] == published[0]
+    run_experiment(config, tmp_path / "moved", progress=False, stop_after=2, log=lambda _: None)
+    digits = load_dataset("digits")
+    flipped = dataclasses.replace(digits, y_train=torch.cat([(digits.y_train[:1] + 1) % 10, digits.y_train[1:]]))
+    monkeypatch.setattr("decentdp.experiment.build.load_dataset", lambda *args, **kwargs: flipped)
+    with pytest.raises(ConfigError, match="the records loaded differ"):
+        run_experiment(config, tmp_path / "moved", progress=False, resume=True, log=lambda _: None)
+
+
 def test_key_directory_inside_the_results_folder_is_refused(tmp_path: Path) -> None:
     raw = tiny_config(privacy={"noise": "secure", "key_dir": str(tmp_path / "run" / "keys")})
     with pytest.raises(ConfigError, match="privacy.key_dir"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import hmac
 import io
 import pickle
 import tarfile
@@ -33,6 +34,9 @@ _MNIST_STATS = ((0.1307,), (0.3081,))
 _FASHION_STATS = ((0.2860,), (0.3530,))
 _CIFAR10_STATS = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
 _CIFAR100_STATS = ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762))
+
+#: How a keyed data fingerprint begins (:meth:`Dataset.fingerprint`); one without it is a plain SHA-256.
+FINGERPRINT_PREFIX = "hmac-sha256:"
 
 # Where each dataset can be obtained, quoted in "file not found" errors.
 _SOURCES = {
@@ -83,13 +87,16 @@ class Dataset:
         c, h, w = self.x_train.shape[1:]
         return (int(c), int(h), int(w))
 
-    def fingerprint(self) -> str:
-        """SHA-256 of every record (features and labels, both splits) as loaded: what a resumed run checks, so
-        that its noise, replayed from the seed or the keys, never continues on other records."""
-        digest = hashlib.sha256()
+    def fingerprint(self, key: bytes | None) -> str:
+        """HMAC-SHA256 under ``key`` of every record (features and labels, both splits) as loaded, written
+        ``hmac-sha256:<hex>``: what a resumed run checks, so that its noise, replayed from the seed or the keys,
+        never continues on other records.  Keyed because a plain hash of private records is an uncharged
+        release: whoever knows every record but one could test candidates for it.  ``key=None`` gives the plain
+        SHA-256 hex that folders written before the key held."""
+        digest = hashlib.sha256() if key is None else hmac.new(key, digestmod=hashlib.sha256)
         for tensor in (self.x_train, self.y_train, self.x_test, self.y_test):
             digest.update(tensor.detach().contiguous().cpu().numpy().data)  # (no copy for a CPU tensor)
-        return digest.hexdigest()
+        return digest.hexdigest() if key is None else f"{FINGERPRINT_PREFIX}{digest.hexdigest()}"
 
     def to(self, device: torch.device | str) -> Dataset:
         """The same dataset with its tensors on ``device`` (itself when they are already there)."""

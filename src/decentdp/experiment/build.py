@@ -329,7 +329,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
            {"epsilon_observer": CYCLIC_AGENT_VIEW} if period is not None and private else {}),
         "n_agents": len(parts),
         "parameters": model.dim,
-        "data_fingerprint": dataset.fingerprint(),
+        "data_fingerprint": dataset.fingerprint(rng.fingerprint_key()),
         "agent_sizes": sizes,
         "sample_rates": rates,
         "noise_multipliers": sigmas,

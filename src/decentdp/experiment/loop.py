@@ -105,8 +105,6 @@ def _run(config: ExperimentConfig, folder: ResultsFolder | None, data_dir: str |
     checkpoint = folder.open(config, resume) if folder is not None else None  # paths checked before the build
     check_tracking(config)  # the tracker's library and store, before the data loads
     experiment = build_experiment(config, data_dir)
-    if checkpoint is not None and folder is not None:
-        folder.check_same_data(experiment.setup)
     if not threads.explicit:
         threads = apply_threads(config.engine.threads, round_flops=experiment.round_flops)
     if config.engine.backend == "ray":  # agents sharded over Ray worker processes (the optional `ray` extra)
@@ -142,7 +140,8 @@ def _train(experiment: Experiment, folder: ResultsFolder | None, checkpoint: dic
         metrics = checkpoint["metrics"]
         _restore(experiment, checkpoint)
         if folder is not None:
-            folder.restore_keys(experiment, checkpoint)
+            folder.restore_keys(experiment, checkpoint)  # (a secure run's fingerprint is keyed by them)
+            folder.check_same_data(experiment)
     elif folder is not None:
         folder.start(experiment)
     if folder is not None and diagnostics:

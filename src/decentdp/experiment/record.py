@@ -23,6 +23,7 @@ import torch
 
 from decentdp.algorithms.base import State
 from decentdp.config import PLACEMENT_FIELDS, RECORDING_FIELDS, ExperimentConfig, config_differences, validate_config
+from decentdp.data.datasets import FINGERPRINT_PREFIX
 from decentdp.errors import ConfigError
 from decentdp.experiment.build import Experiment
 from decentdp.privacy.network_dp import plot_pairwise
@@ -200,14 +201,19 @@ class ResultsFolder:
         self._acquire(created)
         return None
 
-    def check_same_data(self, setup: dict[str, Any]) -> None:
-        """Refuse to resume on other records than the run started on (``setup.json``'s ``data_fingerprint``; a
-        folder written before it was recorded is not checked): the run's noise would continue on them."""
+    def check_same_data(self, experiment: Experiment) -> None:
+        """Refuse to resume on other records than the run started on (``setup.json``'s ``data_fingerprint``,
+        keyed by the run's seed or, in a secure run, its restored keys; a plain SHA-256 in folders written before
+        the key, none in older ones, which are not checked): the run's noise would continue on them."""
         try:
             held = json.loads((self.path / SETUP_FILE).read_text(encoding="utf-8")).get("data_fingerprint")
         except (OSError, ValueError):
             held = None
-        if held is not None and held != setup["data_fingerprint"]:
+        if held is None:
+            return
+        keyed = held.startswith(FINGERPRINT_PREFIX)
+        loaded = experiment.setup["data_fingerprint"] if keyed else experiment.dataset.fingerprint(None)
+        if held != loaded:
             raise ConfigError("--data-dir", f"the records loaded differ from those the run in {self.path} started "
                                             f"on (setup.json's data_fingerprint): resuming would continue its noise "
                                             "on other data; pass the data directory it started with")
@@ -246,6 +252,7 @@ class ResultsFolder:
                                           "new noise; start a new run")
         self.key_file = Path(saved)
         rng.keys = AgentKeys.load(self.key_file)
+        experiment.setup["data_fingerprint"] = experiment.dataset.fingerprint(rng.fingerprint_key())
 
     def checkpoint(self, experiment: Experiment, round_done: int, state: State, metrics: list[dict[str, Any]],
                    wall_seconds: float) -> None:
