@@ -70,6 +70,24 @@ def test_real_mnist_like(name: str) -> None:
     assert torch.bincount(ds.y_train, minlength=10).min() > 5000
 
 
+def test_the_other_datasets_idx_files_are_refused_and_the_own_folder_comes_first(tmp_path: Path) -> None:
+    """The four IDX files have the same names in MNIST and Fashion-MNIST (a helper's review: MNIST's files in the
+    data directory made ``fashion-mnist`` train on MNIST).  The dataset's own folder is read first, and the other
+    dataset's official images are refused, naming the file."""
+    if not all((SHARED_DATA / f"{name}.npz").is_file() for name in ("mnist", "fashion-mnist")):
+        pytest.skip(f"MNIST and Fashion-MNIST npz files not in {SHARED_DATA} (set DECENTDP_DATA_DIR)")
+    for name in ("mnist", "fashion-mnist"):
+        with np.load(SHARED_DATA / f"{name}.npz") as npz:
+            write_idx(tmp_path / ("top" if name == "mnist" else "top/fashion-mnist"), dict(npz), gz=False)
+    with pytest.raises(DataError, match="train-images-idx3-ubyte: these are fashion-mnist's official images"):
+        load_dataset("mnist", tmp_path / "top" / "fashion-mnist")
+    fashion = load_dataset("fashion-mnist", tmp_path / "top")  # its folder, not MNIST's files beside it
+    assert abs(float(fashion.x_train.mean())) < 1e-3  # Fashion's own statistics centre it (MNIST's: -0.44)
+    (tmp_path / "top" / "fashion-mnist").rename(tmp_path / "elsewhere")
+    with pytest.raises(DataError, match="these are mnist's official images, not fashion-mnist's"):
+        load_dataset("fashion-mnist", tmp_path / "top")
+
+
 def test_real_mnist_resized_to_32() -> None:
     if not (SHARED_DATA / "mnist.npz").is_file():
         pytest.skip(f"{SHARED_DATA / 'mnist.npz'} not present (set DECENTDP_DATA_DIR to run this test)")
@@ -179,6 +197,33 @@ def test_idx_truncated(tmp_path: Path) -> None:
     (tmp_path / "t10k-images-idx3-ubyte.gz").write_bytes(gzip.compress(truncated))
     with pytest.raises(DataError, match="t10k-images"):
         load_dataset("mnist", tmp_path)
+
+
+def test_a_damaged_gzip_stream_is_one_message_naming_the_file(tmp_path: Path) -> None:
+    """A flipped byte inside a .gz stream raises zlib.error, not OSError (a helper's review: a traceback); every
+    position tried gives one DataError naming the file."""
+    for position in range(10, 40):
+        folder = tmp_path / str(position)
+        write_idx(folder, tiny_mnist(), gz=True)
+        path = folder / "train-images-idx3-ubyte.gz"
+        raw = bytearray(path.read_bytes())
+        raw[position] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        with pytest.raises(DataError, match="train-images-idx3-ubyte.gz"):
+            load_dataset("mnist", folder)
+
+
+def test_a_damaged_cifar_tarball_is_one_message_naming_the_file(tmp_path: Path) -> None:
+    write_cifar(tmp_path, "cifar10", as_tarball=True)
+    good = (tmp_path / "cifar-10-python.tar.gz").read_bytes()
+    for position in range(100, 3000, 7):  # (zlib.error at 276, 325, 920, ... before it was caught)
+        raw = bytearray(good)
+        raw[position] ^= 0xFF
+        (tmp_path / "cifar-10-python.tar.gz").write_bytes(bytes(raw))
+        try:
+            load_dataset("cifar10", tmp_path)
+        except DataError as error:
+            assert "cifar-10-python.tar.gz" in str(error) and "\n" not in str(error)
 
 
 def test_mnist_missing_files(tmp_path: Path) -> None:

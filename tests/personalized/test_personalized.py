@@ -273,6 +273,13 @@ def test_synthetic_generator_matches_its_specification():
     assert set(np.unique(data.y_train)) == {-1.0, 1.0}
 
 
+def test_a_gamma_too_small_to_connect_the_synthetic_graph_names_the_field() -> None:
+    """The similarity weights exp(-d / gamma) underflow to zero (a helper's review: a bare ValueError traceback)."""
+    with pytest.raises(ConfigError) as error:
+        synthetic_linear(20, 10, gamma=0.0005, seed=0)
+    assert error.value.field == "personalized.gamma"
+
+
 def test_synthetic_graph_keeps_the_weights_above_the_largest_connected_cut():
     """The authors' rule (Dada ``compute_adjacencies``): cuts max W / sqrt(10)^k, k = 1, 2, ...; the first
     that leaves a connected graph is kept, so the next larger one (if any was tried) disconnects it."""
@@ -505,6 +512,9 @@ def test_movielens_files_missing_or_malformed_are_named(tmp_path):
     _write_ratings(tmp_path / "range", ["1\t2\t9\t881250949"])
     with pytest.raises(DataError, match="ratings lie in 1..5"):
         load_movielens(tmp_path / "range", 0)
+    _write_ratings(tmp_path / "twice", ["1\t2\t5\t1", "2\t2\t3\t1", "1\t3\t4\t1", "1\t2\t1\t1"])
+    with pytest.raises(DataError, match=r"u\.data, lines 1 and 4: user 1 rates item 2 twice"):
+        load_movielens(tmp_path / "twice", 0)
 
 
 def test_a_user_without_ratings_gets_the_confidence_floor_and_spends_nothing(tmp_path):

@@ -50,7 +50,8 @@ def test_hold_out_takes_records_from_every_agent_and_keeps_the_rest() -> None:
 def test_a_per_record_split_moves_no_other_record_when_one_is_added_or_removed() -> None:
     """Private selection prices the training side by add/remove ledgers and the validation side by the score's
     noise; that holds only if one record's presence moves no other record across the split.  The exact-count
-    split redraws its permutation (so the test shows it moving others); the per-record split moves none."""
+    split redraws its permutation (so the test shows it moving others); the per-record split moves none.  A
+    record's identity is its index: removing one leaves a gap, as the README's assumptions say."""
     parts = [np.arange(0, 400), np.arange(400, 700)]
     for removed in (0, 17, 399, 650):
         fewer = [part[part != removed] for part in parts]
@@ -62,6 +63,25 @@ def test_a_per_record_split_moves_no_other_record_when_one_is_added_or_removed()
     _, exact = hold_out(parts, 0.25, seed=5)
     _, exact_fewer = hold_out([parts[0][1:], parts[1]], 0.25, seed=5)
     assert np.setdiff1d(exact_fewer, exact).size > 0  # the exact count moved records other than the removed one
+
+
+def test_a_per_record_split_that_would_leave_an_agent_no_training_record_names_the_field() -> None:
+    """Binomial counts can hold out all of a small agent's records (a helper's review: a ZeroDivisionError
+    traceback later, in the build); refused, naming the agent."""
+    parts = [np.arange(0, 400), np.arange(400, 402)]
+    emptied = [seed for seed in range(200) if _empties(parts, seed)]  # about a quarter of the seeds
+    assert emptied, "no seed empties the two-record agent at 0.5: the check below would not run"
+    with pytest.raises(ConfigError, match="agent 1 \\(of 2\\)") as error:
+        hold_out(parts, 0.5, seed=emptied[0], split="per-record")
+    assert error.value.field == "data.validation_fraction"
+
+
+def _empties(parts: list[np.ndarray], seed: int) -> bool:
+    try:
+        hold_out(parts, 0.5, seed=seed, split="per-record")
+    except ConfigError:
+        return True
+    return False
 
 
 def test_a_per_record_split_holds_out_about_the_fraction_and_depends_on_the_seed() -> None:

@@ -15,6 +15,7 @@ import io
 import pickle
 import tarfile
 import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -46,6 +47,16 @@ _SOURCES = {
     "cifar10": "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
     "cifar100": "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
     "a9a": A9A_SOURCE,
+}
+
+# SHA-256 of the official releases' images (``np.ascontiguousarray(x).tobytes()``, uint8 (n, 28, 28)): the IDX
+# files of MNIST and Fashion-MNIST share their names, so a file of one found where the other was asked for is
+# told apart by its content.
+_OFFICIAL_IMAGES = {
+    "mnist": {"x_train": "741c988805d008ac6e4c904b69001ba184c24b2c540a4ef403f4c71b676cf757",
+              "x_test": "6d87418db22cc8025d05968bec9bd5c3932904b23485740db143a061a2c9d161"},
+    "fashion-mnist": {"x_train": "2e487a6c89124f78f2d7521542223cafe96f7123c3ca13d447772ac6ecbb3012",
+                      "x_test": "c867c93ff95360594e8ec3287995350b824dd110b11595c0e13d5423f621867a"},
 }
 
 # IDX files of (Fashion-)MNIST: split -> (images file, labels file).
@@ -140,8 +151,9 @@ def load_dataset(name: str, data_dir: str | Path | None = None, *, image_size: i
     * ``digits``: bundled with scikit-learn; 1,437 train / 360 test images (fixed stratified split).
     * ``mnist`` / ``fashion-mnist``: ``mnist.npz`` / ``fashion-mnist.npz`` (keys ``x_train``, ``y_train``,
       ``x_test``, ``y_test``) or the four IDX files (``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
-      ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``, each optionally ``.gz``), in ``data_dir`` or in
-      ``data_dir/mnist`` (resp. ``data_dir/fashion-mnist``).  An npz file's images are uint8 ``(n, H, W)``, the
+      ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``, each optionally ``.gz``), in ``data_dir/mnist``
+      (resp. ``data_dir/fashion-mnist``) or else in ``data_dir``; the other dataset's official images are
+      refused.  An npz file's images are uint8 ``(n, H, W)``, the
       same size in both splits, neither split empty; its labels one whole class index per image, ``(n,)`` or
       ``(n, 1)``, of an integer or float type (one-hot rows and fractional labels are refused, naming the array).
     * ``cifar10`` / ``cifar100``: the official python versions, either extracted (``cifar-10-batches-py/``,
@@ -155,6 +167,8 @@ def load_dataset(name: str, data_dir: str | Path | None = None, *, image_size: i
     if image_size is not None and (isinstance(image_size, bool) or not isinstance(image_size, int)
                                    or image_size < 1):
         raise ConfigError("data.image_size", f"must be a positive integer, got {image_size!r}")
+    if image_size is not None and name == "a9a":  # (the schema refuses it too; this guards direct calls)
+        raise ConfigError("data.image_size", "a9a holds feature vectors, not images: leave image_size unset")
 
     if name == "digits":
         dataset = _load_digits()
@@ -266,13 +280,15 @@ def _load_digits() -> Dataset:
 def _load_mnist_like(name: str, data_dir: Path) -> Dataset:
     """Read (Fashion-)MNIST from an npz file or the four IDX files, whichever is found first.
 
-    Looks in ``data_dir`` then ``data_dir/<name>``; within a directory the npz file wins.  Shapes and
-    dtypes are checked (an npz file's from its headers, before its arrays are read), then the labels'
-    values, all before the images are converted to float32, and every error names the file and array.
+    Looks in ``data_dir/<name>`` then ``data_dir`` (the IDX files of both datasets share their names, so the
+    dataset's own folder comes first); within a directory the npz file wins.  Shapes and dtypes are checked
+    (an npz file's from its headers, before its arrays are read), then that the images are not the other
+    dataset's official ones, then the labels' values, all before the images are converted to float32, and
+    every error names the file and array.
     """
     stats = _MNIST_STATS if name == "mnist" else _FASHION_STATS
     looked_for: list[str] = []
-    for directory in (data_dir, data_dir / name):
+    for directory in (data_dir / name, data_dir):
         npz = directory / f"{name}.npz"
         looked_for.append(str(npz))
         if npz.is_file():
@@ -295,6 +311,7 @@ def _load_mnist_like(name: str, data_dir: Path) -> Dataset:
             f"Get it from {_SOURCES[name]}"
         )
 
+    _refuse_the_other_dataset(name, arrays, sources)
     y_train = _labels(arrays["y_train"], 10, sources["y_train"])
     y_test = _labels(arrays["y_test"], 10, sources["y_test"])
     return Dataset(
@@ -305,6 +322,17 @@ def _load_mnist_like(name: str, data_dir: Path) -> Dataset:
         y_test=y_test,
         num_classes=10,
     )
+
+
+def _refuse_the_other_dataset(name: str, arrays: dict[str, np.ndarray], sources: dict[str, str]) -> None:
+    """Refuse images that are the other dataset's official release (a helper's review: with MNIST's IDX files
+    in ``data_dir``, ``fashion-mnist`` trained on MNIST without a word).  Other images (subsets, one's own
+    files) are read as they are."""
+    other = "fashion-mnist" if name == "mnist" else "mnist"
+    for key, official in _OFFICIAL_IMAGES[other].items():
+        if hashlib.sha256(np.ascontiguousarray(arrays[key]).tobytes()).hexdigest() == official:
+            raise DataError(f"{sources[key]}: these are {other}'s official images, not {name}'s; put {name}'s "
+                            f"files in {name}.npz or a folder named {name} in the data directory")
 
 
 _NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
@@ -397,7 +425,7 @@ def _read_idx(path: Path, magic: int) -> np.ndarray:
         opener: Callable[..., Any] = gzip.open if path.suffix == ".gz" else open
         with opener(path, "rb") as f:
             raw = f.read()
-    except (OSError, EOFError) as exc:
+    except (OSError, EOFError, zlib.error) as exc:  # (zlib.error: a damaged gzip stream)
         raise DataError(f"{path}: cannot read IDX file ({exc})") from exc
     if len(raw) < 4 or int.from_bytes(raw[:4], "big") != magic:
         found = int.from_bytes(raw[:4], "big") if len(raw) >= 4 else None
@@ -515,9 +543,10 @@ def _read_tar_members(path: Path, folder: str, members: tuple[str, ...]) -> dict
                     handle = tar.extractfile(arcname)
                 except KeyError:
                     handle = None
-                if handle is None:
-                    raise DataError(f"{path}: archive has no file {arcname}")
+                if handle is None:  # (a damaged stream ends the member listing early, so it may be there)
+                    raise DataError(f"{path}: archive has no readable file {arcname} (missing, or the archive "
+                                    "is damaged before it)")
                 blobs[member] = (handle.read(), f"{path}:{arcname}")
-    except (OSError, EOFError, tarfile.TarError) as exc:
-        raise DataError(f"{path}: not a readable tar archive ({exc})") from exc
+    except (OSError, EOFError, tarfile.TarError, zlib.error) as exc:
+        raise DataError(f"{path}: not a readable tar archive ({' '.join(str(exc).split())})") from exc
     return blobs

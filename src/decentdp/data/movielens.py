@@ -80,6 +80,19 @@ def read_ratings(path: Path) -> np.ndarray:
     return table - np.array([1, 1, 0])
 
 
+def _refuse_repeated_pairs(path: Path, users: np.ndarray, items: np.ndarray) -> None:
+    """Refuse a (user, item) pair rated twice (a helper's review): the dense rating matrices behind the features
+    and the graph would keep one of the ratings while both stayed the user's targets.  (A user id with no
+    rating is an agent without data, which runs: it gets the confidence floor and spends nothing.)"""
+    pairs = users * (int(items.max()) + 1) + items
+    order = np.argsort(pairs, kind="stable")
+    repeated = np.flatnonzero(pairs[order][1:] == pairs[order][:-1])
+    if len(repeated):
+        first, second = sorted(order[repeated[0]:repeated[0] + 2])
+        raise DataError(f"{path}, lines {first + 1} and {second + 1}: user {users[first] + 1} rates item "
+                        f"{items[first] + 1} twice; keep one rating per (user, item) pair")
+
+
 def als_features(users: np.ndarray, items: np.ndarray, ratings: np.ndarray, n_users: int, n_items: int,
                  rank: int, reg: float, iterations: int, seed: int) -> np.ndarray:
     """Item factors ``(n_items, rank)`` of weighted-lambda ALS (Zhou et al. 2008) on the given ratings.
@@ -145,6 +158,7 @@ def load_movielens(data_dir: str | Path | None, seed: int, *, test_fraction: flo
         raise DataError(f"{path}, line {line}: ids are used as indices, and ids up to {n_users} users and "
                         f"{n_items} items make {needed / 2**30:.3g} GiB of dense matrices (at most "
                         f"{MAX_DENSE_BYTES / 2**30:.3g}); number the users and items from 1 without large gaps")
+    _refuse_repeated_pairs(path, users, items)
     if neighbours > n_users - 1:
         raise ConfigError("personalized.neighbours", f"is {neighbours}, but {path} has {n_users} user ids: each user "
                                                      f"can have at most {n_users - 1} neighbours")

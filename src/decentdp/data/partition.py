@@ -167,9 +167,10 @@ def partition(
     parts = [np.sort(p).astype(np.int64, copy=False) for p in parts]
     sizes = np.array([len(p) for p in parts])
     if sizes.min() < min_size:
-        hint = " (with t near 1 an agent owning no class gets almost nothing)" if scheme == "overlap" else ""
+        hint = (" (with t near 1 an agent owning no class gets almost nothing: lower t or use fewer agents)"
+                if scheme == "overlap" else "")
         raise ConfigError(
-            "data.partition",
+            "data.overlap_t" if scheme == "overlap" else "data.partition",
             f"agent {int(sizes.argmin())} would get {int(sizes.min())} samples, fewer than "
             f"min_size={min_size}{hint}",
         )
@@ -193,8 +194,10 @@ def hold_out(parts: list[np.ndarray], fraction: float, seed: int,
     ``split = "per-record"``: each record is held out with probability ``fraction``, decided by a keyed hash
     of its index and ``seed`` alone (:func:`~decentdp.rng.record_hash`), so a record's side does not depend
     on which other records exist: adding or removing one record adds or removes it on one side and moves no
-    other.  This is what a private selection's accounting assumes (its trial ledgers price the training side
-    under add/remove, its score noise the validation side); the counts are binomial instead of exact.
+    other, where a record's identity is its index (a removed record leaves its index unused; the partition
+    over agents is public).  This is what a private selection's accounting assumes (its trial ledgers price
+    the training side under add/remove, its score noise the validation side); the counts are binomial instead
+    of exact, so a small agent may be left with no training record, which is refused, naming the agent.
 
     Returns the agents' remaining index arrays and the sorted union of the held-out indices.  The held-out
     records are the agents' private data too: tuning on them has a privacy cost (see the README).
@@ -203,7 +206,7 @@ def hold_out(parts: list[np.ndarray], fraction: float, seed: int,
         raise ConfigError("data.validation_fraction", f"must lie in [0, 1), got {fraction}")
     if split not in VALIDATION_SPLITS:
         raise ConfigError("data.validation_split", f"must be one of {', '.join(VALIDATION_SPLITS)}, got {split!r}")
-    rng = np.random.default_rng([seed, 0x5A1])  # "VAL": independent of the partition's stream
+    rng = np.random.default_rng([seed, 0x5A1])  # a stream of its own, independent of the partition's
     kept, held = [], []
     for part in parts:
         if split == "per-record":
@@ -216,6 +219,11 @@ def hold_out(parts: list[np.ndarray], fraction: float, seed: int,
         cut = int(fraction * len(part))
         held.append(part[order[:cut]])
         kept.append(np.sort(part[order[cut:]]))
+    emptied = [agent for agent, (part, left) in enumerate(zip(parts, kept, strict=True)) if len(part) and not len(left)]
+    if emptied:
+        raise ConfigError("data.validation_fraction", f"the {split} split at {fraction} holds out every training "
+                                                      f"record of agent {emptied[0]} (of {len(parts[emptied[0]])}); "
+                                                      "lower it, or give that agent more records")
     validation = np.sort(np.concatenate(held)) if held else np.zeros(0, dtype=np.int64)
     if fraction > 0 and len(validation) == 0:
         raise ConfigError("data.validation_fraction", f"{fraction} of the agents' records is no record at all; "
@@ -291,7 +299,7 @@ def _dirichlet(labels: np.ndarray, n_agents: int, alpha: float | None, seed: int
     raise ConfigError(
         "data.dirichlet_alpha",
         f"alpha={alpha} left some agent with {smallest} < min_size={min_size} samples in each of "
-        f"{_DIRICHLET_TRIES} draws; use a larger alpha, fewer agents or a smaller min_size",
+        f"{_DIRICHLET_TRIES} draws; use a larger alpha or fewer agents (topology.agents)",
     )
 
 

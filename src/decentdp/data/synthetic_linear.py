@@ -24,6 +24,7 @@ import math
 import numpy as np
 
 from decentdp.data.personal import PersonalData
+from decentdp.errors import ConfigError
 
 #: Connectivity test of the adaptive cut: the second-smallest eigenvalue of the 0/1 graph's Laplacian.
 CONNECTED_EIGENVALUE = 1e-3
@@ -40,7 +41,8 @@ def connected_cut(similarity: np.ndarray) -> float:
         laplacian = np.diag(adjacency.sum(axis=1)) - adjacency
         if np.linalg.eigvalsh(laplacian)[1] > CONNECTED_EIGENVALUE:
             return cut
-    raise ValueError("no cut of the similarity weights connects the graph (weights underflow to zero: raise gamma)")
+    raise ConfigError("personalized.gamma", "no cut of the similarity weights connects the graph (the weights "
+                                            "underflow to zero): raise it")
 
 
 def synthetic_linear(n_agents: int = 100, dim: int = 100, *, min_points: int = 10, max_points: int = 100,

@@ -267,6 +267,10 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     warnings = _privacy_warnings(config, sizes) if private else []
     if cfg_data.validation_fraction > 0 and private:
         warnings.append(PRIVATE_EVALUATION_NOTICE)
+    if cfg_data.partition == "pathological" and sum(sizes) + len(validation if validation is not None else ()) \
+            < len(labels):
+        warnings.append(f"data.partition = 'pathological' trains on {sum(sizes)} of the {len(labels)} training "
+                        "records: every class is trimmed to the smallest class's size, as CGA's code does")
     period = cyclic_period(config, algorithm, sizes)
     rates = [min(1.0, algo_cfg.batch_size / n) for n in sizes] if period is None else [1.0] * len(sizes)
     budgets = _agent_budgets(config, len(parts))
