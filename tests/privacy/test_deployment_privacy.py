@@ -181,7 +181,8 @@ def test_a_secure_runs_data_fingerprint_is_keyed_and_still_guards_its_resume(tmp
                                                                                   "checkpoint_every": 2}))
     run_experiment(config, tmp_path / "run", progress=False, stop_after=2, log=lambda _: None)
     run_experiment(config, tmp_path / "other", progress=False, stop_after=2, log=lambda _: None)
-    published = [json.loads((tmp_path / name / "setup.json").read_text())["data_fingerprint"] for name in ("run", "other")]
+    published = [json.loads((tmp_path / name / "setup.json").read_text())["data_fingerprint"]
+                 for name in ("run", "other")]
     plain = load_dataset("digits").fingerprint(None)  # the SHA-256 of the records
     assert plain not in published and published[0] != published[1]
     assert all(value.startswith("hmac-sha256:") and plain not in value for value in published)
