@@ -232,7 +232,9 @@ def host_graph(network: Network) -> HostGraph:
 @dataclass(frozen=True)
 class RoundPlan:
     """Who takes part in a round: ``active`` agents (a boolean mask over local rows) and, for pairwise
-    protocols, ``partner`` (global ids; an agent's own id when it is unpaired), on the engine's device.
+    protocols, ``partner`` (global ids; an agent's own id when it is unpaired), on the engine's device;
+    ``active_by_id``: every agent's activity, local or not, indexed by global id (the plan is public), which
+    an agent reads to know whether a neighbour held by another process sends this round.
 
     ``active_on_host`` and ``partner_on_host`` are the same values as the scheduler drew them, on the
     host: bookkeeping (the oracle's, an algorithm's noise plan) reads them, so that planning a round
@@ -242,11 +244,20 @@ class RoundPlan:
     partner: torch.Tensor | None = None
     active_on_host: np.ndarray | None = None
     partner_on_host: np.ndarray | None = None
+    active_by_id: torch.Tensor | None = None
+    active_by_id_on_host: np.ndarray | None = None
 
     @property
     def everyone_active(self) -> bool:
-        """Whether every local agent is active (from the host mask when the plan has one)."""
-        return bool((self.active_on_host if self.active_on_host is not None else self.active.cpu()).all())
+        """Whether every agent of the run is active, on every process alike (a shard deciding from its own
+        agents alone would take another branch than its peers, and their exchanges would not meet)."""
+        mask = (self.active_by_id_on_host if self.active_by_id_on_host is not None else
+                self.active_on_host if self.active_on_host is not None else self.active.cpu())
+        return bool(mask.all())
+
+    def neighbour_active(self, ids: torch.Tensor, network: Network) -> torch.Tensor:
+        """Whether the agents of global ``ids`` (neighbours, on any process) are active this round."""
+        return self.active_by_id[ids] if self.active_by_id is not None else self.active[network.rows(ids)]
 
 
 @dataclass(frozen=True)
