@@ -72,6 +72,66 @@ def test_a_local_instance_binds_loopback_only(local_ray) -> None:
     assert os.environ["RAY_USAGE_STATS_ENABLED"] == "0"
 
 
+class _HeldRay:
+    """A stand-in for a Ray instance a process already holds (or starts), bound where ``gcs`` and ``nodes`` say."""
+
+    def __init__(self, gcs: str, nodes: list[str], initialized: bool = True) -> None:
+        self.gcs, self.node_hosts, self.initialized, self.shut = gcs, nodes, initialized, False
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def get_runtime_context(self):  # noqa: ANN201
+        return type("Context", (), {"gcs_address": self.gcs})()
+
+    def nodes(self) -> list[dict[str, str]]:
+        return [{"NodeManagerAddress": host} for host in self.node_hosts]
+
+    def init(self, **kwargs) -> None:  # noqa: ANN003
+        self.initialized = True
+
+    def shutdown(self) -> None:
+        self.shut = True
+
+
+def test_a_held_instance_that_is_not_the_one_asked_for_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A helper's review: an empty engine.address (local, loopback only) silently ran on whatever Ray instance the
+    process held, a cluster's included, and an explicit address was ignored the same way."""
+    from decentdp.runtime.distributed import ray_backend
+
+    cluster = _HeldRay("10.0.0.5:6379", ["10.0.0.5", "10.0.0.6"])
+    monkeypatch.setattr(ray_backend, "import_ray", lambda local: cluster)
+    with pytest.raises(ConfigError, match="already holds a Ray instance on 10.0.0.5, 10.0.0.6") as error:
+        ray_backend.connect("", workers=2)
+    assert error.value.field == "engine.address"
+    with pytest.raises(ConfigError, match="already holds the Ray instance at 10.0.0.5:6379"):
+        ray_backend._check_held_instance(cluster, "10.0.0.7:6379")  # (connect would first dial it)
+    ray_backend._check_held_instance(cluster, "10.0.0.5:6379")  # the instance named: used
+    ray_backend._check_held_instance(cluster, "auto")
+    ray_backend._check_held_instance(_HeldRay("127.0.0.1:6379", ["127.0.0.1"]), "")  # a local one: used
+
+
+def test_a_local_start_that_binds_outside_loopback_is_shut_down_and_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, when first imported: imported earlier, a 'local' start
+    bound the machine's outward address (a helper's measurement).  The run checks where it bound."""
+    from decentdp.runtime.distributed import ray_backend
+
+    outward = _HeldRay("10.9.9.9:34825", ["10.9.9.9"], initialized=False)
+    monkeypatch.setattr(ray_backend, "import_ray", lambda local: outward)
+    with pytest.raises(ConfigError, match="bound 10.9.9.9, not 127.0.0.1"):
+        ray_backend.connect("", workers=2)
+    assert outward.shut
+
+
+def test_the_local_settings_replace_the_users_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    from decentdp.runtime.distributed import ray_backend
+
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "1")
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1")
+    ray_backend.import_ray(local=True)
+    assert os.environ["RAY_USAGE_STATS_ENABLED"] == "0" and os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+
+
 DEMO_50 = ("experiment.rounds=50", "privacy.accountant=rdp")  # (RDP: a faster calibration; any accountant works)
 
 

@@ -212,7 +212,8 @@ class AugmentationSection(_Section):
 
 
 class EngineSection(_Section):
-    """How the simulator computes, not what: these settings change results only by floating-point rounding."""
+    """How the simulator computes, not what: these settings change results only by floating-point rounding,
+    except ``noise_streams``, which draws other noise of the same distribution."""
 
     gradients: Literal["auto", "stacked", "vmap"] = Field(
         "auto", description="per-sample gradient engine: stacked layer rules (fast), torch.func vmap (any "

@@ -120,6 +120,8 @@ def _run(config: ExperimentConfig, folder: ResultsFolder | None, data_dir: str |
     except BaseException as error:
         tracker.finish({}, path, "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
         raise
+    finally:  # also where no round ran (a finished run resumed, a refusal): Ray's workers and instance stop
+        experiment.simulator.close()
     tracker.finish(outcome.summary, path, "FINISHED" if outcome.summary["finished"] else "KILLED")
     return outcome
 

@@ -66,6 +66,9 @@ class Simulator:
             state = self.algorithm.setup(state, self.context(SETUP_ROUND))
         return state if self.averaging is None else self.averaging.begin(state)  # a warm start is its first iterate
 
+    def close(self) -> None:
+        """Release the engine's processes: none here (an engine that starts workers stops them)."""
+
     def run(self, state: State, start_round: int, rounds: int, after_round: RoundHook) -> State:
         """Run rounds ``start_round .. rounds-1``; stops early when ``after_round`` returns False."""
         with torch.no_grad():

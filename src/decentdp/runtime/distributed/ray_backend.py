@@ -12,7 +12,7 @@ torch.distributed process group formed by the workers: :class:`GlooTransport`), 
 only when the runner evaluates.
 
 Checkpoints are written by the workers: at each checkpoint round every worker writes its shard (state
-rows, ledger rows, scheduler) to ``shards/round-K/`` of the results folder (a temporary folder when
+rows, ledger rows, scheduler) to ``shards/round-K-TOKEN/`` of the results folder (a temporary folder when
 the run has none), each file renamed into place once complete; the runner's ``checkpoint.pt`` is then
 only a manifest naming those files, written atomically by the driver after every worker has finished
 (:meth:`RaySimulator.write_shards`).  A resume reads the files of any split, on any number of workers
@@ -94,10 +94,10 @@ MAX_RESTARTS = 3
 
 
 def import_ray(local: bool) -> Any:
-    """Ray, imported with the local-instance settings when this process will start one."""
+    """Ray, imported with the local-instance settings when this process will start one (set, not defaulted: a
+    value the user's environment holds does not turn usage statistics or outward binding back on)."""
     if local:
-        for key, value in LOCAL_RAY_ENVIRONMENT.items():
-            os.environ.setdefault(key, value)
+        os.environ.update(LOCAL_RAY_ENVIRONMENT)
     try:
         import ray
     except ImportError:
@@ -133,12 +133,20 @@ def connect(address: str, workers: int) -> tuple[Any, bool]:
                                                 "'host:port' of a running cluster's head, 'auto', or leave it "
                                                 "empty to start Ray on this machine") from None
     ray = import_ray(local=not address)
-    if ray.is_initialized():  # this process already holds a Ray instance (e.g. a notebook's): use it
+    if ray.is_initialized():  # this process already holds a Ray instance (e.g. a notebook's): use it if it is
+        _check_held_instance(ray, address)  # the one engine.address names
         return ray, False
     if not address:
         with _environment(NO_OUTSIDE_HTTP):
             ray.init(address="local", num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False,
                      log_to_driver=False, configure_logging=False, _node_ip_address="127.0.0.1")
+        outward = _outward_addresses(ray)
+        if outward:  # Ray read its settings when first imported, before decentdp could set them
+            ray.shutdown()
+            raise ConfigError("engine.backend", f"the local Ray instance bound {', '.join(outward)}, not 127.0.0.1 "
+                                                "alone (ray was imported before the run set "
+                                                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0): run it in a process that has "
+                                                "not imported ray")
         _exit_on_sigterm()
         return ray, True
     try:
@@ -146,6 +154,29 @@ def connect(address: str, workers: int) -> tuple[Any, bool]:
     except (ConnectionError, RuntimeError) as exc:
         raise ConfigError("engine.address", f"cannot attach to a Ray cluster at {address!r}: {exc}") from None
     return ray, False
+
+
+def _outward_addresses(ray: Any) -> list[str]:
+    """The addresses other than loopback that a Ray instance's control store and nodes listen on."""
+    gcs = ray.get_runtime_context().gcs_address
+    hosts = {gcs.rpartition(":")[0], *(node["NodeManagerAddress"] for node in ray.nodes())}
+    return sorted(host for host in hosts if host not in ("127.0.0.1", "localhost"))
+
+
+def _check_held_instance(ray: Any, address: str) -> None:
+    """Refuse a Ray instance this process already holds where it is not what ``engine.address`` asks for: with
+    no address, one bound outside loopback (the run's data and keys would go to its nodes); with a
+    ``host:port``, another cluster's."""
+    gcs = ray.get_runtime_context().gcs_address
+    if not address:
+        outward = _outward_addresses(ray)
+        if outward:
+            raise ConfigError("engine.address", f"is empty (a local, loopback-only Ray), but this process already "
+                                                f"holds a Ray instance on {', '.join(outward)}: give its address "
+                                                "here to run on it, or call ray.shutdown() first")
+    elif address != "auto" and address.removeprefix("ray://") != gcs:
+        raise ConfigError("engine.address", f"is {address!r}, but this process already holds the Ray instance at "
+                                            f"{gcs}: give that address, or call ray.shutdown() first")
 
 
 def _exit_on_sigterm() -> None:
@@ -197,7 +228,7 @@ class ShardWorker:
         import torch.distributed as dist
 
         if rendezvous.startswith("file://") and sys.platform.startswith("linux"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: gloo's sockets stay on loopback
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # one machine: gloo's sockets stay on loopback
         dist.init_process_group("gloo", init_method=rendezvous, rank=self.transport.shard,
                                 world_size=len(self.shard.bounds) - 1, timeout=timedelta(seconds=PEER_TIMEOUT))
 
@@ -341,6 +372,9 @@ class ShardedState(Mapping[str, torch.Tensor]):
             parts = self._engine.ray.get([worker.values.remote(key) for worker in workers])
             self._values[key] = torch.cat(parts) if key in self._per_agent else parts[0]
         return self._values[key]
+
+    def __contains__(self, key: object) -> bool:  # (Mapping's own would fetch the rows from every worker)
+        return key in self._keys
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
