@@ -157,10 +157,12 @@ def test_the_demo_on_ray_matches_the_simulator(local_ray, simulated_demo, tmp_pa
         assert float((sharded.state[key] - value).abs().max()) <= 1e-5, key
 
 
-def test_a_killed_worker_restarts_from_the_last_checkpoint(local_ray) -> None:
+@pytest.mark.parametrize("read_at_once", [False, True])
+def test_a_killed_worker_restarts_from_the_last_checkpoint(local_ray, read_at_once: bool) -> None:
     """SIGKILL one worker after round 6 (last checkpoint: round 4): the run replays rounds 5-6 on fresh
     workers and ends as an uninterrupted run, every release counted once; the loss is announced in one line
-    of ours."""
+    of ours.  ``read_at_once``: the state and the ledger are read right after the kill, before the next round
+    (a helper's review: reads went straight to the dead worker and ended the run)."""
     from decentdp.runtime.distributed.ray_backend import distribute
 
     config = _demo("experiment.rounds=10", "experiment.eval_every=4", "engine.backend=ray", "engine.workers=2",
@@ -177,6 +179,8 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint(local_ray) -> None:
         if done == 6:
             killed.append(engine.worker_pids()[1])
             os.kill(killed[0], signal.SIGKILL)
+            if read_at_once:
+                assert state["params"].shape[0] == 10 and experiment.ledger.releases().tolist() == [6] * 10
         return True
 
     state = engine.run(engine.setup(experiment.initial_state()), 0, 10, after_round)

@@ -368,8 +368,9 @@ class ShardedState(Mapping[str, torch.Tensor]):
         if key not in self._values:
             if key not in self._keys:
                 raise KeyError(key)
-            workers = self._engine.workers if key in self._per_agent else self._engine.workers[:1]
-            parts = self._engine.ray.get([worker.values.remote(key) for worker in workers])
+            engine = self._engine
+            parts = engine.read(lambda: [worker.values.remote(key) for worker in
+                                         (engine.workers if key in self._per_agent else engine.workers[:1])])
             self._values[key] = torch.cat(parts) if key in self._per_agent else parts[0]
         return self._values[key]
 
@@ -393,7 +394,7 @@ class _ShardedLedger:
 
     def current(self) -> Any:
         if self._merged is None or self._merged[0] != self._engine.version:
-            states = self._engine.ray.get([worker.ledger_state.remote() for worker in self._engine.workers])
+            states = self._engine.read(lambda: [worker.ledger_state.remote() for worker in self._engine.workers])
             self._merged = (self._engine.version, merge_ledgers(self._kind, states))
         return self._merged[1]
 
@@ -410,7 +411,7 @@ class _RemoteScheduler:
 
     def state_dict(self) -> dict[str, Any]:
         if self._engine.launched:
-            return self._engine.ray.get(self._engine.workers[0].scheduler_state.remote())
+            return self._engine.read(lambda: [self._engine.workers[0].scheduler_state.remote()])[0]
         return self._state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -451,6 +452,7 @@ class RaySimulator:
         self.workers: list[Any] = []
         self.launched = False
         self.version = 0  # rounds (and setup) run so far by this engine: the ledger view's cache key
+        self.rounds_held = 0  # the rounds the workers' state has run (what a read after a loss replays to)
         self.restarts = 0
         self._snapshot: _Snapshot | None = None
         self._keys: list[str] = []
@@ -485,8 +487,10 @@ class RaySimulator:
         """Bytes of rows and messages the workers have sent each other (payload tensors only)."""
         return sum(self.ray.get([worker.bytes_sent.remote() for worker in self.workers]))
 
-    def _wait(self, futures: list[Any], timeout: float = PEER_TIMEOUT + 60) -> list[Any]:
-        """Every result, failing as soon as one worker fails (its error is raised, not a peer's timeout)."""
+    def _wait(self, futures: list[Any], timeout: float | None = None) -> list[Any]:
+        """Every result, failing as soon as one worker fails (its error is raised, not a peer's timeout).  No
+        time limit unless ``timeout`` is given (the start): a round may take long, a lost worker fails its
+        call, and a worker stuck waiting for a peer's rows fails after gloo's ``PEER_TIMEOUT``."""
         pending = list(futures)
         try:
             while pending:
@@ -561,19 +565,29 @@ class RaySimulator:
         """Run one round on every worker (after ``round_index`` rounds: see :meth:`_surviving`)."""
         self._collect(self._surviving(round_index, lambda: [worker.round.remote(round_index)
                                                             for worker in self.workers]))
+        self.rounds_held = round_index + 1
+
+    def read(self, calls: Callable[[], list[Any]]) -> list[Any]:
+        """The results of ``calls()`` that read the workers' state (rows, ledgers, the scheduler), surviving a
+        worker lost since the last round as a round does."""
+        return self._surviving(self.rounds_held, calls)
 
     def _surviving(self, round_index: int, calls: Callable[[], list[Any]]) -> list[Any]:
         """The results of ``calls()`` (one call per worker, made when the workers hold the state after
         ``round_index`` rounds); on a lost worker, every worker is restarted from the last checkpoint,
         the rounds up to ``round_index`` are replayed, and the calls made again."""
+        recovering = False
         while True:
             try:
+                if recovering:  # a loss during the replay is caught here too, and counted as another
+                    self._recover(round_index)
                 return self._wait(calls())
             except Exception:
                 # a dead worker fails its own call, and may fail its peers' first (their messages stop)
                 if not self._worker_lost():
                     raise
-                self._recover(round_index)
+                self._count_loss()
+                recovering = True
 
     def _worker_lost(self) -> bool:
         """Whether a worker process is gone (or too stuck to answer within a minute); the lost ones are kept
@@ -591,11 +605,15 @@ class RaySimulator:
             return True
         return False
 
-    def _recover(self, round_index: int) -> None:
+    def _count_loss(self) -> None:
+        """Count a loss of workers; past :data:`MAX_RESTARTS` the run gives up."""
         self.restarts += 1
         if self.restarts > MAX_RESTARTS:
             self.close()
             raise RuntimeError(f"Ray workers were lost {self.restarts} times; giving up")
+
+    def _recover(self, round_index: int) -> None:
+        """Fresh workers from the last checkpoint, replayed to ``round_index`` rounds."""
         snapshot = self._snapshot
         if snapshot is None:
             self.close()
@@ -609,6 +627,7 @@ class RaySimulator:
         self._load(snapshot)
         for replayed in range(snapshot.round_index, round_index):
             self._collect(self._wait([worker.round.remote(replayed) for worker in self.workers]))
+        self.rounds_held = round_index
 
     def setup(self, state: State) -> State:
         """The algorithm's setup phase on every worker (a new run)."""
@@ -658,6 +677,7 @@ class RaySimulator:
         :class:`ShardedState` (rows are fetched only when read).  The workers stop when it returns."""
         if not self.launched:  # a resumed run: its first snapshot is where it resumes
             self._launch(dict(state))
+            self.rounds_held = start_round
             self._take_snapshot(start_round)
         view: Mapping[str, torch.Tensor] = state
         try:
