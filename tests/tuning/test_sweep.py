@@ -25,9 +25,9 @@ from conftest import tiny_config
 REPO = Path(__file__).resolve().parents[2]
 
 
-def write_sweep(tmp_path: Path, space: str, **sweep: object) -> Path:
-    """A sweep over the tests' tiny digits config (4 rounds, 4 agents, RDP calibration)."""
-    base = tiny_config(privacy={"epsilon": 5.0, "accountant": "rdp"})
+def write_sweep(tmp_path: Path, space: str, *, noise: str = "simulation", **sweep: object) -> Path:
+    """A sweep over the tests' tiny digits config (4 rounds, 4 agents, RDP calibration, ``noise``)."""
+    base = tiny_config(privacy={"epsilon": 5.0, "accountant": "rdp", "noise": noise})
     (tmp_path / "base.toml").write_text(tomli_w.dumps(base))
     section = {"config": "base.toml", "method": "random", "trials": 2, "workers": 1, "validation_fraction": 0.2,
                **sweep}
@@ -316,7 +316,8 @@ def test_a_private_selection_whose_trials_calibrate_different_noise_claims_no_ep
     space = '"algorithm.batch_size" = { values = [4, 64] }\n'
     from decentdp.tuning.selection import TrialCount
 
-    monkeypatch.setattr(TrialCount, "sample", lambda self, rng: 6)  # K fixed; the seeded sampler then draws both
+    monkeypatch.setattr(TrialCount, "sample", lambda self, rng: 6)  # K fixed, and the sampler's seed (OS
+    monkeypatch.setattr("decentdp.tuning.sweep.secrets.randbits", lambda bits: 0)  # randomness): it draws both
     path = write_sweep(tmp_path, space, trials=None, selection="private", private=PRIVATE)
     out = tmp_path / "sweep"
     assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 0
@@ -350,9 +351,14 @@ def test_a_private_selection_searching_a_noisy_field_claims_no_epsilon_even_when
 
 @pytest.mark.slow
 def test_private_selection_releases_a_noisy_best_and_its_epsilon_and_resumes_with_the_same_k(
-        tmp_path: Path, capsys) -> None:
+        tmp_path: Path, capsys, monkeypatch) -> None:
+    """Secure noise (simulation noise claims no epsilon: the trials would share it).  What may be published
+    (release.json, best.md) holds the released values, their noisy score and the epsilon, never K, a trial's
+    number or folder (a helper's review: they were in selection.json and best.md, and the theorem's bound
+    assumes K secret); selection.json, the operator's record, says so of itself."""
     optuna = pytest.importorskip("optuna")
-    path = write_sweep(tmp_path, LR, trials=None, selection="private", private=PRIVATE)
+    monkeypatch.setenv("DECENTDP_KEY_DIR", str(tmp_path / "keys"))
+    path = write_sweep(tmp_path, LR, noise="secure", trials=None, selection="private", private=PRIVATE)
     out = tmp_path / "sweep"
     assert main(["sweep", str(path), "--out", str(out), "--no-progress", "--json"]) == 0
     printed = capsys.readouterr().out
@@ -367,7 +373,9 @@ def test_private_selection_releases_a_noisy_best_and_its_epsilon_and_resumes_wit
     best = max(study.trials, key=lambda t: t.value)
     assert released["trial"] == best.number  # chosen by the noisy score, which is what the study holds
     assert all(t.value != exact[t.number] for t in study.trials)  # the exact score is never the study's value
-    assert released["noisy_accuracy"] == best.value and str(exact[best.number]) not in printed
+    assert released["noisy_accuracy"] == best.value
+    for name in ("selection.json", "release.json"):  # (json writes floats as repr does)
+        assert not any(repr(value) in (out / name).read_text() for value in exact.values()), name
     # the epsilon: at least one trial's (with its score), the theorem's bound, below K-fold composition for K > 2
     assert selection["epsilon_max"] > selection["epsilon_one_trial_max"] > max(t["epsilon_max"]
                                                                                 for t in selection["trials"])
@@ -376,6 +384,13 @@ def test_private_selection_releases_a_noisy_best_and_its_epsilon_and_resumes_wit
     assert selection["space_keeps_noise"]
     assert "composes with the selection's" in printed and "composes" in selection["next"]
     assert json.loads(printed.strip().splitlines()[-1])["best"][0]["trial"] == released["trial"]
+    assert "the operator's record" in selection["operator_only"]
+    public = json.loads((out / "release.json").read_text())
+    assert public["released"] == {key: released[key] for key in ("params", "noisy_correct", "noisy_accuracy")}
+    assert public["epsilon_max"] == selection["epsilon_max"] and public["delta"] == selection["delta"]
+    assert not {"trials_drawn", "trials_completed", "trials", "epsilon_k_fold_composition_max"} & set(public)
+    table = (out / "best.md").read_text()
+    assert "| rank | noisy accuracy" in table and released["folder"] not in table and "trial" not in table
 
     # Resumed: the same K, nothing rerun, the same release.
     assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 0
@@ -387,6 +402,24 @@ def test_private_selection_releases_a_noisy_best_and_its_epsilon_and_resumes_wit
     assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 2
     error = capsys.readouterr().err
     assert "different definition (private:" in error and "'score_noise': 2.0" in error
+
+
+@pytest.mark.slow
+def test_a_private_selection_on_simulation_noise_claims_no_epsilon(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Simulation noise is keyed by the seed every trial shares, so the trials draw the same noise (the theorem
+    needs independent trials) and the config recomputes it: no epsilon is claimed, the secure figure is given as
+    an estimate (a helper's review: 8.479 was claimed)."""
+    from decentdp.tuning.selection import TrialCount
+
+    monkeypatch.setattr(TrialCount, "sample", lambda self, rng: 1)
+    path = write_sweep(tmp_path, LR, trials=None, selection="private", private=PRIVATE)
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 0
+    assert "no bound" in capsys.readouterr().out
+    selection = json.loads((out / "selection.json").read_text())
+    assert selection["epsilon_max"] is None and selection["estimate_epsilon_max"] > 0
+    assert "privacy.noise = 'simulation'" in selection["warning"]
+    assert json.loads((out / "release.json").read_text())["warning"] == selection["warning"]
 
 
 def test_a_misspelled_objective_is_refused_before_any_trial_trains(tmp_path: Path, capsys) -> None:

@@ -13,6 +13,7 @@ from decentdp.errors import ConfigError, DecentDPError
 from decentdp.results.files import write_atomic
 from decentdp.tuning.sweep import (
     NOT_PRIVATE_SELECTION,
+    RELEASE_FILE,
     SELECTION_FILE,
     STUDY_FILE,
     TRIALS_DIR,
@@ -20,6 +21,7 @@ from decentdp.tuning.sweep import (
     best_config,
     best_table,
     load_sweep,
+    public_release,
     selection_summary,
 )
 from decentdp.util.arguments import positive_int
@@ -76,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     if sweep.private is not None:
         selection = runner.selection()
         write_atomic(out / SELECTION_FILE, json.dumps(selection, indent=2) + "\n")
+        write_atomic(out / RELEASE_FILE, json.dumps(public_release(selection), indent=2) + "\n")
         print(selection_summary(selection, out))
         if selection["released"] is None:
             return 0

@@ -42,9 +42,11 @@ selection (:mod:`decentdp.tuning.selection`)::
 
 The number of trials K is drawn once from the operating system's randomness and kept in the study; each
 trial's score is its mean over agents of correct validation predictions plus ``N(0, score_noise^2)``;
-only the best noisy score's trial is released, and ``selection.json`` holds each agent's epsilon of the
-whole selection.  The study and every table hold the noisy scores only; the trial folders on the
-operator's disk keep their exact ones.
+only the best noisy score's trial is released.  ``release.json`` (with ``best.toml`` and ``best.md``) is what may
+be published: the released hyper-parameters, their noisy score and each agent's epsilon of the whole selection.
+Everything else in the sweep folder (``selection.json``, ``study.db``, ``trials/``, the console's lines) is the
+operator's: it holds K and every trial, which the theorem's bound assumes secret, and the trial folders keep
+exact validation scores.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ import json
 import math
 import os
 import re
+import secrets
 import shlex
 import shutil
 import sys
@@ -79,6 +82,10 @@ if TYPE_CHECKING:
 
 STUDY_FILE = "study.db"
 SELECTION_FILE = "selection.json"
+RELEASE_FILE = "release.json"
+#: What a private selection's operator-only record says of itself (``selection.json``).
+OPERATOR_ONLY = ("the operator's record: it holds K and every trial, which the selection's epsilon assumes secret; "
+                 "publish release.json (with best.toml and best.md), never this file, study.db or trials/")
 TRIALS_DIR = "trials"
 SPEC_ATTR = "decentdp_sweep"
 TRIALS_ATTR = "decentdp_private_trials"  # K of a private selection, drawn once when the study is created
@@ -610,8 +617,11 @@ class SweepRunner:
         self.total = sweep.trials if sweep.private is None else self._private_trials()
         self.rng = os_generator() if sweep.private is not None else None  # the scores' noise
         # A resumed sweep seeds its sampler afresh (the seed and the trials so far), so that it does not
-        # propose the values of its first trials again; a grid skips the points already visited.
-        seed = sweep.section.sampler_seed + len(self.study.get_trials(deepcopy=False))
+        # propose the values of its first trials again; a grid skips the points already visited.  A private
+        # selection draws its trials' values from OS randomness: from the public seed, the released values would
+        # say which draw they were, hence that K reached it (a helper's review).
+        seed = sweep.section.sampler_seed + len(self.study.get_trials(deepcopy=False)) if sweep.private is None \
+            else secrets.randbits(32)  # (numpy seeds below 2**32)
         self.study.sampler = {
             "grid": lambda: _grid_sampler(optuna, {n: d.grid() for n, d in sweep.space.items()}, seed),
             "random": lambda: optuna.samplers.RandomSampler(seed=seed),
@@ -834,11 +844,12 @@ class SweepRunner:
                    "epsilon_one_trial_max": max(rdp_epsilon(curve, delta) for curve in worst),
                    "epsilon_k_fold_composition_max": max(rdp_epsilon(self.total * curve, delta) for curve in worst)}
         warning = (_NOISY_SPACE.format(fields=", ".join(noisy_fields)) if noisy_fields
-                   else None if same else _UNEQUAL_TRIALS)
+                   else _UNEQUAL_TRIALS if not same else _SIMULATED_NOISE if self._simulated_noise() else None)
         if warning is not None:  # no bound (null: infinite); the trials that ran give an estimate, labelled as one
             figures = {**{key: None for key in figures}, **{f"estimate_{key}": value for key, value in figures.items()}}
         chosen = max(complete, key=lambda t: t.value)
-        return {**report, "delta": delta, **figures, "trials_rdp_equal": same, "space_keeps_noise": not noisy_fields,
+        return {"operator_only": OPERATOR_ONLY, **report, "delta": delta, **figures, "trials_rdp_equal": same,
+                "space_keeps_noise": not noisy_fields,
                 **({} if warning is None else {"warning": warning}),
                 "trials": [{"trial": t.number, "epsilon_max": max(rdp_epsilon(c, d) for c in curves)}
                            for t, (curves, d) in zip(complete, rdp, strict=True)],
@@ -846,12 +857,22 @@ class SweepRunner:
                              "noisy_correct": chosen.user_attrs["noisy_correct"], "noisy_accuracy": chosen.value,
                              "folder": chosen.user_attrs.get("folder")}}
 
+    def _simulated_noise(self) -> bool:
+        """Whether the trials draw simulation noise (keyed by the seed they share: the same noise in every trial)."""
+        from decentdp.config import validate_config
+
+        return validate_config(self.sweep.trial_config({}, self.sweep.section.seeds[0])).privacy.noise == "simulation"
+
     def _best(self, count: int) -> list[Any]:
         trials = self.study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.COMPLETE,))
         reverse = self.sweep.section.direction == "maximize"
         return sorted(trials, key=lambda t: t.value, reverse=reverse)[:count]
 
 
+_SIMULATED_NOISE = ("privacy.noise = 'simulation': every trial draws the same noise (keyed by the seed they share), "
+                    "while the theorem needs independent trials, and anyone holding the config can recompute it, so "
+                    "no epsilon is claimed (null); estimate_* are what secure noise (privacy.noise = 'secure') "
+                    "would give, not a bound for this sweep")
 _UNEQUAL_TRIALS = ("the trials' RDP curves differ (the searched fields change the calibrated noise): the theorem "
                    "needs Q's curve over every hyper-parameter the search could draw, not only those that ran, so "
                    "no epsilon is claimed (null); estimate_* use the worst trial that ran and are not a bound")
@@ -902,30 +923,47 @@ def _describe_change(key: str, old: Any, new: Any) -> str:
 
 
 def best_table(sweep: Sweep, best: list[Any]) -> str:
-    """Markdown table of the best trials: value, the searched fields, the results folder."""
+    """Markdown table of the best trials: value, the searched fields, the trial and its results folder (not for
+    a private selection, whose table is published: a trial's number says that K reached it)."""
     names = list(sweep.space)
     section = sweep.section
-    score = "noisy accuracy (private selection" if sweep.private is not None else f"{section.objective} (validation"
-    lines = [f"| rank | trial | {score}, mean of {len(section.seeds)} seed(s)) | "
-             + " | ".join(names) + " | folder |",
-             "|---:|---:|---:|" + "---:|" * len(names) + "---|"]
+    private = sweep.private is not None
+    score = "noisy accuracy (private selection" if private else f"{section.objective} (validation"
+    lines = [("| rank |" if private else "| rank | trial |") + f" {score}, mean of {len(section.seeds)} seed(s)) | "
+             + " | ".join(names) + ("" if private else " | folder") + " |",
+             ("|---:|---:|" if private else "|---:|---:|---:|") + "---:|" * len(names) + ("" if private else "---|")]
     for rank, trial in enumerate(best, 1):
         cells = [f"{trial.params[name]:.4g}" if isinstance(trial.params[name], float) else str(trial.params[name])
                  for name in names]
-        lines.append(f"| {rank} | {trial.number} | {trial.value:.4f} | " + " | ".join(cells)
-                     + f" | {trial.user_attrs.get('folder', '')} |")
+        lines.append(f"| {rank} |" + ("" if private else f" {trial.number} |") + f" {trial.value:.4f} | "
+                     + " | ".join(cells) + ("" if private else f" | {trial.user_attrs.get('folder', '')}") + " |")
     return "\n".join(lines) + "\n"
 
 
 def best_config(sweep: Sweep, trial: Any) -> dict[str, Any]:
-    """The base config with the best trial's values: what a final run (on the test set) uses."""
+    """The base config with the best trial's values: what a final run (on the test set) uses, so with no
+    validation split (a base config's own ``data.validation_fraction`` included: a helper's review)."""
     from decentdp.config import apply_overrides, validate_config
 
-    raw = apply_overrides(sweep.base, [f"{name}={_toml_value(value)}" for name, value in trial.params.items()])
+    raw = apply_overrides(sweep.base, [f"{name}={_toml_value(value)}" for name, value in trial.params.items()]
+                          + ["data.validation_fraction=0.0"])
     return validate_config(raw).to_toml_dict()
 
 
 # ----------------------------------------------------------------------------- command
+
+
+def public_release(selection: dict[str, Any]) -> dict[str, Any]:
+    """What a private selection may publish (``release.json``): its settings, the released hyper-parameters
+    and noisy score, and the epsilon figures that do not depend on K; not K, the trials, their numbers or
+    folders, nor the K-fold composition (all in ``selection.json``, the operator's)."""
+    private = ("trials_drawn", "trials_completed", "trials", "epsilon_k_fold_composition_max",
+               "estimate_epsilon_k_fold_composition_max", "exact_scores", "operator_only")
+    public = {key: value for key, value in selection.items() if key not in private}
+    if selection.get("released") is not None:
+        public["released"] = {key: selection["released"][key] for key in ("params", "noisy_correct",
+                                                                         "noisy_accuracy")}
+    return public
 
 
 def selection_summary(selection: dict[str, Any], out: Path) -> str:
@@ -950,6 +988,7 @@ def selection_summary(selection: dict[str, Any], out: Path) -> str:
         lines.append("running best.toml on the test set is a further run: its epsilon composes with the selection's")
         if "warning" in selection:
             lines.append(f"warning: {selection['warning']}")
-    lines.append(f"details: {out / SELECTION_FILE}")
+    lines.append(f"to publish: {out / RELEASE_FILE}, best.toml and best.md; {out / SELECTION_FILE}, study.db, "
+                 "trials/ and these lines hold K and every trial (the operator's only)")
     return "\n".join(lines)
 
