@@ -14,6 +14,8 @@ import tomli_w
 
 from decentdp.cli.main import main
 from decentdp.cli.report import (
+    IGNORED_FIELDS,
+    IGNORED_SECTIONS,
     build_report,
     epsilon_figure,
     field_figure,
@@ -71,6 +73,19 @@ def test_seeds_names_and_engine_settings_do_not_split_groups(tmp_path: Path) -> 
     fake_run(tmp_path / "a", 0.7, seed=0, experiment={"name": "first"}, engine={"threads": 1})
     fake_run(tmp_path / "b", 0.8, seed=1, experiment={"name": "second"}, engine={"threads": 2})
     report = build_report(find_runs([tmp_path / "a", tmp_path / "b", tmp_path / "a"])[0])  # a folder given twice
+    assert len(report.rows) == 1 and report.rows[0]["n"] == 2
+
+
+def test_where_a_run_logs_or_keeps_its_keys_does_not_split_groups(tmp_path: Path) -> None:
+    """A helper's review: two seeds of one setting came out as four rows, keyed by tracking and key_dir.  Every
+    placement field (where a run computes or logs) is ignored, as is privacy.key_dir."""
+    from decentdp.config.schema import PLACEMENT_FIELDS
+
+    assert all(name in IGNORED_FIELDS or name.startswith(IGNORED_SECTIONS) for name in PLACEMENT_FIELDS)
+    fake_run(tmp_path / "a", 0.7, seed=0, privacy={"noise": "secure", "key_dir": str(tmp_path / "k1")},
+             tracking={"backend": "tensorboard", "log_dir": str(tmp_path / "log1")})
+    fake_run(tmp_path / "b", 0.8, seed=1, privacy={"noise": "secure", "key_dir": str(tmp_path / "k2")})
+    report = build_report(find_runs([tmp_path / "a", tmp_path / "b"])[0])
     assert len(report.rows) == 1 and report.rows[0]["n"] == 2
 
 

@@ -113,6 +113,10 @@ def test_a_per_record_split_holds_out_about_the_fraction_and_depends_on_the_seed
     ('"algorithm.lr" = { values = [0.1] }', {"workers": 0}, "sweep.workers"),
     ('"experiment.seed" = { values = [0, 1] }', {}, "space.experiment.seed: is set by the sweep itself"),
     ('"algorithm.lr" = { values = [0.1] }', {"validation_fraction": 0.0}, "sweep.validation_fraction"),
+    ('"algorithm.lr" = { values = [0.1] }', {"seeds": [0, -1]}, "sweep.seeds: seeds must be distinct whole numbers"),
+    ('"algorithm.lr" = { values = [0.1] }', {"seeds": [0, 0]}, "sweep.seeds: seeds must be distinct"),
+    ('"algorithm.batch_size" = { low = 4, high = 64, step = 0.5, integer = true }', {},
+     "space.algorithm.batch_size: integer = true needs whole low, high and step"),
     ('"algorithm.lr" = { values = [0.1] }', {"set": {"foo.bar": 1}}, "sweep.set.foo.bar: makes the sweep's base"),
 ])
 def test_bad_sweep_files_name_the_field(tmp_path: Path, capsys, space: str, extra: dict, message: str) -> None:
@@ -123,6 +127,14 @@ def test_bad_sweep_files_name_the_field(tmp_path: Path, capsys, space: str, extr
     assert main(["sweep", str(path), "--out", str(out)]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_section_that_is_not_a_table_is_named(tmp_path: Path) -> None:
+    """A helper's review: ``space = 3`` gave an AttributeError traceback."""
+    path = tmp_path / "sweep.toml"
+    path.write_text('space = 3\n[sweep]\nconfig = "base.toml"\n')
+    with pytest.raises(ConfigError, match="space: must be a table"):
+        load_sweep(path)
 
 
 @pytest.mark.parametrize(("where", "message"), [

@@ -46,12 +46,13 @@ from decentdp.errors import ConfigError, DecentDPError
 from decentdp.results.files import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, write_atomic
 
 #: Fields that never define a group: the seed (what a group averages over), labels, where data was
-#: read from, how often the run evaluated or checkpointed (``decentdp.config.RECORDING_FIELDS``, spelled out so
-#: that a report imports no torch), and how it computed (``engine.*`` changes results only by floating-point
-#: rounding).
+#: read from and a secure run's keys kept, how often the run evaluated or checkpointed
+#: (``decentdp.config.RECORDING_FIELDS``, spelled out so that a report imports no torch), where it logged
+#: (``tracking.*``), and how it computed (``engine.*`` changes results only by floating-point rounding, and
+#: ``engine.noise_streams`` by another draw of the same noise).
 IGNORED_FIELDS = ("experiment.seed", "experiment.name", "experiment.eval_every", "experiment.checkpoint_every",
-                  "data.data_dir")
-IGNORED_SECTIONS = ("engine.",)
+                  "data.data_dir", "privacy.key_dir")
+IGNORED_SECTIONS = ("engine.", "tracking.")
 
 #: Fields shown first when several could label the groups, in this order; the rest follow by name.
 PRIORITY_FIELDS = ("algorithm.name", "privacy.epsilon", "topology.graph", "topology.fiedler", "data.overlap_t",

@@ -71,7 +71,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from decentdp.algorithms import algorithm_class
 from decentdp.errors import ConfigError, DecentDPError
@@ -131,6 +131,9 @@ class Dimension(BaseModel):
                 raise ValueError("a log range needs low > 0")
             if self.log and self.step is not None:
                 raise ValueError("log and step cannot be combined")
+            if self.integer and not all(float(v).is_integer() for v in (self.low, self.high, self.step or 1)):
+                raise ValueError(f"integer = true needs whole low, high and step (got {self.low}, {self.high}, "
+                                 f"{self.step})")
         return self
 
     def grid(self) -> list[Any]:
@@ -183,6 +186,15 @@ class SweepSection(BaseModel):
     trials: int | None = Field(None, ge=1)
     workers: int = Field(1, ge=1)
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+
+    @field_validator("seeds")
+    @classmethod
+    def _distinct_seeds(cls, seeds: list[int]) -> list[int]:
+        """Every seed a trial trains on is valid and counted once (the first alone was checked before: a
+        helper's review, where seeds = [0, -1] failed every trial)."""
+        if any(not 0 <= seed < 2**63 for seed in seeds) or len(set(seeds)) != len(seeds):
+            raise ValueError(f"seeds must be distinct whole numbers in [0, 2**63), got {seeds}")
+        return seeds
     objective: str = "accuracy_mean"
     direction: Literal["maximize", "minimize"] = "maximize"
     validation_fraction: float = Field(0.1, gt=0.0, le=0.5)
@@ -308,6 +320,9 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), trials: int | No
     unknown = sorted(set(raw) - {"sweep", "space"})
     if unknown:
         raise ConfigError(unknown[0], "unknown section of a sweep file; allowed: [sweep], [space]")
+    for table in ("sweep", "space"):
+        if not isinstance(raw.get(table, {}), dict):
+            raise ConfigError(table, f"must be a table ([{table}]), got {type(raw[table]).__name__}")
     try:
         section = SweepSection.model_validate(raw.get("sweep", {}))
     except ValidationError as exc:
