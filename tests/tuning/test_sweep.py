@@ -20,7 +20,7 @@ from decentdp.errors import ConfigError
 from decentdp.experiment.loop import run_experiment
 from decentdp.tuning.sweep import load_sweep, trial_objectives
 
-from conftest import tiny_config
+from conftest import fake_run, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -458,6 +458,23 @@ def test_a_personalized_base_is_refused_with_the_way_to_tune_it(tmp_path: Path) 
     with pytest.raises(ConfigError) as error:
         load_sweep(path)
     assert error.value.field == "sweep.config" and "personalized.validation" in error.value.message
+
+
+def test_a_finished_folder_lends_its_score_only_to_the_trial_it_ran(tmp_path: Path) -> None:
+    """A helper's review: a finished folder was reused whatever config it had run, so a folder left by another
+    study gave its score to a trial of other values.  The same config (up to where it logged) is reused."""
+    import os
+
+    from decentdp.config import validate_config
+    from decentdp.tuning.sweep import run_trial
+
+    raw = tiny_config(algorithm={"lr": 0.3})
+    fake_run(tmp_path / "trial", 0.625, algorithm={"lr": 0.3})
+    same = validate_config(raw).to_toml_dict()
+    assert run_trial([same], [str(tmp_path / "trial")], "accuracy_mean", os.getppid()) == {"value": 0.625}
+    other = validate_config(tiny_config(algorithm={"lr": 0.1})).to_toml_dict()
+    result = run_trial([other], [str(tmp_path / "trial")], "accuracy_mean", os.getppid())
+    assert "holds a finished run of another config (it differs in algorithm.lr)" in result["error"]
 
 
 def test_a_damaged_study_is_named_and_left_alone(tmp_path: Path, capsys) -> None:

@@ -552,6 +552,7 @@ def run_trial(raw_configs: list[dict[str, Any]], folders: list[str], objective: 
             path = Path(folder)
             summary_file = path / "summary.json"
             if summary_file.is_file():
+                _check_finished_is_this_trial(path, validate_config(raw))
                 summary = json.loads(summary_file.read_text())
             else:
                 resume = (path / CHECKPOINT_FILE).is_file()
@@ -568,6 +569,23 @@ def run_trial(raw_configs: list[dict[str, Any]], folders: list[str], objective: 
     except DecentDPError as error:
         return {"error": str(error)}
     return {"value": sum(values) / len(values)}
+
+
+def _check_finished_is_this_trial(path: Path, config: Any) -> None:
+    """Refuse to take a finished folder's score for a trial it did not run (a helper's review: a folder left by
+    another study would lend its score to this trial's values): its resolved config must be the trial's, up to
+    where it computed, logged or recorded."""
+    from decentdp.config import PLACEMENT_FIELDS, RECORDING_FIELDS, config_differences, validate_config
+
+    try:
+        saved = validate_config(tomllib.loads((path / "config.toml").read_text(encoding="utf-8")))
+    except (OSError, tomllib.TOMLDecodeError, DecentDPError):
+        raise DecentDPError(f"{path} holds a finished run whose config.toml cannot be read: it is not this "
+                            "trial's; move it aside") from None
+    changed = [key for key in config_differences(saved, config) if key not in PLACEMENT_FIELDS + RECORDING_FIELDS]
+    if changed:
+        raise DecentDPError(f"{path} holds a finished run of another config (it differs in {', '.join(changed)}): "
+                            "not this trial's; move it aside")
 
 
 def _nested(raw: dict[str, Any], tracking: tuple[Any, str] | None) -> dict[str, Any]:
@@ -626,9 +644,10 @@ class SweepRunner:
                 self.study.set_user_attr(SPEC_ATTR, sweep.spec())
         except SQLAlchemyError as exc:  # a crash or a full disk mid-write: say so, touch nothing
             reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
-            raise ConfigError("--out", f"{out / STUDY_FILE} is damaged ({reason}); move it aside and run the same "
-                                       "command again: the finished trials' folders under trials/ are kept and "
-                                       "reused") from None
+            raise ConfigError("--out", f"{out / STUDY_FILE} is damaged ({reason}); the sweep cannot resume: start it "
+                                       "again with another --out (the trials' folders under trials/ keep their "
+                                       "results; a private selection started again draws K and its noise afresh, "
+                                       "a new selection whose epsilon composes with this one's)") from None
         self.total = sweep.trials if sweep.private is None else self._private_trials()
         self.rng = os_generator() if sweep.private is not None else None  # the scores' noise
         # A resumed sweep seeds its sampler afresh (the seed and the trials so far), so that it does not
