@@ -76,6 +76,21 @@ def test_seeds_names_and_engine_settings_do_not_split_groups(tmp_path: Path) -> 
     assert len(report.rows) == 1 and report.rows[0]["n"] == 2
 
 
+def test_runs_that_share_a_seed_are_named_and_refused_for_a_paired_difference(tmp_path: Path) -> None:
+    """A helper's review: copies of one run (or a sweep's repeated values) read as two seeds, and --paired kept one
+    of them silently."""
+    fake_run(tmp_path / "a", 0.7, seed=0)
+    fake_run(tmp_path / "copy", 0.7, seed=0)
+    fake_run(tmp_path / "b", 0.8, seed=0, algorithm={"lr": 0.3})
+    report = build_report(find_runs([tmp_path / "a", tmp_path / "copy", tmp_path / "b"])[0])
+    assert "share a seed, each counted as a run of its own" in markdown(report)
+    assert str(tmp_path / "copy") in markdown(report)
+    with pytest.raises(ConfigError, match="share one seed in one group"):
+        build_report(find_runs([tmp_path / "a", tmp_path / "copy", tmp_path / "b"])[0], paired="algorithm.lr=0.3")
+    single = build_report(find_runs([tmp_path / "a", tmp_path / "b"])[0])
+    assert "share a seed" not in markdown(single)
+
+
 def test_where_a_run_logs_or_keeps_its_keys_does_not_split_groups(tmp_path: Path) -> None:
     """A helper's review: two seeds of one setting came out as four rows, keyed by tracking and key_dir.  Every
     placement field (where a run computes or logs) is ignored, as is privacy.key_dir."""

@@ -552,6 +552,9 @@ def add_paired_differences(rows: Sequence[dict[str, Any]], groups: Sequence[Grou
     if not references:
         present = sorted({_value_text(group.runs[0].fields.get(name)) for group in groups})
         raise ConfigError("--paired", f"no run has {name} = {text}; its values here: {', '.join(present)}")
+    for paths in repeated_seeds(groups):
+        raise ConfigError("--paired", f"{', '.join(map(str, paths))} share one seed in one group: a paired "
+                                      "difference needs one run per seed (report the copies apart)")
     for row, group in zip(rows, groups, strict=True):
         reference = references.get(tuple(group.key[fields.index(other)] for other in matched))
         by_seed = {run.seed: float(run.summary[metric]) for run in reference.runs} if reference is not None else {}
@@ -562,6 +565,18 @@ def add_paired_differences(rows: Sequence[dict[str, Any]], groups: Sequence[Grou
         mean, std = _mean_std(differences)
         row.update(paired_difference=mean, paired_std=std, paired_ahead=sum(d > 0 for d in differences),
                    paired_seeds=len(differences))
+
+
+def repeated_seeds(groups: Sequence[Group]) -> list[list[Path]]:
+    """The folders of runs of one group that share a seed (copies of a run, a sweep's repeated draws): each
+    counts as a run of its own, which a table says (a helper's review: they read as seeds)."""
+    repeats = []
+    for group in groups:
+        by_seed: dict[int, list[Path]] = {}
+        for run in group.runs:
+            by_seed.setdefault(run.seed, []).append(run.path)
+        repeats += [paths for paths in by_seed.values() if len(paths) > 1]
+    return repeats
 
 
 def _scale(metric: str) -> float:
@@ -638,6 +653,11 @@ def markdown(report: Report) -> str:
                      "in these rows.")
     if implied:
         lines.append(f"Also differing, set by the columns above: {', '.join(implied)} (all values in the CSV).")
+    repeats = repeated_seeds(report.groups)
+    if repeats:
+        shown = "; ".join(", ".join(map(str, paths)) for paths in repeats[:3])
+        lines.append(f"Runs of one setting that share a seed, each counted as a run of its own (copies, or a sweep's "
+                     f"repeated values): {shown}{f'; {len(repeats) - 3} more' if len(repeats) > 3 else ''}.")
     if paper:
         lines.append(f"Paper values: {report.paper_source}.")
     return "\n".join(lines) + "\n"
