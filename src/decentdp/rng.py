@@ -396,7 +396,7 @@ def edge_key(own: int, own_key: bytes, peer: int, peer_public: bytes) -> bytes:
     return _derive(shared, f"decentdp/edge/{_edge_field(own, peer)}")
 
 
-def _hardened_normals(u: np.ndarray, dim: int) -> np.ndarray:
+def hardened_normals(u: np.ndarray, dim: int) -> np.ndarray:
     """``dim`` normals from ``4 dim`` uniforms: the sum of four Box-Muller normals over two (Holohan & Braghin
     2021, as in Opacus's secure mode; see :meth:`SecureRandom.normal`)."""
     radius = np.sqrt(-2.0 * np.log1p(-u[: 2 * dim]))  # 1 - u lies in (0, 1]: the log is finite
@@ -469,7 +469,7 @@ class SecureRandom(AgentRandom):
         out = torch.empty(len(edges), dim, dtype=dtype, device=self.device)
         for row, (i, j) in enumerate(edges):
             raw = _keystream(self.edge_secret(i, j), _nonce(round_index, Stream.NOISE, step, None), 32 * dim)
-            out[row].copy_(torch.from_numpy(_hardened_normals(_uniform53(raw, 4 * dim), dim)))
+            out[row].copy_(torch.from_numpy(hardened_normals(_uniform53(raw, 4 * dim), dim)))
         return out
 
     def _uniforms(self, agent: int, count: int, round_index: int, stream: Stream, step: int,
@@ -515,7 +515,7 @@ class SecureRandom(AgentRandom):
         per_value = 1 if uniform else 4
         for row, (agent, slot) in enumerate(zip(agents, keys, strict=True)):
             u = self._uniforms(int(agent), per_value * dim, round_index, stream, step, slot)
-            values = u if uniform else _hardened_normals(u, dim)
+            values = u if uniform else hardened_normals(u, dim)
             out[row].copy_(torch.from_numpy(values))
         return out
 

@@ -783,7 +783,7 @@ class SweepRunner:
 
     def _noisy_score(self, trial: Any) -> float:
         """The score a private selection releases for a finished trial: its mean over agents (and seeds) of
-        correct validation predictions plus ``N(0, score_noise^2)`` drawn with OS randomness, stored in the
+        correct validation predictions plus ``N(0, score_noise^2)`` drawn with OS randomness (hardened), stored in the
         trial as ``noisy_correct``; returned as a noisy accuracy (divided by the public validation size).
 
         Sensitivity 1: every agent's model is scored on the same pooled validation set
@@ -792,6 +792,8 @@ class SweepRunner:
         hence their mean, by at most 1 (and the mean over seeds by at most 1), and moves no other record.
         A record in an agent's training data reaches the score only through the
         trained models, which the trial's own ledger covers (see :meth:`selection`)."""
+        from decentdp.rng import hardened_normals
+
         assert self.sweep.private is not None and self.rng is not None
         correct, sizes = [], []
         for folder in self.seed_folders(Path(trial.user_attrs["folder"])):
@@ -799,7 +801,10 @@ class SweepRunner:
             size = _validation_size(folder)
             correct.append(accuracy * size)
             sizes.append(size)
-        noisy = sum(correct) / len(correct) + float(self.rng.normal(0.0, self.sweep.private.score_noise))
+        # the hardened sampler secure noise uses (a sum of Box-Muller draws), not numpy's ziggurat: a naive
+        # floating-point Gaussian's gaps can reveal the value it was added to (Mironov 2012; a helper's review)
+        noise = float(hardened_normals(self.rng.random(4), 1)[0])
+        noisy = sum(correct) / len(correct) + self.sweep.private.score_noise * noise
         trial.set_user_attr("noisy_correct", noisy)
         return noisy / (sum(sizes) / len(sizes))
 
