@@ -456,6 +456,20 @@ def test_secure_noise_is_sharded_too() -> None:
     assert _histories(merged) == _histories(reference.ledger)
 
 
+def test_the_blueprint_every_worker_receives_holds_no_key() -> None:
+    """What the Ray engine serialises for its workers (``_without_keys``) holds none of a secure run's agent keys,
+    and the run keeps them afterwards (a helper's review: untested)."""
+    from decentdp.runtime.distributed.ray_backend import _without_keys
+
+    _, experiment = _config("dp-dsgd", 4, "privacy.noise=secure")
+    keys = experiment.oracle.rng.keys
+    secrets_held = [keys.key(agent) for agent in keys.agent_ids]
+    blob = _without_keys(experiment.simulator, pickle.dumps)
+    assert not any(secret in blob for secret in secrets_held)
+    assert experiment.oracle.rng.keys is keys  # put back
+    assert any(secret in pickle.dumps(experiment.simulator) for secret in secrets_held)  # (the check can fail)
+
+
 def test_the_iterate_average_is_sharded_with_the_agents() -> None:
     """Each shard keeps its agents' averages (``[averaging]``): merged, they are the simulator's."""
     rounds = 5
