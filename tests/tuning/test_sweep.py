@@ -175,6 +175,7 @@ LR = '"algorithm.lr" = { low = 0.05, high = 0.5, log = true }\n'
     ({"private": {**PRIVATE, "distribution": "uniform"}}, "sweep.private.distribution"),
     ({"private": {**PRIVATE, "distribution": "poisson"}}, "sweep.private.eta: is a parameter of the negative-binomial"),
     ({"private": {**PRIVATE, "trials": 3}}, "sweep.private.trials"),
+    ({"sampler_seed": 3}, "sweep.sampler_seed: a private selection draws its trials' values from OS randomness"),
     ({"objective": "consensus_distance"}, "sweep.objective: private selection scores trials"),
     ({"selection": "best"}, "sweep.private: is used only with selection = 'private'"),
     ({"validation_split": "exact-count"}, "sweep.validation_split: must be 'per-record' for selection = 'private'"),

@@ -459,6 +459,10 @@ def _check_private(sweep: Sweep, base_config: Any, edge_configs: list[tuple[str,
         field = "sweep.objective" if section.objective != "accuracy_mean" else "sweep.direction"
         raise ConfigError(field, "private selection scores trials by their noisy count of correct validation "
                                  "predictions: objective = 'accuracy_mean', direction = 'maximize'")
+    if "sampler_seed" in section.model_fields_set:
+        raise ConfigError("sweep.sampler_seed", "a private selection draws its trials' values from OS randomness (from "
+                                                "a seed, the released values would say which draw they were): "
+                                                "leave it out")
     if private.distribution == "poisson" and private.eta is not None:
         raise ConfigError("sweep.private.eta", "is a parameter of the negative-binomial distribution, not poisson")
     if private.distribution == "negative-binomial" and not private.mean_trials > 1:
