@@ -241,23 +241,21 @@ class RoundPlan:
     never reads a value back from the device."""
 
     active: torch.Tensor
+    active_by_id: torch.Tensor
+    active_by_id_on_host: np.ndarray
     partner: torch.Tensor | None = None
     active_on_host: np.ndarray | None = None
     partner_on_host: np.ndarray | None = None
-    active_by_id: torch.Tensor | None = None
-    active_by_id_on_host: np.ndarray | None = None
 
     @property
     def everyone_active(self) -> bool:
         """Whether every agent of the run is active, on every process alike (a shard deciding from its own
         agents alone would take another branch than its peers, and their exchanges would not meet)."""
-        mask = (self.active_by_id_on_host if self.active_by_id_on_host is not None else
-                self.active_on_host if self.active_on_host is not None else self.active.cpu())
-        return bool(mask.all())
+        return bool(self.active_by_id_on_host.all())
 
-    def neighbour_active(self, ids: torch.Tensor, network: Network) -> torch.Tensor:
+    def neighbour_active(self, ids: torch.Tensor) -> torch.Tensor:
         """Whether the agents of global ``ids`` (neighbours, on any process) are active this round."""
-        return self.active_by_id[ids] if self.active_by_id is not None else self.active[network.rows(ids)]
+        return self.active_by_id[ids]
 
 
 @dataclass(frozen=True)

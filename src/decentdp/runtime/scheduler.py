@@ -76,9 +76,9 @@ class Scheduler:
             partner = self._pair(online, draws, network)
             self.previous_partner = partner
         rows, _ = self._graph(network)
-        return RoundPlan(self._to_device(online[rows]), None if partner is None else self._to_device(partner[rows]),
-                         active_on_host=online[rows], partner_on_host=None if partner is None else partner[rows],
-                         active_by_id=self._to_device(online), active_by_id_on_host=online)
+        return RoundPlan(self._to_device(online[rows]), self._to_device(online), online,
+                         partner=None if partner is None else self._to_device(partner[rows]),
+                         active_on_host=online[rows], partner_on_host=None if partner is None else partner[rows])
 
     def _to_device(self, values: np.ndarray) -> torch.Tensor:
         """A host array on the engine's device, without waiting for the device's queue (the source is

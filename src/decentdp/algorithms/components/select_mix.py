@@ -110,7 +110,7 @@ class SelectMix(Algorithm):
         other = received.index_select(0, index.index_select(0, chosen))
         if plan is None:
             return other, torch.ones(net.n_agents, dtype=torch.bool, device=x.device)
-        sender_online = plan.neighbour_active(net.in_edges[chosen, 0], net)  # an offline neighbour sends nothing
+        sender_online = plan.neighbour_active(net.in_edges[chosen, 0])  # an offline neighbour sends nothing
         return torch.where(sender_online[:, None], other, x), plan.active & sender_online
 
     def noisy_step(self, x: torch.Tensor, ctx: RoundContext, paired: torch.Tensor) -> torch.Tensor:
