@@ -689,6 +689,9 @@ UNSUPPORTED = {
     "custom-parameter-free": (lambda: nn.Sequential(nn.Flatten(), Doubling(), nn.Linear(4, 2)), "Doubling"),
     "embedding-max-norm": (lambda: nn.Sequential(nn.Embedding(4, 2, max_norm=1.0), nn.Flatten(), nn.Linear(2, 2)),
                            "max_norm"),
+    # torch divides each token's gradient by its count in the whole batch: a cross-sample effect
+    "embedding-scale-grad-by-freq": (lambda: nn.Sequential(nn.Embedding(4, 2, scale_grad_by_freq=True), nn.Flatten(),
+                                                           nn.Linear(2, 2)), "scale_grad_by_freq"),
     "buffers": (_with_buffer, "offset"),
     "inplace-activation": (lambda: nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.ReLU(inplace=True),
                                                  nn.Linear(4, 2)), "in place"),
@@ -777,3 +780,50 @@ def test_a_clipped_float32_gradient_stays_within_the_clip_norm() -> None:
     for clip in (0.1, 1.0, 10.0):  # one sample per "agent": each sum is one clipped gradient
         totals, _ = clipped_sum(per_sample, torch.ones(64, 1), clip)
         assert (totals.double().norm(dim=1) <= clip).all()
+
+
+def test_the_flat_path_sums_norms_in_float64() -> None:
+    """A float32 sum of many equal squares falls short of the true norm by far more than the clipping margin
+    (a reviewer measured clipped vectors of 4M equal entries at 1.0027 C, and ResNet-9 samples on the vmap
+    engine at 1.0004 C)."""
+    from decentdp.gradients.clipping import clipped_sum
+
+    for value in (0.3, 0.7, 1.1):  # float32 norms of 1M such entries clipped to 1.00008-1.0007 C
+        per_sample = torch.full((1, 1, 1_000_000), value)
+        totals, _ = clipped_sum(per_sample, torch.ones(1, 1), 1.0)
+        assert float(totals.double().norm()) <= 1.0
+
+
+def _cancelling_ghost_conv(delta: float) -> nn.Sequential:
+    """A conv that takes the ghost rule (16 positions, 576 x 64 weights) under a classifier whose weights
+    alternate in sign over the positions, so a constant image's per-position terms ``g_t a_t^T`` cancel to
+    ``16 delta`` of their size: the true gradient is tiny and the float32 ghost norm all rounding."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(64, 64, 3), nn.Flatten(), nn.Linear(64 * 16, 2))
+    with torch.no_grad():
+        model[0].weight.mul_(1e-3)
+        model[0].bias.zero_()
+        signs = torch.ones(16)
+        signs[1::2] = -1
+        model[2].weight.copy_((torch.randn(2, 64, 1) * (signs + delta)).reshape(2, 64 * 16))
+    return model
+
+
+@pytest.mark.parametrize("delta", [1e-2, 1e-3, 3e-4])
+def test_a_ghost_norm_bounds_the_computed_gradient_when_positions_cancel(delta: float) -> None:
+    """Each agent holds one sample, so its clipped sum is that sample's contribution: at most C, however the
+    per-position terms cancel.  With float32 grams a reviewer's crafted record reached 22 C at delta = 3e-4
+    (the ghost norm rounded to zero, so the sample went in unclipped)."""
+    template = _cancelling_ghost_conv(delta)
+    assert StackedConv2d(template[0])._cost_ghost_over_materialised(16) < 1.0  # the ghost rule is what runs
+    model = gradient_model(template, classification_loss, "stacked")
+    agents = 8
+    params = model.initial_parameters().repeat(agents, 1)
+    x = torch.ones(agents, 1, 64, 6, 6) * torch.linspace(1, 50, agents).view(agents, 1, 1, 1, 1)
+    y = torch.zeros(agents, 1, dtype=torch.long)
+    sums, norms = model.clipped_gradient_sums(params, x, y, torch.ones(agents, 1), 1.0)
+    assert float(sums.double().norm(dim=1).max()) <= 1.0
+    exact = FlatModel(template, classification_loss)
+    _, true_norms = exact.clipped_gradient_sums(params.double(), x.double(), y, torch.ones(agents, 1,
+                                                                                          dtype=torch.float64), 1.0)
+    assert (norms.double() >= true_norms * (1 - 1e-6)).all()  # a bound, never the rounded-down norm

@@ -31,6 +31,16 @@ before the norm is taken (``copies = K``).  For the rules above the copies are j
 of one sample: the ghost norms run over ``K * T`` positions, and the materialised per-sample
 gradients are summed over the copies.
 
+**Rounding.** Norms are summed in float64.  A ghost norm subtracts large terms when a sample's
+per-position terms ``g_t a_t^T`` nearly cancel, and the weighted pass then sums those same large terms
+in the parameters' precision, so the vector it computes can be far longer than the true, tiny gradient
+(a crafted record reached 22 C through float32 grams).  The ghost rules therefore return a certified
+upper bound instead of the norm: the float64 grams' rounding error is at most ``gamma_n S^2`` and the
+weighted pass's at most ``gamma_{K T} S`` (``S = sum_t ||a_t|| ||g_t||``, ``gamma_n ~ n u``, the
+classical bound for a sum of ``n`` products in any order; Higham 2002, Sec. 3.1), both added with a
+factor 2 to spare (:func:`_ghost_bound`).  For the other rules the clipped vector is the tensor whose
+norm was taken, or one product per entry.
+
 The per-sample results are checked against one-sample-at-a-time autograd in
 ``tests/gradients/test_layers.py`` for every layer type, with property-based shapes.
 """
@@ -44,6 +54,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from decentdp.gradients.clipping import squared_norms
 
 Tensor = torch.Tensor
 
@@ -64,9 +76,43 @@ def _sample_chunks(total: int, bytes_per_sample: int) -> list[slice]:
     return [slice(start, min(total, start + step)) for start in range(0, total, step)]
 
 
-def _sq_norm(tensor: Tensor, dims: tuple[int, ...]) -> Tensor:
-    """Squared l2 norm over ``dims`` in one fused reduction (no squared temporary)."""
-    return torch.linalg.vector_norm(tensor, 2, dim=dims).square()
+def _sq_norm(tensor: Tensor, trailing: int) -> Tensor:
+    """Squared l2 norm over the last ``trailing`` dimensions, summed in float64 (float64 result)."""
+    return squared_norms(tensor, trailing)
+
+
+def _rows_norms(tensor: Tensor) -> Tensor:
+    """The float64 l2 norm of each vector along the last dimension."""
+    return torch.linalg.vector_norm(tensor, 2, dim=-1, dtype=torch.float64)
+
+
+def _ghost_bound(ghost: Tensor, scale: Tensor, gram_length: int, positions: int, dtype: torch.dtype) -> Tensor:
+    """A certified upper bound on the squared norm of the weight gradient the weighted pass computes for a
+    sample (module docstring, "Rounding").
+
+    ``ghost`` is ``sum_{t,t'} (a_t . a_t')(g_t . g_t')`` from float64 grams whose dot products have
+    ``gram_length`` terms, over ``positions`` positions; ``scale`` is ``S = sum_t ||a_t|| ||g_t||``.  Then
+    ``||G||^2 <= ghost + 2 (gram_length + positions^2 + 2) u64 S^2`` and the computed vector is at most
+    ``2 (positions + 2) u S`` longer than ``G`` (``u`` the unit roundoff of ``dtype``).
+    """
+    gram_rounding = 2 * (gram_length + positions * positions + 2) * _unit_roundoff(torch.float64) * scale.square()
+    return ((ghost.clamp(min=0.0) + gram_rounding).sqrt() + _sum_rounding(scale, positions, dtype)).square()
+
+
+def _summed_bias_bound(computed_sq: Tensor, scale: Tensor, positions: int, dtype: torch.dtype) -> Tensor:
+    """A certified upper bound on the squared norm of a bias gradient ``sum_t g_t`` that the norm pass and
+    the weighted pass each sum on their own in ``dtype``: the computed norm plus both sums' rounding
+    (``scale = sum_t ||g_t||``)."""
+    return (computed_sq.clamp(min=0.0).sqrt() + 2 * _sum_rounding(scale, positions, dtype)).square()
+
+
+def _sum_rounding(scale: Tensor, positions: int, dtype: torch.dtype) -> Tensor:
+    """Twice the classical bound ``gamma_{positions+2} S`` on the rounding of ``sum_t g_t a_t^T`` in ``dtype``."""
+    return 2 * (positions + 2) * _unit_roundoff(dtype) * scale
+
+
+def _unit_roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2
 
 
 def _agent_weighted_sums(weights: Tensor, per_sample: Sequence[Tensor], out: Sequence[Tensor]) -> None:
@@ -179,19 +225,22 @@ class StackedLinear(ParamLayer):
         a = saved.reshape(n_agents, batch, -1, saved.shape[-1])       # (N, B, K * T, in): copies are positions
         g = grad_out.reshape(n_agents, batch, -1, grad_out.shape[-1])  # (N, B, K * T, out)
         positions, p, q = a.shape[2], a.shape[3], g.shape[3]
-        bias_sq = _sq_norm(g.sum(dim=2), (2,)) if self.bias else 0.0
+        bias_sq = _sq_norm(g.sum(dim=2), 1) if self.bias else 0.0
         if positions == 1:  # ||g a^T||_F = ||g|| ||a||
-            return _sq_norm(a, (2, 3)) * _sq_norm(g, (2, 3)) + bias_sq, None
-        if positions * (p + q) < p * q:  # ghost norm: sum_{t,t'} (a_t . a_t')(g_t . g_t')
-            sq = torch.empty(n_agents, batch, dtype=g.dtype, device=g.device)
-            for rows in _sample_chunks(batch, n_agents * positions * positions * 8):
-                gram_a = a[:, rows] @ a[:, rows].transpose(-1, -2)
-                gram_g = g[:, rows] @ g[:, rows].transpose(-1, -2)
-                sq[:, rows] = (gram_a * gram_g).sum(dim=(-1, -2))
+            return _sq_norm(a, 2) * _sq_norm(g, 2) + bias_sq, None
+        if positions * (p + q) < p * q:  # ghost norm: sum_{t,t'} (a_t . a_t')(g_t . g_t'), a certified bound
+            sq = torch.empty(n_agents, batch, dtype=torch.float64, device=g.device)
+            for rows in _sample_chunks(batch, n_agents * positions * (16 * positions + 8 * (p + q))):
+                a64, g64 = a[:, rows].double(), g[:, rows].double()
+                ghost = ((a64 @ a64.transpose(-1, -2)) * (g64 @ g64.transpose(-1, -2))).sum(dim=(-1, -2))
+                scale = (_rows_norms(a64) * _rows_norms(g64)).sum(dim=-1)
+                sq[:, rows] = _ghost_bound(ghost, scale, max(p, q), positions, g.dtype)
+            if self.bias:
+                bias_sq = _summed_bias_bound(bias_sq, _rows_norms(g).sum(dim=-1), positions, g.dtype)
             return sq + bias_sq, None
         weight = torch.einsum("nbto,nbti->nboi", g, a)
         per_sample = [weight, g.sum(dim=2)] if self.bias else [weight]
-        return _sq_norm(weight, (2, 3)) + bias_sq, per_sample
+        return _sq_norm(weight, 2) + bias_sq, per_sample
 
     def _weighted_from_activations(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
                                    out: Sequence[Tensor]) -> None:
@@ -269,13 +318,14 @@ class StackedConv2d(ParamLayer):
         return full.reshape(self.in_channels, samples, self.out_channels, *self.kernel).permute(1, 2, 0, 3, 4)
 
     def _ghost_sq_norms(self, a: Tensor, g: Tensor, copies: int) -> Tensor:
-        """Squared norms of ``len(a) // copies`` samples, each ``copies`` consecutive rows of ``a`` and ``g``."""
+        """Certified upper bounds (:func:`_ghost_bound`) on the squared weight-gradient norms of
+        ``len(a) // copies`` samples, each ``copies`` consecutive rows of ``a`` and ``g``."""
         patches = _copies_as_positions(F.unfold(a, self.kernel, self.dilation, self.padding, self.stride),
-                                       copies)                                      # (S, p, K * T)
-        outputs = _copies_as_positions(g.reshape(g.shape[0], self.out_channels, -1), copies)  # (S, q, K * T)
-        gram_a = patches.transpose(1, 2) @ patches
-        gram_g = outputs.transpose(1, 2) @ outputs
-        return (gram_a * gram_g).sum(dim=(1, 2))
+                                       copies).double()                             # (S, p, K * T)
+        outputs = _copies_as_positions(g.reshape(g.shape[0], self.out_channels, -1), copies).double()  # (S, q, K*T)
+        ghost = ((patches.transpose(1, 2) @ patches) * (outputs.transpose(1, 2) @ outputs)).sum(dim=(1, 2))
+        scale = (_rows_norms(patches.transpose(1, 2)) * _rows_norms(outputs.transpose(1, 2))).sum(dim=1)
+        return _ghost_bound(ghost, scale, max(patches.shape[1], outputs.shape[1]), patches.shape[2], g.dtype)
 
     def per_sample_sq_norms(self, saved: Tensor, grad_out: Tensor,
                             copies: int = 1) -> tuple[Tensor, list[Tensor] | None]:
@@ -285,13 +335,17 @@ class StackedConv2d(ParamLayer):
         g = grad_out.reshape(samples * copies, *grad_out.shape[2:])
         positions = copies * g.shape[2] * g.shape[3]
         bias = g.sum(dim=(2, 3)).view(samples, copies, self.out_channels).sum(dim=1) if self.bias else None
-        bias_sq = bias.pow(2).sum(dim=1).view(n_agents, batch) if bias is not None else 0.0
+        bias_sq = _sq_norm(bias, 1).view(n_agents, batch) if bias is not None else 0.0
         if self._cost_ghost_over_materialised(positions) < 1.0:
-            sq = torch.empty(samples, dtype=g.dtype, device=g.device)
-            patch_bytes = 4 * positions * self.in_channels * self.kernel[0] * self.kernel[1]
-            for rows in _sample_chunks(samples, 8 * positions * positions + patch_bytes):
+            sq = torch.empty(samples, dtype=torch.float64, device=g.device)
+            patch_bytes = 12 * positions * (self.in_channels * self.kernel[0] * self.kernel[1] + self.out_channels)
+            for rows in _sample_chunks(samples, 16 * positions * positions + patch_bytes):
                 copy_rows = slice(rows.start * copies, rows.stop * copies)
                 sq[rows] = self._ghost_sq_norms(a[copy_rows], g[copy_rows], copies)
+            if bias is not None:
+                scale = _rows_norms(_copies_as_positions(g.reshape(len(g), self.out_channels, -1), copies)
+                                    .transpose(1, 2)).sum(dim=1)
+                bias_sq = _summed_bias_bound(bias_sq, scale.view(n_agents, batch), positions, g.dtype)
             return sq.view(n_agents, batch) + bias_sq, None
         weight = torch.empty(samples, self.out_channels, self.in_channels, *self.kernel, dtype=g.dtype,
                              device=g.device)
@@ -300,7 +354,7 @@ class StackedConv2d(ParamLayer):
             copy_rows = slice(rows.start * copies, rows.stop * copies)
             per_copy = self._per_sample_weights(a[copy_rows], g[copy_rows])
             weight[rows] = per_copy if copies == 1 else per_copy.view(-1, copies, *weight.shape[1:]).sum(dim=1)
-        sq = _sq_norm(weight, (1, 2, 3, 4))
+        sq = _sq_norm(weight, 4)
         per_sample = [weight.view(n_agents, batch, *weight.shape[1:])]
         if bias is not None:
             per_sample.append(bias.view(n_agents, batch, self.out_channels))
@@ -351,7 +405,7 @@ class StackedGroupNorm(ParamLayer):
     def per_sample_sq_norms(self, saved: Tensor, grad_out: Tensor,
                             copies: int = 1) -> tuple[Tensor, list[Tensor] | None]:
         per_sample = [_sum_copies(grad, copies) for grad in self._per_sample(saved, grad_out)]
-        return sum(grad.pow(2).sum(dim=2) for grad in per_sample), per_sample
+        return sum(_sq_norm(grad, 1) for grad in per_sample), per_sample
 
     def _weighted_from_activations(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
                                    out: Sequence[Tensor]) -> None:
@@ -367,8 +421,8 @@ class StackedEmbedding(ParamLayer):
     """``nn.Embedding`` (dense gradients, no ``max_norm``): one table per agent."""
 
     def __init__(self, module: nn.Embedding) -> None:
-        if module.max_norm is not None or module.sparse:
-            raise Unsupported("Embedding with max_norm or sparse gradients")
+        if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
+            raise Unsupported("Embedding with max_norm, sparse gradients or scale_grad_by_freq")
         self.padding_idx = module.padding_idx
         self.vocabulary = module.num_embeddings
         self.param_names = ("weight",)
@@ -396,10 +450,13 @@ class StackedEmbedding(ParamLayer):
         tokens = saved.reshape(n_agents, batch, -1)  # (N, B, K * T): copies are positions
         g = self._active(saved, grad_out).reshape(n_agents, batch, tokens.shape[2], -1)
         positions = tokens.shape[2]
-        sq = torch.empty(n_agents, batch, dtype=g.dtype, device=g.device)
-        for rows in _sample_chunks(batch, n_agents * positions * positions * 8):
-            same = (tokens[:, rows, :, None] == tokens[:, rows, None, :]).to(g.dtype)
-            sq[:, rows] = (same * (g[:, rows] @ g[:, rows].transpose(-1, -2))).sum(dim=(-1, -2))
+        sq = torch.empty(n_agents, batch, dtype=torch.float64, device=g.device)
+        for rows in _sample_chunks(batch, n_agents * positions * (16 * positions + 8 * g.shape[-1])):
+            g64 = g[:, rows].double()
+            same = (tokens[:, rows, :, None] == tokens[:, rows, None, :]).double()
+            ghost = (same * (g64 @ g64.transpose(-1, -2))).sum(dim=(-1, -2))
+            # a one-hot "activation" per position: S = sum_t ||g_t||
+            sq[:, rows] = _ghost_bound(ghost, _rows_norms(g64).sum(dim=-1), g.shape[-1], positions, g.dtype)
         return sq, None
 
     def _weighted_from_activations(self, saved: Tensor, grad_out: Tensor, weights: Tensor,

@@ -231,19 +231,21 @@ class StackedModel(FlatModel):
             output_grads = list(torch.autograd.grad(total, [record.output for record in tape]))
         layers = [(record.layer, record.saved.detach()) for record in tape]
         del tape, logits, total  # the layers' outputs are no longer needed
-        squared = torch.zeros(mask.shape, dtype=params.dtype, device=params.device)
+        # float64 throughout: a layer's squared norm (a certified bound for ghost norms) must not be
+        # rounded down on its way to the clip factor
+        squared = torch.zeros(mask.shape, dtype=torch.float64, device=params.device)
         materialised = []
         for (layer, inputs), grad_out in zip(layers, output_grads, strict=True):
             layer_sq, per_sample = layer.per_sample_sq_norms(inputs, grad_out, copies)
             squared += layer_sq
             materialised.append(per_sample)
-        norms = squared.clamp_(min=0.0).sqrt()  # rounding in a ghost norm can leave a tiny negative
+        norms = squared.sqrt()
         # A row with a non-finite gradient (a real sample, or padding re-reading a bad record) must
         # contribute exactly nothing: its factor, output gradients and inputs are zeroed, since 0 * inf
         # and 0 * NaN are NaN.  Other padding rows have zero output gradients (their loss is masked).
         broken = ~torch.isfinite(norms)
         any_broken = bool(broken.any())
-        factors = torch.where((mask > 0) & ~broken, clip_factors(norms, clip), torch.zeros_like(norms))
+        factors = torch.where((mask > 0) & ~broken, clip_factors(norms, clip), torch.zeros_like(norms)).to(params.dtype)
         sums = torch.empty(params.shape, dtype=params.dtype, device=params.device) if out is None else out
         slots = {id(node.layer): node.slots for node in _param_layers(self.program)}
         keep_copies = ~broken if copies == 1 else (~broken).repeat_interleave(copies, dim=1)
@@ -253,7 +255,7 @@ class StackedModel(FlatModel):
                 per_sample = None if per_sample is None else [_zero_rows(g, ~broken) for g in per_sample]
             targets = [sums[:, s.offset:s.offset + s.numel].view(len(sums), *s.shape) for s in slots[id(layer)]]
             layer.weighted_gradients(inputs, grad_out, factors, per_sample, targets, copies)
-        return sums, norms
+        return sums, norms.to(params.dtype)
 
     def batch_gradients(self, params: Tensor, x: Tensor, y: Tensor, weights: Tensor) -> Tensor:
         with torch.enable_grad():

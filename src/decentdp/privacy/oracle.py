@@ -258,7 +258,9 @@ class DataOracle:
                     if rows.stop - rows.start == 1:
                         raise  # not even one agent's batch fits: a real shortage
                     step = self._smaller_passes(rows.stop - rows.start)
-                    continue  # the same rows again, fewer at a time: each row's sum is its own, so nothing changes
+                    # the same rows again, fewer at a time: each row's sum is its own, equal up to rounding
+                    # (the convolution kernels chosen depend on how many agents share a pass)
+                    continue
                 start = rows.stop
         if self.mechanism is not None:
             self._norms.setdefault(index, []).append((owners, norms, mask))
