@@ -22,6 +22,7 @@ from decentdp.data.personal import PersonalData, bound_features, holdout_masks
 from decentdp.data.synthetic_linear import synthetic_linear
 from decentdp.errors import ConfigError, DataError
 from decentdp.experiment.loop import run_experiment
+from decentdp.personalized.admm import gossip_admm
 from decentdp.personalized.local import (
     CERTIFIED_TOLERANCE,
     LABEL_SHARE,
@@ -108,6 +109,23 @@ def test_the_central_minimiser_finds_the_optimum_of_either_loss():
     best = minimiser(logistic, torch.zeros(12, 6, dtype=torch.float64))
     assert float(objective_gradient(logistic, best).abs().max()) < 1e-6
     assert objective(logistic, best) <= objective(logistic, best + 1e-3 * torch.randn_like(best))
+
+
+def test_gossip_admm_converges_to_the_minimiser_of_q_l_at_mu_not_mu_over_2():
+    """Each edge lies in two agents' local objectives Q_a, so Q_a weighs it by 1/4 W_aj for sum_a Q_a to be Q_L; with
+    specs D.8's 1/2 ADMM converged to argmin Q_L(mu / 2), here 0.34 away from argmin Q_L(mu)."""
+    rng = np.random.default_rng(0)
+    n, p, m = 4, 2, 6
+    owner = np.repeat(np.arange(n), m)
+    x = rng.normal(size=(n * m, p))
+    y = rng.normal(size=n * m) + 2 * owner                  # agents whose targets differ: mu moves the optimum
+    data = PersonalData(x, y, owner, x[:1], y[:1], owner[:1], np.ones((n, n)) - np.eye(n), "regression")
+    problem = build_problem(data, mu=1.0)
+    local = local_models(problem)
+    best = minimiser(problem, local)
+    assert float((best - minimiser(build_problem(data, mu=0.5), local)).abs().max()) > 0.3
+    admm = gossip_admm(problem, local.clone(), poisson_ticks(0, n, 300), 0)
+    torch.testing.assert_close(admm, best, atol=1e-6, rtol=0)
 
 
 def test_levels_reproduce_the_one_agent_at_a_time_run_exactly():
