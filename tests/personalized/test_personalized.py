@@ -43,7 +43,7 @@ from decentdp.personalized.runner import build_run, evaluate, run_personalized
 from decentdp.personalized.schedule import plan_wakeups, poisson_ticks
 from decentdp.personalized.solver import PrivateUpdates, coordinate_descent, minimiser
 from decentdp.privacy.ledger import PrivacyLedger
-from decentdp.rng import AgentRandom
+from decentdp.rng import AgentRandom, agent_random
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "experiments" / "personalized" / "demo-synthetic.toml"
@@ -149,6 +149,42 @@ def test_levels_reproduce_the_one_agent_at_a_time_run_exactly():
             average - problem.mu * problem.confidence[agent] * grad)
     torch.testing.assert_close(batched, sequential, atol=1e-12, rtol=1e-10)
     assert plan.updates_per_agent().max() <= 25
+
+
+def test_each_metrics_row_is_the_private_run_stopped_at_its_tick():
+    """A level holds updates of many ticks, so the state after one is the state at no tick: rows were labelled with
+    the level's last tick + 1 while missing earlier updates.  Each intermediate row must equal the run of the same
+    schedule cut after its ``ticks`` (the same keyed noise, a fresh ledger), at every eval_every wake-ups."""
+    n, wakeups = 20, 6
+    raw = _config(agents=n, dim=4, wakeups=wakeups)
+    raw["experiment"] = {"seed": 3, "eval_every": 1}
+    config = validate_config(raw)
+    _, metrics, _ = run_personalized(config, log=lambda _line: None)
+    assert [row["ticks"] for row in metrics] == list(range(0, n * wakeups + 1, n))
+    assert [row["wakeups_per_agent"] for row in metrics] == list(range(wakeups + 1))
+    woken = poisson_ticks(3, n, n * wakeups)
+    for row in metrics[1:-1]:
+        cut = build_run(config)
+        plan = plan_wakeups(woken[:row["ticks"]], cut.data.weights, wakeups)
+        assert cut.noise is not None and plan.total_ticks == row["ticks"]
+        private = PrivateUpdates(cut.noise, 1.0, cut.ledger, agent_random(3, False, "auto", n, torch.device("cpu")),
+                                 cut.problem.counts > 0)
+        theta = coordinate_descent(cut.problem, torch.zeros(n, 4, dtype=torch.float64), plan, private=private)
+        assert row["objective"] == pytest.approx(objective(cut.problem, theta), rel=1e-12, abs=0)
+        assert row["accuracy_mean"] == evaluate(cut.data, theta)["accuracy_mean"]
+
+
+def test_after_level_sees_a_level_whose_agents_have_all_stopped():
+    """The runner counts levels to know when a metrics tick is reached: a skipped callback would record a later
+    state under an earlier tick."""
+    data = _regression()
+    problem = build_problem(data, mu=0.5)
+    plan = plan_wakeups(poisson_ticks(0, problem.n_agents, 60), data.weights, 10)
+    seen: list[int] = []
+    coordinate_descent(problem, torch.zeros(problem.n_agents, problem.dim, dtype=torch.float64), plan,
+                       stopped=torch.ones(problem.n_agents, dtype=torch.bool),
+                       after_level=lambda level, _theta: seen.append(level))
+    assert seen == list(range(plan.n_levels))
 
 
 def _private(data: PersonalData, budget: float, planned: int, ledger_budget: float | None = None,

@@ -248,22 +248,29 @@ def run_personalized(config: ExperimentConfig, out_dir: str | Path | None = None
     record(0, theta)
     if run.plan is not None:
         plan = run.plan
-        every = config.experiment.eval_every * problem.n_agents
-        boundaries = {int(np.searchsorted(plan.ticks[plan.level_starts[1:] - 1], mark, side="right"))
-                      for mark in range(every, plan.total_ticks + every, every)}
-
-        def after_level(level: int, current: torch.Tensor) -> None:
-            if level + 1 in boundaries and level + 1 < plan.n_levels:
-                record(int(plan.ticks[plan.level(level)].max()) + 1, current)
-
         if settings.method == "cd":
+            # a row every eval_every wake-ups per agent, each the exact state after the first `mark` ticks: the
+            # plan's levels are cut at the marks (WakeupPlan.split_at), and every update still reads what it reads
+            # one agent at a time
+            every = config.experiment.eval_every * problem.n_agents
+            marks = list(range(every, plan.total_ticks, every))
+            split, levels_before = plan.split_at(marks)
+            due = 0
+
+            def record_due(levels_done: int, current: torch.Tensor) -> None:
+                nonlocal due
+                while due < len(marks) and levels_before[due] <= levels_done:
+                    record(marks[due], current)
+                    due += 1
+
             private = None
             if privacy.private:
                 assert run.noise is not None
                 private = PrivateUpdates(run.noise, privacy.clip, run.ledger, rng, problem.counts > 0)
             stopped = torch.zeros(problem.n_agents, dtype=torch.bool, device=device)
-            theta = coordinate_descent(problem, theta, plan, private=private, stopped=stopped,
-                                       after_level=after_level)
+            record_due(0, theta)
+            theta = coordinate_descent(problem, theta, split, private=private, stopped=stopped,
+                                       after_level=lambda level, current: record_due(level + 1, current))
         else:
             theta = gossip_admm(problem, theta, poisson_ticks(config.experiment.seed, problem.n_agents,
                                                               plan.total_ticks), config.experiment.seed,

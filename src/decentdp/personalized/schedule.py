@@ -18,6 +18,7 @@ hundred tensor operations instead of tens of thousands.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +66,30 @@ class WakeupPlan:
         table = np.full((self.n_agents, max_updates), -1, dtype=np.int64)
         table[self.agents, self.index] = self.ticks
         return table
+
+    def split_at(self, marks: Sequence[int]) -> tuple[WakeupPlan, np.ndarray]:
+        """The same updates, leveled so that the run's state after the first k ticks is the state after a level,
+        for every k in ``marks`` (increasing); and, for each mark, how many levels of the new plan hold exactly
+        the updates of ticks before it.
+
+        A level holds updates of many ticks, so the state after it is generally the state at no tick (some
+        earlier updates are in later levels).  Here each level is cut into its updates before the first
+        mark, between the first and second, ..., and the pieces run segment by segment, each segment's in
+        level order.  Still exact: a piece is a subset of a level (disjoint, non-adjacent agents), and the
+        only pairs whose order changes are an update u moved after an update v of a higher level but an
+        earlier tick; v neither is nor neighbours u's agent (u, after v in tick order, would then have the
+        higher level), so neither reads what the other writes."""
+        bounds = np.asarray(marks, dtype=np.int64)
+        segment = np.searchsorted(bounds, self.ticks, side="right")       # updates with tick < marks[0]: 0
+        level = np.repeat(np.arange(self.n_levels), np.diff(self.level_starts))
+        order = np.lexsort((self.ticks, level, segment))
+        piece_segment, piece_level = segment[order], level[order]
+        new_piece = np.flatnonzero((np.diff(piece_segment) != 0) | (np.diff(piece_level) != 0)) + 1
+        starts = np.concatenate([[0], new_piece, [len(order)]] if len(order) else [[0]]).astype(np.int64)
+        split = WakeupPlan(self.agents[order], self.ticks[order], self.index[order], starts, self.total_ticks,
+                           self.n_agents)
+        levels_before = np.searchsorted(piece_segment[starts[:-1]], np.arange(len(bounds)), side="right")
+        return split, levels_before
 
 
 def plan_wakeups(woken: np.ndarray, weights: np.ndarray, max_updates: int) -> WakeupPlan:

@@ -123,7 +123,8 @@ def coordinate_descent(problem: Problem, theta: torch.Tensor, plan: WakeupPlan, 
     """Run levels ``[start, stop)`` of ``plan`` on ``theta`` (``(n, p)`` float64, updated in place).
 
     ``stopped`` (bool ``(n,)``, updated in place) marks agents refused by their budget: they make no
-    further update.  ``after_level(level, theta)`` is called after each level (metrics)."""
+    further update.  ``after_level(level, theta)`` is called after each level (metrics), including a level
+    whose agents have all stopped: a caller counting levels to find a tick must see every one."""
     stop = plan.n_levels if stop is None else stop
     alpha = problem.step.unsqueeze(1)
     scale = (problem.mu * problem.confidence).unsqueeze(1)
@@ -140,6 +141,8 @@ def coordinate_descent(problem: Problem, theta: torch.Tensor, plan: WakeupPlan, 
             live = ~stopped[agents]
             agents, index = agents[live], index[live]
             if not len(agents):
+                if after_level is not None:
+                    after_level(level, theta)
                 continue
         own = theta[agents]
         sums = data_gradient_sums(problem, theta, agents, None if private is None else private.clip,
