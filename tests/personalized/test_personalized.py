@@ -571,6 +571,22 @@ def test_movielens_files_missing_or_malformed_are_named(tmp_path):
         load_movielens(tmp_path / "twice", 0)
 
 
+@pytest.mark.parametrize(("line", "message"), [
+    ("99999999999999999999\t1\t3\t1", r"line 2: 99999999999999999999 does not fit a 64-bit integer"),
+    ("1\t3\t4\t99999999999999999999", r"line 2: 99999999999999999999 does not fit"),  # the timestamp too
+    ("1\t--3\t3\t1", r"line 2: expected 4 integers"),        # passed '--3'.lstrip('-').isdigit()
+    ("1\t\u00b2\t3\t1", r"line 2: expected 4 integers"),      # '²' (latin-1 0xB2) passed str.isdigit
+])
+def test_a_ratings_line_the_int64_parser_cannot_read_is_named(tmp_path, line, message):
+    """The line-by-line check let these through to numpy's int64 conversion, which raised OverflowError or
+    ValueError with no file or line."""
+    folder = tmp_path / "ml"
+    folder.mkdir()
+    (folder / "u.data").write_text(f"1\t2\t5\t881250949\n{line}\n", encoding="latin-1")
+    with pytest.raises(DataError, match=r"u\.data, " + message):
+        load_movielens(folder, 0)
+
+
 def test_a_user_without_ratings_gets_the_confidence_floor_and_spends_nothing(tmp_path):
     rng = np.random.default_rng(0)
     lines = [f"{user}\t{item}\t{rng.integers(1, 6)}\t0" for user in (1, 2, 4, 5, 6) for item in

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import io
+import re
 import warnings
 from pathlib import Path
 
@@ -34,6 +35,9 @@ RATING_CENTRE = 3.0
 PUBLIC_INPUTS = ("the movie features (ALS) and the k-nearest-neighbour graph, as in the paper; both are computed from "
                  "every user's training ratings, and the epsilon does not cover what they reveal")
 _SUBDIRS = ("movielens-100k", "ml-100k")
+#: An integer as the line-by-line check accepts it: ASCII digits (str.isdigit also passes '²', which int() refuses).
+_INTEGER = re.compile(r"[-+]?[0-9]+")
+_INT64 = np.iinfo(np.int64)
 
 
 def ratings_path(data_dir: str | Path | None) -> Path:
@@ -52,7 +56,7 @@ def ratings_path(data_dir: str | Path | None) -> Path:
 
 def read_ratings(path: Path) -> np.ndarray:
     """The ``(R, 3)`` int64 array ``user, item, rating`` of ``u.data`` (0-based ids); DataError naming the
-    file and line when it is not four integer columns with ids >= 1 and ratings in 1..5."""
+    file and line when it is not four integer columns (each within int64) with ids >= 1 and ratings in 1..5."""
     try:
         text = path.read_text(encoding="latin-1")
     except OSError as exc:
@@ -68,9 +72,13 @@ def read_ratings(path: Path) -> np.ndarray:
         if not rows:
             raise DataError(f"{path} holds no ratings")
         for number, row in rows:
-            if len(row) != 4 or not all(value.lstrip("-").isdigit() for value in row):
+            if len(row) != 4 or not all(_INTEGER.fullmatch(value) for value in row):
                 raise DataError(f"{path}, line {number}: expected 4 integers 'user item rating timestamp', got "
                                 f"{' '.join(row)[:80]!r}")
+            outside = [value for value in row if not _INT64.min <= int(value) <= _INT64.max]
+            if outside:
+                raise DataError(f"{path}, line {number}: {outside[0][:40]} does not fit a 64-bit integer (MovieLens "
+                                "ids, ratings and timestamps do)")
         parsed = np.asarray([row for _, row in rows], dtype=np.int64)
     table = parsed[:, :3]
     bad = np.flatnonzero((table[:, 0] < 1) | (table[:, 1] < 1) | (table[:, 2] < 1) | (table[:, 2] > 5))
