@@ -587,6 +587,24 @@ def test_a_ratings_line_the_int64_parser_cannot_read_is_named(tmp_path, line, me
         load_movielens(folder, 0)
 
 
+@pytest.mark.parametrize(("test_fraction", "validation"), [(0.95, True), (0.01, False)])
+def test_a_split_that_holds_out_no_rating_names_test_fraction_before_writing(tmp_path, test_fraction, validation):
+    """Users with 10 ratings: 0.95 leaves one training rating each, which a validation split cannot divide; 0.01
+    rounds every user's test share to 0.  evaluate() then reduced an empty tensor after setup.json was written."""
+    rng = np.random.default_rng(0)
+    lines = [f"{user}\t{item}\t{rng.integers(1, 6)}\t1" for user in range(1, 7)
+             for item in rng.choice(np.arange(1, 30), 10, replace=False)]
+    raw = _config(dataset="movielens-100k", als_rank=2, neighbours=2, test_fraction=test_fraction,
+                  validation=validation)
+    for synthetic_only in ("agents", "dim"):
+        del raw["personalized"][synthetic_only]
+    raw["privacy"]["clip"] = 10.0
+    folder = _write_ratings(tmp_path / "ml", lines)
+    with pytest.raises(ConfigError, match="personalized.test_fraction"):
+        run_personalized(validate_config(raw), out_dir=tmp_path / "out", data_dir=folder, log=lambda _line: None)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_user_without_ratings_gets_the_confidence_floor_and_spends_nothing(tmp_path):
     rng = np.random.default_rng(0)
     lines = [f"{user}\t{item}\t{rng.integers(1, 6)}\t0" for user in (1, 2, 4, 5, 6) for item in

@@ -177,6 +177,12 @@ def load_movielens(data_dir: str | Path | None, seed: int, *, test_fraction: flo
         held = np.zeros(len(users), dtype=bool)
         held[np.flatnonzero(keep)] = holdout_masks(users[keep], test_fraction, rng)
         users, items, ratings, test = users[keep | held], items[keep | held], ratings[keep | held], held[keep | held]
+    if not test.any():  # checked here, before the results folder exists: evaluate() has nothing to average
+        split = "validation split (of the training ratings the test split leaves)" if validation else "test split"
+        raise ConfigError("personalized.test_fraction", f"is {test_fraction:g}, and the {split} holds out no rating "
+                                                        f"of {path}: each user with m >= 2 ratings gives "
+                                                        "round(test_fraction * m) of them, at most m - 1, and a "
+                                                        "user with one gives none, so there is nothing to evaluate")
     train = ~test
     counts = np.bincount(users[train], minlength=n_users)
     means = np.bincount(users[train], weights=ratings[train], minlength=n_users) / np.maximum(counts, 1)
