@@ -66,7 +66,9 @@ class PersonalizedSection(BaseModel):
     als_iterations: int = Field(15, ge=1)
     neighbours: int = Field(10, ge=1, description="k of the k-nearest-neighbour similarity graph")
     # synthetic (specs D.7)
-    agents: int = Field(100, ge=2)
+    agents: int = Field(100, ge=2, le=5000, description="users of the synthetic problem (the paper: 100); at "
+                                                       "most 5000: its similarity graph is a dense n x n matrix "
+                                                       "whose eigenvalues are computed")
     dim: int = Field(100, ge=2)
     min_points: int = Field(10, ge=0)
     max_points: int = Field(100, ge=1)
