@@ -6,7 +6,8 @@ averaged over ``--seeds`` problem instances (seeds 0, 1, ...; the paper averages
   both from the purely local models (p = 100): objective and test accuracy against T/n (iterations / n)
   and against the p-dimensional vectors sent (CD: an update is broadcast to each neighbour; ADMM: an
   activated edge's two agents send each other two vectors, their model and their copy of the other's).
-  CD is one run recorded along the way; ADMM, whose state is not exposed mid-run, one run per T/n.
+  CD is one run recorded along the way (its exact state at each T/n); ADMM, whose state is not exposed
+  mid-run, one run per T/n.  The table at the paper's T/n is printed.
   Q_L's minimiser (:func:`~decentdp.personalized.solver.minimiser`) marks where both are heading.
 * ``fig2ab``: private CD at each eps-bar and T/n in {1, 2, 4, 8}, from Theta(0) = 0 (Figure 2(a)) and
   from the private warm start at eps = 0.05 (Figure 2(b), spent inside eps-bar), objective and accuracy
@@ -96,21 +97,31 @@ def mean_std(values: list[float]) -> dict[str, float]:
 
 def cd_curve(problem: Any, data: PersonalData, plan: Any, start: torch.Tensor,
              every: int = 25) -> list[dict[str, float]]:
-    """Non-private CD from ``start``: objective and accuracy after every ``every`` updates (at the end of the level
-    that reaches them), against updates / n and the vectors broadcast so far (one per neighbour per update)."""
-    sent = np.cumsum((problem.weights > 0).sum(dim=1).numpy()[plan.agents])
-    curve = [{"wakeups": 0.0, "vectors": 0.0, "objective": objective(problem, start),
-              "accuracy": evaluate(data, start)["accuracy_mean"]}]
-    marks = {"next": every}
+    """Non-private CD from ``start``: objective and accuracy of the run's exact state after every ``every`` ticks
+    and at its end (the plan's levels cut at those ticks, :meth:`~decentdp.personalized.schedule.WakeupPlan.split_at`),
+    against ticks / n and the vectors broadcast so far (one per neighbour per update made)."""
+    degree = (problem.weights > 0).sum(dim=1).numpy()
 
-    def after_level(level: int, theta: torch.Tensor) -> None:
-        done = int(plan.level_starts[level + 1])
-        if done >= marks["next"] or level + 1 == plan.n_levels:
-            curve.append({"wakeups": done / problem.n_agents, "vectors": float(sent[done - 1]),
-                          "objective": objective(problem, theta), "accuracy": evaluate(data, theta)["accuracy_mean"]})
-            marks["next"] = done + every
+    def point(ticks: int, theta: torch.Tensor) -> dict[str, float]:
+        made = plan.ticks < ticks
+        return {"wakeups": ticks / problem.n_agents, "vectors": float(degree[plan.agents[made]].sum()),
+                "objective": objective(problem, theta), "accuracy": evaluate(data, theta)["accuracy_mean"]}
 
-    coordinate_descent(problem, start.clone(), plan, after_level=after_level)
+    marks = list(range(every, plan.total_ticks, every))
+    split, levels_before = plan.split_at(marks)
+    curve = [point(0, start)]
+    due = 0
+
+    def record_due(levels_done: int, theta: torch.Tensor) -> None:
+        nonlocal due
+        while due < len(marks) and levels_before[due] <= levels_done:
+            curve.append(point(marks[due], theta))
+            due += 1
+
+    record_due(0, start)
+    theta = coordinate_descent(problem, start.clone(), split,
+                               after_level=lambda level, current: record_due(level + 1, current))
+    curve.append(point(plan.total_ticks, theta))
     return curve
 
 
@@ -137,6 +148,36 @@ def figure1(seeds: list[int]) -> dict[str, Any]:
         print(f"fig1 seed {seed}: CD {curve[-1]['accuracy']:.3f}, ADMM {admm[max(FIG1_WAKEUPS)][-1]['accuracy']:.3f}, "
               f"local {curve[0]['accuracy']:.3f}, optimum {optimum[-1]['accuracy']:.3f}", flush=True)
     return {"cd": cd, "admm": {str(w): rows for w, rows in admm.items()}, "optimum": optimum}
+
+
+def figure1_table(result: dict[str, Any]) -> str:
+    """Figure 1 at the paper's T/n as a markdown table: CD's exact state at those ticks and ADMM's runs, mean
+    ± std over the instances (accuracy), means (objective, vectors sent)."""
+    points = (0, *FIG1_WAKEUPS)
+
+    def cd(wakeups: int, key: str) -> list[float]:
+        return [next(row[key] for row in curve if row["wakeups"] == wakeups) for curve in result["cd"]]
+
+    def admm(wakeups: int, key: str) -> list[float]:
+        return [row[key] for row in result["admm"][str(wakeups)]] if wakeups else cd(0, key)
+
+    def spread(values: list[float]) -> str:
+        return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else \
+            f"{values[0]:.3f}"
+
+    rows = ["| T/n | " + " | ".join(str(w) for w in points) + " |", "|---|" + "---|" * len(points),
+            "| CD, test accuracy | " + " | ".join(spread(cd(w, "accuracy")) for w in points) + " |",
+            "| ADMM, test accuracy | " + " | ".join(spread(admm(w, "accuracy")) for w in points) + " |",
+            "| CD / ADMM, objective | " + " | ".join(
+                f"{statistics.mean(cd(w, 'objective')):.0f} / {statistics.mean(admm(w, 'objective')):.0f}"
+                for w in points) + " |",
+            "| CD / ADMM, vectors sent | " + " | ".join(
+                f"{statistics.mean(cd(w, 'vectors')):,.0f} / {statistics.mean(admm(w, 'vectors')):,.0f}"
+                for w in points) + " |"]
+    optimum = result["optimum"]
+    rows.append(f"\nQ_L's minimiser: accuracy {spread([o['accuracy'] for o in optimum])}, objective "
+                f"{statistics.mean(o['objective'] for o in optimum):.0f}")
+    return "\n".join(rows)
 
 
 def figure2ab(seeds: list[int]) -> dict[str, Any]:
@@ -338,6 +379,7 @@ def main() -> None:
     done = {part: json.loads((out / f"{part}.json").read_text()) for part in parts if (out / f"{part}.json").exists()}
     if "fig1" in done:
         plot_figure1(done["fig1"], figures / "personalized-synthetic-fig1.png")
+        print(figure1_table(done["fig1"]))
     if "fig2ab" in done or "fig2c" in done:
         plot_figure2(done.get("fig2ab"), done.get("fig2c"), figures / "personalized-synthetic.png")
     if "fig2c" in done:
