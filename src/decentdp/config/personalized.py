@@ -56,8 +56,9 @@ class PersonalizedSection(BaseModel):
                                   "smoothness, which would leak through the step; default: the dataset's declared "
                                   "bound in private cd runs (the largest movie-feature norm; the synthetic "
                                   "generator's sqrt(0.5) (sqrt(dim) + 6)), none in the others")
-    validation: bool = Field(False, description="evaluate on a held-out fifth of each agent's training data "
-                                                "instead of its test data (for tuning wakeups)")
+    validation: bool = Field(False, description="evaluate on a held-out share (test_fraction) of each user's "
+                                                "training ratings instead of its test ratings (MovieLens; for "
+                                                "tuning wakeups)")
     # MovieLens-100K (specs D.5)
     test_fraction: float = Field(0.2, gt=0.0, lt=1.0)
     als_rank: int = Field(20, ge=1, description="rank of the public movie features (p = als_rank + 1: a constant 1 "

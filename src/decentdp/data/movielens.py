@@ -2,8 +2,8 @@
 
 * ``u.data``: 100,000 ratings ``user item rating timestamp`` (tab-separated, ids from 1), 943 users,
   1682 movies (GroupLens; research use only, never redistributed with decentdp).
-* Per user, a random 80/20 train/test split of its ratings (``validation=True`` splits the training
-  part 80/20 again and evaluates on that held-out fifth: the split the paper tunes on).
+* Per user, a random 80/20 train/test split of its ratings (``test_fraction``; ``validation=True`` splits the
+  training part again by the same fraction and evaluates on that held-out part: the split the paper tunes on).
 * Targets are ratings less the public constant 3 (the scale's midpoint), and each movie's features end
   with a constant 1, so each user's model learns its own offset.  The paper centres by each user's mean
   training rating, but then one changed rating moves every target of its user, and the clipped gradient
@@ -175,7 +175,7 @@ def load_movielens(data_dir: str | Path | None, seed: int, *, test_fraction: flo
                                                      f"can have at most {n_users - 1} neighbours")
     rng = np.random.default_rng(seed)
     test = holdout_masks(users, test_fraction, rng)
-    if validation:  # tune on a fifth of the training ratings; the test ratings are never read
+    if validation:  # tune on test_fraction of the training ratings; the test ratings are never read
         keep = ~test
         held = np.zeros(len(users), dtype=bool)
         held[np.flatnonzero(keep)] = holdout_masks(users[keep], test_fraction, rng)
@@ -201,7 +201,7 @@ def load_movielens(data_dir: str | Path | None, seed: int, *, test_fraction: flo
     x_test, y_test, owner_test = sort_by_owner(features[items[test]], targets[test], users[test])
     info = {"source": str(path), "users": n_users, "items": n_items, "ratings": len(table),
             "train_ratings": int(train.sum()), "evaluation_ratings": int(test.sum()),
-            "evaluated_on": "validation (a fifth of the training ratings)" if validation else "test",
+            "evaluated_on": f"validation ({test_fraction:g} of the training ratings)" if validation else "test",
             "als": {"rank": rank, "reg": als_reg, "iterations": als_iterations}, "neighbours": neighbours,
             "edges": int(weights.sum() // 2), "targets": f"rating - {RATING_CENTRE:g}, features with a constant 1"}
     bound = float(np.linalg.norm(features, axis=1).max())  # every movie's, so it reads no user's choice of movies
