@@ -681,6 +681,20 @@ def test_a_method_without_noise_says_it_is_not_private(method, tmp_path):
     assert json.loads((tmp_path / method / "privacy.json").read_text())["private"] is False
 
 
+@pytest.mark.parametrize("method", ["local", "propagation"])
+def test_the_private_warm_start_alone_is_priced_at_its_pure_epsilon(method, tmp_path):
+    """Model propagation of the warm start's output-perturbed local models is post-processing (eq. (16), public
+    weights): private at warm_start_epsilon, not 'NOT private' and infinite as reported before (a reviewer's note);
+    method = 'local' with the warm start keeps those DP models and reported epsilon 0 beside their noise."""
+    lines: list[str] = []
+    summary, _, _ = run_personalized(validate_config(_config(method=method, warm_start=True)),
+                                     out_dir=tmp_path / method, log=lines.append)
+    assert summary["private"] is True and summary["epsilon_max"] == summary["warm_start_epsilon"] == 0.05
+    assert summary["epsilon_max_paper"] == 0.05
+    assert not any("NOT private" in line for line in lines)
+    assert json.loads((tmp_path / method / "privacy.json").read_text())["private"] is True
+
+
 class _Recording:
     """A numpy generator that records the Laplace scales and uniform draws local_dp_release asks for."""
 

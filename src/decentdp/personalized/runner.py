@@ -158,7 +158,7 @@ def build_run(config: ExperimentConfig, data_dir: str | Path | None = None,
              "ticks": None if plan is None else plan.total_ticks,
              "levels": None if plan is None else plan.n_levels,
              "updates_per_agent": None if plan is None else plan.updates_per_agent().tolist(),
-             **privacy_statement(private and settings.method == "cd", config.privacy.neighbouring,
+             **privacy_statement(private and _releases_dp_models(settings), config.privacy.neighbouring,
                                  config.privacy.noise, private_evaluation=settings.validation),
              **({"evaluation_records": "private: each user's held-out ratings (the metrics are not DP releases)"}
                 if settings.dataset == "movielens-100k" else {}),
@@ -171,14 +171,22 @@ def build_run(config: ExperimentConfig, data_dir: str | Path | None = None,
     return PersonalizedRun(config, data, problem, plan, noise, ledger, setup)
 
 
+def _releases_dp_models(settings: PersonalizedSection) -> bool:
+    """Whether a private run's method releases only DP outputs: cd's noisy updates, or the warm start's
+    output-perturbed local models, kept (``local``) or propagated (``propagation``: eq. (16) combines them with
+    public weights, post-processing).  ADMM sends what the records give, without noise."""
+    return settings.method == "cd" or (settings.warm_start and settings.method in ("local", "propagation"))
+
+
 def _epsilons(run: PersonalizedRun, warm: float) -> dict[str, Any]:
     """Each agent's spent epsilon three ways (plus the warm start's, by composition)."""
     settings, privacy = run.config.personalized, run.config.privacy
     assert settings is not None
     n = run.problem.n_agents
-    if settings.method == "local":
-        zero = np.zeros(n)
-        return {"tight": zero, "pld": zero, "rdp": zero, "paper": zero, "paper_delta": 0.0}
+    if settings.method == "local" or (settings.method == "propagation" and warm > 0):
+        # nothing sent, or the warm start's DP local models propagated: their pure epsilon (0 without them)
+        pure = np.full(n, warm)
+        return {"tight": pure, "pld": pure, "rdp": pure, "paper": pure, "paper_delta": 0.0}
     if settings.method != "cd" or run.noise is None or not privacy.private:
         infinite = np.full(n, math.inf)
         return {"tight": infinite, "pld": infinite, "rdp": infinite, "paper": infinite, "paper_delta": 1.0}
@@ -313,7 +321,7 @@ def _warnings(config: ExperimentConfig) -> list[str]:
     settings = config.personalized
     assert settings is not None
     warnings = []
-    if settings.method in ("admm", "propagation") and config.privacy.private:
+    if config.privacy.private and not _releases_dp_models(settings) and settings.method != "local":
         warnings.append(f"personalized.method = '{settings.method}' adds no noise: this run is NOT private "
                         f"(privacy.epsilon = {config.privacy.epsilon:g} is ignored; its epsilon is reported as "
                         "infinite); use method = 'cd' for a private run")
