@@ -264,3 +264,23 @@ def test_an_attack_inside_training_inverts_the_non_private_message_and_not_the_p
     assert outcome.summary["trained_rounds"] == 4
     assert outcome.summary["ssim_nonprivate"] >= 0.6
     assert outcome.summary["ssim_private"] <= 0.2
+
+
+def test_a_standalone_scene_uses_the_runs_noise_for_joint_releases(tmp_path) -> None:
+    """trained_rounds = 0 calibrates sigma 'as a run would': for DPDL that is the joint calibration of its deg + 1
+    sums per batch (a review found the standalone scene at DP-DSGD's 1.059 where DPDL's run uses 1.833)."""
+    from decentdp.audit.inversion import standalone_scene, trained_scene
+    from decentdp.audit.settings import load_audit_config
+    from decentdp.gradients.flat_model import FlatModel
+
+    path = tmp_path / "audit.toml"
+    path.write_text(TRAINED)
+    config, audit = load_audit_config(path)
+    trained = trained_scene(config, audit, None, 2, 1.0)
+    dataset = load_dataset("digits", None)
+    template = build_model(config.model.name, dataset.input_shape, dataset.num_classes, seed=3, **config.model.options)
+    alone = standalone_scene(config, audit.model_copy(update={"trained_rounds": 0}), dataset,
+                             FlatModel(template, classification_loss), 2, 1.0)
+    assert alone.mechanism is not None and trained.mechanism is not None
+    # equal agents here (the run's sender holds 1797 // 4 or one more record): the same rate to within 1/449
+    assert float(alone.mechanism.multiplier(0)) == pytest.approx(float(trained.mechanism.multiplier(0)), rel=1e-2)

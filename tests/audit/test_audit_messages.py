@@ -113,6 +113,8 @@ def test_bad_inputs_are_clear_errors(private: Experiment) -> None:
     ("dp-dsgd", {"augmentation": {"kind": "shift"}}, "augmentation.kind"),
     ("dp-dsgd", {"averaging": {"kind": "ema"}}, "averaging.kind"),
     ("decor", {"privacy": {"epsilon": 1.0, "colluding": [[0, 1]]}}, "privacy.colluding"),  # DECOR calibrates for it
+    # its gossip steps come from the spectral gap, 0 on the audit's disconnected copies: it crashed, or trained NaN
+    ("muffliato", {}, "algorithm.name"),
 ])
 def test_settings_the_blocks_do_not_run_are_refused_not_dropped(algorithm: str, sections: dict[str, Any],
                                                                  field: str) -> None:
@@ -158,13 +160,74 @@ def test_a_damaged_chunk_dir_is_one_clear_error(tmp_path: Path, damage: str) -> 
     else:
         store = ChunkStore(folder)
         store.open(spec)
-        store.save(0, np.zeros(4), np.ones(4, dtype=bool), 1.0, 2.0)
-        assert store.load(0) is not None
+        store.save(0, 7, np.zeros(4), np.ones(4, dtype=bool), 1.0, 2.0)
+        assert store.load(0, 7) is not None
         damaged = folder / ("spec.json" if damage == "spec" else "chunk-00000.npz")
         damaged.write_bytes(damaged.read_bytes()[:10])
     with pytest.raises(ConfigError) as error:
         store = ChunkStore(folder)
         store.open(spec)
-        store.load(0)
+        store.load(0, 7)
     assert error.value.field == "--chunk-dir"
     assert str(folder / {"file": "", "spec": "spec.json", "chunk": "chunk-00000.npz"}[damage]) in str(error.value)
+
+
+def test_a_personalized_config_is_refused_not_audited_as_the_default_algorithm() -> None:
+    """The [personalized] section was ignored and the default [algorithm] (dp-dsgt) audited instead (a review)."""
+    raw = validate_config({"experiment": {"name": "p"}, "privacy": {"epsilon": 1.0, "delta": 1e-5, "clip": 1.0,
+                                                                     "neighbouring": "replace-one"},
+                           "personalized": {"dataset": "synthetic", "agents": 6, "dim": 4, "wakeups": 2}})
+    with pytest.raises(ConfigError) as error:
+        audit_experiment(raw)
+    assert error.value.field == "personalized"
+
+
+def test_the_target_is_audited_at_its_own_budget() -> None:
+    """With privacy.agent_epsilons = [8, 1], agent 0 runs at epsilon 8: the audit's target must get the run's
+    multiplier for agent 0 and report 8 as nominal (it got the smallest budget's noise and reported 1)."""
+    from decentdp.audit.blocks import block_simulation
+    from decentdp.experiment.build import build_experiment
+
+    raw = {"experiment": {"name": "audit", "rounds": 1}, "data": {"dataset": "digits"}, "topology": {"agents": 2},
+           "model": {"name": "linear"}, "algorithm": {"name": "dp-dsgd", "lr": 0.1, "batch_size": 16},
+           "privacy": {"agent_epsilons": [8.0, 1.0], "delta": 1e-5, "clip": 1.0}}
+    run_sigmas = build_experiment(validate_config(raw)).noise_multipliers.tolist()
+    experiment = audit_experiment(validate_config(raw))
+    x, y = experiment.dataset.x_train, experiment.dataset.y_train
+    parts = [np.asarray(rows.cpu()) for rows in experiment.data.indices]
+    run = block_simulation(experiment, x, y, parts, 0, int(parts[1][0]), np.array([True, False]), seed=0)
+    # (the target also holds the audited record, so its rate, and sigma, differ a little: 1.5e-4 here)
+    assert run.noise_multipliers == pytest.approx(run_sigmas, rel=1e-3)
+    settings = _audit(100)
+    assert run_message_audit(experiment, settings).summary["epsilon_nominal"] == 8.0
+
+
+def test_a_chunk_copied_or_renamed_is_refused(private: Experiment, tmp_path: Path) -> None:
+    """Chunk files carry their audit's digest, index and seed: a chunk copied from another seed's folder, or saved
+    under another index, was combined into the bound (a copy of chunk 0 as chunk 1 was counted twice)."""
+    import shutil
+
+    settings = AuditSection(models=200, selection_fraction=0.1, chunk=100, threshold_rule="gaussian")
+    folder = tmp_path / "chunks"
+    run_message_audit(private, settings, store=ChunkStore(folder))
+    shutil.copy(folder / "chunk-00000.npz", folder / "chunk-00001.npz")     # renamed: the index differs
+    with pytest.raises(ConfigError, match="chunk-00001.npz was written as another chunk.*index"):
+        run_message_audit(private, settings, store=ChunkStore(folder))
+    other = _experiment(1.0, experiment={"name": "audit", "rounds": 1, "seed": 1})
+    elsewhere = tmp_path / "seed1"
+    run_message_audit(other, settings, store=ChunkStore(elsewhere, range(0, 1)))
+    shutil.copy(elsewhere / "chunk-00000.npz", folder / "chunk-00001.npz")  # another audit's chunk 0
+    with pytest.raises(ConfigError, match="spec_digest"):
+        run_message_audit(private, settings, store=ChunkStore(folder))
+
+
+def test_chunks_with_identical_scores_are_refused(private: Experiment, tmp_path: Path) -> None:
+    """A chunk file written before the stamps (no index) copied under a second name: counted once, not twice."""
+    settings = AuditSection(models=200, selection_fraction=0.1, chunk=100, threshold_rule="gaussian")
+    folder = tmp_path / "chunks"
+    run_message_audit(private, settings, store=ChunkStore(folder))
+    with np.load(folder / "chunk-00000.npz") as saved:
+        legacy = {key: saved[key] for key in ("scores", "member", "epsilon", "noise_multiplier")}
+    np.savez(folder / "chunk-00001.npz", **legacy)
+    with pytest.raises(ConfigError, match="chunks 0 and 1 hold the same scores"):
+        run_message_audit(private, settings, store=ChunkStore(folder))

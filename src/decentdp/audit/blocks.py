@@ -21,13 +21,14 @@ ledger history and reported beside the nominal one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import time
 import zipfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -133,6 +134,14 @@ class BlockRun:
 def refuse_what_blocks_do_not_run(config: ExperimentConfig) -> None:
     """Settings of a run that an audit's blocks do not reproduce are refused rather than silently dropped: the
     audit would measure another training than the config's."""
+    if config.personalized is not None:
+        raise ConfigError("personalized", "audits train the round-based algorithms of [algorithm] as blocks; a "
+                                          "personalized run (coordinate descent over wake-ups) is not one, and its "
+                                          "[algorithm] defaults would be audited instead: remove [personalized]")
+    if config.algorithm.name == "muffliato":
+        raise ConfigError("algorithm.name", "muffliato sizes its gossip from the graph's spectral gap, and an audit's "
+                                            "graph (many separate copies of the config's) has none: muffliato does "
+                                            "not run as blocks")
     if config.privacy.noise == "secure":
         raise ConfigError("privacy.noise", "an audit draws its noise from each chunk's seed, so that chunks resume "
                                            "and can be scored again (secure mode's noise has the same distribution):"
@@ -211,7 +220,7 @@ def block_simulation(experiment: Experiment, x: torch.Tensor, y: torch.Tensor, p
     sizes = [len(rows) + (len(audited) if a == target else 0) for a, rows in enumerate(parts)]
     period = experiment.period  # cyclic sampling: every release unsampled, a record in the rounds of its batch
     rates = [min(1.0, config.algorithm.batch_size / size) for size in sizes] if period is None else [1.0] * block
-    budgets = [min(config.privacy.budgets)] * block
+    budgets = agent_budgets(config, block)
     planned = planned_releases(config, experiment.algorithm, period)
     sums = experiment.algorithm.sums_per_batch(experiment.topology.adjacency().sum(axis=1).astype(np.int64))
     private = config.privacy.private
@@ -264,17 +273,19 @@ class AuditOutcome:
     target_noise_multiplier: float  # the target agent's calibrated noise multiplier in the trainings
 
 
-@dataclass(frozen=True)
+@dataclass
 class ChunkStore:
     """Where an audit keeps each chunk's scores as the chunk finishes (``chunk-00042.npz``), so that a killed
     audit resumes where it stopped and separate processes can train separate chunks of one audit: a chunk's
     batches and noise depend on its index alone (:func:`chunk_seed`).  ``only`` names the chunks this process
     trains; the others are read where a process has written them and left out where none has yet, so the
     bound comes from whatever chunks exist.  ``spec.json`` holds the audit's settings: a folder written by
-    another audit is refused, not mixed in."""
+    another audit is refused, not mixed in.  Each chunk file also holds the spec's digest, its index and its seed,
+    so that a chunk copied in from another audit's folder, or renamed to another index, is refused too."""
 
     folder: Path
     only: range | None = None
+    digest: str = field(default="", init=False)  # the spec's SHA-256, set by :meth:`open`
 
     def open(self, spec: dict[str, Any]) -> None:
         """Create the folder, or check that it belongs to the audit described by ``spec``."""
@@ -286,6 +297,7 @@ class ChunkStore:
             raise ConfigError("--chunk-dir", f"cannot create {self.folder}: {exc.strerror or exc}") from None
         path = self.folder / "spec.json"
         text = json.dumps(spec, sort_keys=True, indent=1)
+        self.digest = hashlib.sha256(text.encode()).hexdigest()
         if path.exists():
             try:
                 held = json.loads(path.read_text(encoding="utf-8"))
@@ -301,26 +313,46 @@ class ChunkStore:
     def _path(self, index: int) -> Path:
         return self.folder / f"chunk-{index:05d}.npz"
 
-    def load(self, index: int) -> tuple[np.ndarray, np.ndarray, float, float] | None:
-        """Chunk ``index``'s (scores, member, target epsilon, target noise multiplier), if written."""
+    def load(self, index: int, seed: int) -> tuple[np.ndarray, np.ndarray, float, float] | None:
+        """Chunk ``index``'s (scores, member, target epsilon, target noise multiplier), if written; a file stamped
+        for another audit, index or seed is refused (files written before the stamps are read on spec.json's
+        word)."""
         path = self._path(index)
         if not path.exists():
             return None
         try:
             with np.load(path) as saved:
-                return (saved["scores"], saved["member"], float(saved["epsilon"]), float(saved["noise_multiplier"]))
+                stamp = {key: saved[key].item() for key in ("spec_digest", "index", "seed") if key in saved.files}
+                chunk = (saved["scores"], saved["member"], float(saved["epsilon"]), float(saved["noise_multiplier"]))
         except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as exc:
             raise ConfigError("--chunk-dir", f"{path} is damaged ({exc}); delete it to train that chunk "
                                              "again") from None
+        expected = {"spec_digest": self.digest, "index": index, "seed": seed}
+        wrong = [key for key, value in stamp.items() if value != expected[key]]
+        if wrong:
+            raise ConfigError("--chunk-dir", f"{path} was written as another chunk ({', '.join(wrong)} differ: "
+                                             f"{', '.join(f'{k} {stamp[k]!r}' for k in wrong)}), copied or renamed "
+                                             "from another audit or index; remove it to train this chunk")
+        return chunk
 
-    def save(self, index: int, scores: np.ndarray, member: np.ndarray, epsilon: float, noise: float) -> None:
-        """Write chunk ``index`` atomically (a temporary file renamed into place)."""
+    def save(self, index: int, seed: int, scores: np.ndarray, member: np.ndarray, epsilon: float,
+             noise: float) -> None:
+        """Write chunk ``index`` atomically (a temporary file renamed into place), stamped with the spec's digest,
+        its index and its seed."""
         temporary = self.folder / f".chunk-{index:05d}.{os.getpid()}.npz"
-        np.savez(temporary, scores=scores, member=member, epsilon=epsilon, noise_multiplier=noise)
+        np.savez(temporary, scores=scores, member=member, epsilon=epsilon, noise_multiplier=noise,
+                 spec_digest=self.digest, index=index, seed=seed)
         os.replace(temporary, self._path(index))
 
     def trains(self, index: int) -> bool:
         return self.only is None or index in self.only
+
+
+def agent_budgets(config: ExperimentConfig, n_agents: int) -> list[float]:
+    """Each agent's stated budget (``privacy.agent_epsilons``, or the one epsilon every agent has): a block's agent
+    ``a`` is calibrated as the run's agent ``a``, and the target's budget is the audit's nominal epsilon."""
+    budgets = config.privacy.budgets
+    return [float(b) for b in budgets] if len(budgets) > 1 else [float(budgets[0])] * n_agents
 
 
 def chunk_seed(seed: int, chunk: int) -> int:
@@ -363,21 +395,33 @@ def run_audit(experiment: Experiment, audit: AuditSection, kind: str,
         store.open(audit_spec(config, audit, kind, len(blocks)))
     start = time.perf_counter()
     scores, members, epsilons, noises, trained = [], [], [], [], 0
+    seen: dict[bytes, int] = {}
     for index, member in enumerate(blocks):
-        saved = store.load(index) if store is not None else None
+        seed = chunk_seed(config.experiment.seed, index)
+        saved = store.load(index, seed) if store is not None else None
         if saved is None:
             if store is not None and not store.trains(index):
                 continue
-            run = build(member, chunk_seed(config.experiment.seed, index))
+            run = build(member, seed)
             saved = (score(run), run.member, run.target_epsilon(), float(run.noise_multipliers[audit.target]))
             trained += len(run.member)
             if store is not None:
-                store.save(index, *saved)
+                store.save(index, seed, *saved)
+        fingerprint = hashlib.sha256(np.ascontiguousarray(saved[0]).tobytes()).digest()
+        if fingerprint in seen:  # independent trainings never score alike: a chunk file copied under two names
+            raise ConfigError("--chunk-dir", f"chunks {seen[fingerprint]} and {index} hold the same scores: one is a "
+                                             "copy of the other; remove the copy to train that chunk")
+        seen[fingerprint] = index
         for kept, value in zip((scores, members, epsilons, noises), saved, strict=True):
             kept.append(value)
     if not scores:
         raise ConfigError("--chunks", f"no chunk of this audit is in {store.folder if store else 'memory'} yet, "
                                       "and this process was given none to train")
+    finite = np.isfinite(np.concatenate(scores))
+    if finite.mean() < 0.5:
+        raise ConfigError("audit", f"{int((~finite).sum())} of {finite.size} models' scores are not finite (the "
+                                   "training diverged): no bound can be read from them; lower algorithm.lr or "
+                                   "check the config with decentdp run")
     wall = time.perf_counter() - start
     all_scores, member = np.concatenate(scores), np.concatenate(members)
     models = int(member.sum())
@@ -385,7 +429,7 @@ def run_audit(experiment: Experiment, audit: AuditSection, kind: str,
                         audit.confidence, audit.threshold_rule)
     summary = {"audit": kind, "algorithm": config.algorithm.name, "models": models,
                "chunks": f"{len(scores)} of {len(blocks)}", "complete": len(scores) == len(blocks),
-               "epsilon_nominal": min(config.privacy.budgets),
+               "epsilon_nominal": agent_budgets(config, experiment.topology.n_agents)[audit.target],
                "epsilon_ledger": epsilons[0], "delta": config.privacy.delta, "rounds": config.experiment.rounds,
                "wall_seconds": wall, "seconds_per_model": wall / trained if trained else None,
                **bound.as_dict()}

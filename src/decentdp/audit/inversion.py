@@ -35,7 +35,7 @@ from decentdp.audit.settings import AuditSection
 from decentdp.config import ExperimentConfig
 from decentdp.data.datasets import Dataset, load_dataset
 from decentdp.errors import ConfigError
-from decentdp.experiment.build import build_experiment, calibrate, planned_releases
+from decentdp.experiment.build import build_experiment, calibrate, config_topology, planned_releases, sums_per_batch
 from decentdp.gradients.flat_model import FlatModel
 from decentdp.gradients.stacked_model import gradient_model
 from decentdp.models import build_model, classification_loss
@@ -256,7 +256,8 @@ def standalone_scene(config: ExperimentConfig, audit: AuditSection, dataset: Dat
                      batch: int, epsilon: float) -> Scene:
     """``audit.trained_rounds = 0``: the model's initial parameters (a neighbour's, seeded ``seed + 1``, for a
     cross-gradient or a momentum difference), the whole training set as the sender's records, sigma calibrated as a
-    run would for this batch (rate ``B / |D_i|`` with equal agents, the config's planned releases)."""
+    run would for this batch (rate ``B / |D_i|`` with equal agents, the config's planned releases, and the sums
+    agent 0 releases per batch on the config's graph: DPDL's and DP-CGA's ``deg + 1``, calibrated jointly)."""
     seed = config.experiment.seed
     theta = model.initial_parameters() if audit.release == "gradient" else torch.cat(
         [p.detach().reshape(-1) for p in build_model(config.model.name, dataset.input_shape, dataset.num_classes,
@@ -265,7 +266,9 @@ def standalone_scene(config: ExperimentConfig, audit: AuditSection, dataset: Dat
     if not math.isinf(epsilon):
         algorithm = algorithm_class(config.algorithm.name).from_settings(config.algorithm.settings)
         rate = min(1.0, batch / (len(dataset.y_train) // config.topology.agents))
-        sigma = calibrate([epsilon], [rate], config, planned_releases(config, algorithm))
+        sums = sums_per_batch(config, algorithm, config_topology(config, seed))[:1]
+        sigma = calibrate([epsilon], [rate], config, planned_releases(config, algorithm), sums,
+                          algorithm.joint_accounting)
         mechanism = GaussianMechanism(torch.tensor(sigma, dtype=torch.float32), config.privacy.clip)
     return Scene(torch.arange(len(dataset.y_train)), theta, None, mechanism)
 

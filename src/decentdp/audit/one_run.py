@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from decentdp.audit.blocks import block_simulation, chunk_seed
+from decentdp.audit.blocks import agent_budgets, block_simulation, chunk_seed
 from decentdp.audit.bounds import guess_grid, one_run_bound, one_run_guesses
 from decentdp.audit.messages import canary_records, canary_scores
 from decentdp.audit.settings import AuditSection
@@ -78,7 +78,8 @@ def run_one_run_audit(experiment: Experiment, audit: AuditSection,
     bound = one_run_bound(scores, included, config.privacy.delta, audit.confidence, grid)
     wall = time.perf_counter() - start
     summary = {"audit": "one-run", "algorithm": config.algorithm.name, "canaries": audit.canaries,
-               "included": int(included.sum()), "epsilon_nominal": min(config.privacy.budgets),
+               "included": int(included.sum()),
+               "epsilon_nominal": agent_budgets(config, experiment.topology.n_agents)[audit.target],
                "epsilon_ledger": run.target_epsilon(), "delta": config.privacy.delta,
                "rounds": config.experiment.rounds, "noise_multiplier": sigma, "wall_seconds": wall,
                **bound.as_dict()}

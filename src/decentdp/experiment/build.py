@@ -154,7 +154,7 @@ def calibrate(budgets: list[float], rates: list[float], config: ExperimentConfig
                             config.privacy.neighbouring, None if sums is None else sums.tolist(), joint)
 
 
-def _sums_per_batch(config: ExperimentConfig, algorithm: Algorithm, topology: Topology) -> np.ndarray:
+def sums_per_batch(config: ExperimentConfig, algorithm: Algorithm, topology: Topology) -> np.ndarray:
     """Each agent's sums per released batch; with redrawn graphs any agent may get N - 1 neighbours."""
     degrees = topology.adjacency().sum(axis=1).astype(np.int64)
     if config.topology.redraw_every:
@@ -217,12 +217,13 @@ def _graphs(config: ExperimentConfig, first: Topology, device: torch.device) -> 
     def build(epoch: int) -> SimulatedNetwork:
         seed = round_stream_seed(config.experiment.seed, epoch, Stream.SCHEDULE, step=1) % 2**32 if epoch else \
             config.experiment.seed
-        return SimulatedNetwork(_topology(config, seed), device=device)
+        return SimulatedNetwork(config_topology(config, seed), device=device)
 
     return GraphSequence(network, build, topo.redraw_every)
 
 
-def _topology(config: ExperimentConfig, seed: int) -> Topology:
+def config_topology(config: ExperimentConfig, seed: int) -> Topology:
+    """The graph ``[topology]`` describes, drawn from ``seed`` (a run's first graph)."""
     topo = config.topology
     graph_params = {key: getattr(topo, key) for key in ("p", "radius", "k", "fiedler", "rows")
                     if getattr(topo, key) is not None}
@@ -250,7 +251,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     else:
         parts = partition(labels, topo_cfg.agents, cfg_data.partition, seed=seed, t=cfg_data.overlap_t,
                           alpha=cfg_data.dirichlet_alpha, size_skew=cfg_data.size_skew)
-        topology = _topology(config, seed)
+        topology = config_topology(config, seed)
     validation = None
     if cfg_data.validation_fraction > 0:  # tuning: evaluate on records held out of the agents' own data
         parts, validation = hold_out(parts, cfg_data.validation_fraction, seed, cfg_data.validation_split)
@@ -275,7 +276,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     rates = [min(1.0, algo_cfg.batch_size / n) for n in sizes] if period is None else [1.0] * len(sizes)
     budgets = _agent_budgets(config, len(parts))
     planned = planned_releases(config, algorithm, period)
-    sums = _sums_per_batch(config, algorithm, topology)
+    sums = sums_per_batch(config, algorithm, topology)
     rng = agent_random(config.experiment.seed, config.privacy.noise == "secure", config.engine.noise_streams,
                        len(parts), device)
     replay: list[GraphSequence] = []  # a sequence of its own (the run's keeps its first network), built if asked
