@@ -113,8 +113,6 @@ def test_bad_inputs_are_clear_errors(private: Experiment) -> None:
     ("dp-dsgd", {"augmentation": {"kind": "shift"}}, "augmentation.kind"),
     ("dp-dsgd", {"averaging": {"kind": "ema"}}, "averaging.kind"),
     ("decor", {"privacy": {"epsilon": 1.0, "colluding": [[0, 1]]}}, "privacy.colluding"),  # DECOR calibrates for it
-    # its gossip steps come from the spectral gap, 0 on the audit's disconnected copies: it crashed, or trained NaN
-    ("muffliato", {}, "algorithm.name"),
 ])
 def test_settings_the_blocks_do_not_run_are_refused_not_dropped(algorithm: str, sections: dict[str, Any],
                                                                  field: str) -> None:
@@ -172,6 +170,14 @@ def test_a_damaged_chunk_dir_is_one_clear_error(tmp_path: Path, damage: str) -> 
     assert str(folder / {"file": "", "spec": "spec.json", "chunk": "chunk-00000.npz"}[damage]) in str(error.value)
 
 
+def test_muffliato_is_refused_as_many_blocks(tmp_path: Path) -> None:
+    """Its gossip steps come from the spectral gap, 0 on the audit's disconnected copies: it crashed, or (with
+    gossip_steps set) trained NaN models and reported a bound of 0 (a review); one block (one-run) still runs it."""
+    with pytest.raises(ConfigError) as error:
+        run_message_audit(_experiment(1.0, algorithm="muffliato"), _audit(100))
+    assert error.value.field == "algorithm.name"
+
+
 def test_a_personalized_config_is_refused_not_audited_as_the_default_algorithm() -> None:
     """The [personalized] section was ignored and the default [algorithm] (dp-dsgt) audited instead (a review)."""
     raw = validate_config({"experiment": {"name": "p"}, "privacy": {"epsilon": 1.0, "delta": 1e-5, "clip": 1.0,
@@ -220,14 +226,3 @@ def test_a_chunk_copied_or_renamed_is_refused(private: Experiment, tmp_path: Pat
     with pytest.raises(ConfigError, match="spec_digest"):
         run_message_audit(private, settings, store=ChunkStore(folder))
 
-
-def test_chunks_with_identical_scores_are_refused(private: Experiment, tmp_path: Path) -> None:
-    """A chunk file written before the stamps (no index) copied under a second name: counted once, not twice."""
-    settings = AuditSection(models=200, selection_fraction=0.1, chunk=100, threshold_rule="gaussian")
-    folder = tmp_path / "chunks"
-    run_message_audit(private, settings, store=ChunkStore(folder))
-    with np.load(folder / "chunk-00000.npz") as saved:
-        legacy = {key: saved[key] for key in ("scores", "member", "epsilon", "noise_multiplier")}
-    np.savez(folder / "chunk-00001.npz", **legacy)
-    with pytest.raises(ConfigError, match="chunks 0 and 1 hold the same scores"):
-        run_message_audit(private, settings, store=ChunkStore(folder))
