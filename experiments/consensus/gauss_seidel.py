@@ -42,7 +42,7 @@ from decentdp.topology import Topology
 from decentdp.topology.build import topology_from_matrix
 
 HERE = Path(__file__).resolve().parent
-synchronous_topology = build._topology  # the library's: the config's graph and W for a seed
+synchronous_topology = build.config_topology  # the library's: the config's graph and W for a seed
 
 
 def gauss_seidel_step(w: np.ndarray) -> np.ndarray:
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         register(DSGDGradientAtMixed)
         overrides.append(f"algorithm.name={DSGDGradientAtMixed.name}")
     config = decentdp.load_config(HERE / f"{args.config}.toml", overrides=overrides)
-    build._topology = in_place_topology  # every graph of the run mixes by M
+    build.config_topology = in_place_topology  # every graph of the run mixes by M
     variant = "-".join(["gauss-seidel", *(["gradient-at-mixed"] if args.gradient_at_mixed else []),
                         *(item.replace("=", "-").replace(".", "-") for item in args.set)])
     result = decentdp.run(config, args.out / f"{args.config}-{variant}-s{args.seed}", data_dir=args.data_dir,
