@@ -40,7 +40,7 @@ from decentdp.algorithms.components.schedules import Schedule
 from decentdp.audit.bounds import audit_bound, split_sizes
 from decentdp.config import ExperimentConfig
 from decentdp.errors import ConfigError
-from decentdp.experiment.build import Experiment, build_experiment, calibrate, planned_releases
+from decentdp.experiment.build import Experiment, agent_budgets, build_experiment, calibrate, planned_releases
 from decentdp.gradients.flat_model import FlatModel
 from decentdp.models import validate_for_dp
 from decentdp.privacy.accounting import epsilon_of_history
@@ -342,13 +342,6 @@ class ChunkStore:
 
     def trains(self, index: int) -> bool:
         return self.only is None or index in self.only
-
-
-def agent_budgets(config: ExperimentConfig, n_agents: int) -> list[float]:
-    """Each agent's stated budget (``privacy.agent_epsilons``, or the one epsilon every agent has): a block's agent
-    ``a`` is calibrated as the run's agent ``a``, and the target's budget is the audit's nominal epsilon."""
-    budgets = config.privacy.budgets
-    return [float(b) for b in budgets] if len(budgets) > 1 else [float(budgets[0])] * n_agents
 
 
 def chunk_seed(seed: int, chunk: int) -> int:

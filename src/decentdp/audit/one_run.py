@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from decentdp.audit.blocks import agent_budgets, block_simulation, chunk_seed
+from decentdp.audit.blocks import block_simulation, chunk_seed
 from decentdp.audit.bounds import guess_grid, one_run_bound, one_run_guesses
 from decentdp.audit.messages import canary_records, canary_scores
 from decentdp.audit.settings import AuditSection
-from decentdp.experiment.build import Experiment
+from decentdp.experiment.build import Experiment, agent_budgets
 from decentdp.privacy.mechanisms import Mechanism
 
 #: Mixed with the config's seed into the inclusion draw's own numpy stream, a key no other draw uses (batches

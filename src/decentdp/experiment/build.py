@@ -137,7 +137,7 @@ def cyclic_period(config: ExperimentConfig, algorithm: Algorithm, sizes: list[in
     return period
 
 
-def _agent_budgets(config: ExperimentConfig, n_agents: int) -> list[float]:
+def agent_budgets(config: ExperimentConfig, n_agents: int) -> list[float]:
     """Each agent's epsilon: its own, or the one every agent has; the pooled agent gets the smallest."""
     budgets = config.privacy.budgets
     if config.pools_data:
@@ -274,7 +274,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
                         "records: every class is trimmed to the smallest class's size, as CGA's code does")
     period = cyclic_period(config, algorithm, sizes)
     rates = [min(1.0, algo_cfg.batch_size / n) for n in sizes] if period is None else [1.0] * len(sizes)
-    budgets = _agent_budgets(config, len(parts))
+    budgets = agent_budgets(config, len(parts))
     planned = planned_releases(config, algorithm, period)
     sums = sums_per_batch(config, algorithm, topology)
     rng = agent_random(config.experiment.seed, config.privacy.noise == "secure", config.engine.noise_streams,

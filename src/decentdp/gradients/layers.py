@@ -76,14 +76,9 @@ def _sample_chunks(total: int, bytes_per_sample: int) -> list[slice]:
     return [slice(start, min(total, start + step)) for start in range(0, total, step)]
 
 
-def _sq_norm(tensor: Tensor, trailing: int) -> Tensor:
-    """Squared l2 norm over the last ``trailing`` dimensions, summed in float64 (float64 result)."""
-    return squared_norms(tensor, trailing)
-
-
-def _rows_norms(tensor: Tensor) -> Tensor:
-    """The float64 l2 norm of each vector along the last dimension."""
-    return torch.linalg.vector_norm(tensor, 2, dim=-1, dtype=torch.float64)
+def _norms(vectors: Tensor, dim: int = -1) -> Tensor:
+    """The l2 norm of each vector along ``dim``, summed in float64 (float64 result; short vectors: no blocks)."""
+    return torch.linalg.vector_norm(vectors, 2, dim=dim, dtype=torch.float64)
 
 
 def _ghost_bound(ghost: Tensor, scale: Tensor, gram_length: int, positions: int, dtype: torch.dtype) -> Tensor:
@@ -225,22 +220,22 @@ class StackedLinear(ParamLayer):
         a = saved.reshape(n_agents, batch, -1, saved.shape[-1])       # (N, B, K * T, in): copies are positions
         g = grad_out.reshape(n_agents, batch, -1, grad_out.shape[-1])  # (N, B, K * T, out)
         positions, p, q = a.shape[2], a.shape[3], g.shape[3]
-        bias_sq = _sq_norm(g.sum(dim=2), 1) if self.bias else 0.0
+        bias_sq = squared_norms(g.sum(dim=2), 1) if self.bias else 0.0
         if positions == 1:  # ||g a^T||_F = ||g|| ||a||
-            return _sq_norm(a, 2) * _sq_norm(g, 2) + bias_sq, None
+            return squared_norms(a, 2) * squared_norms(g, 2) + bias_sq, None
         if positions * (p + q) < p * q:  # ghost norm: sum_{t,t'} (a_t . a_t')(g_t . g_t'), a certified bound
             sq = torch.empty(n_agents, batch, dtype=torch.float64, device=g.device)
             for rows in _sample_chunks(batch, n_agents * positions * (16 * positions + 8 * (p + q))):
                 a64, g64 = a[:, rows].double(), g[:, rows].double()
                 ghost = ((a64 @ a64.transpose(-1, -2)) * (g64 @ g64.transpose(-1, -2))).sum(dim=(-1, -2))
-                scale = (_rows_norms(a64) * _rows_norms(g64)).sum(dim=-1)
+                scale = (_norms(a64) * _norms(g64)).sum(dim=-1)
                 sq[:, rows] = _ghost_bound(ghost, scale, max(p, q), positions, g.dtype)
             if self.bias:
-                bias_sq = _summed_bias_bound(bias_sq, _rows_norms(g).sum(dim=-1), positions, g.dtype)
+                bias_sq = _summed_bias_bound(bias_sq, _norms(g).sum(dim=-1), positions, g.dtype)
             return sq + bias_sq, None
         weight = torch.einsum("nbto,nbti->nboi", g, a)
         per_sample = [weight, g.sum(dim=2)] if self.bias else [weight]
-        return _sq_norm(weight, 2) + bias_sq, per_sample
+        return squared_norms(weight, 2) + bias_sq, per_sample
 
     def _weighted_from_activations(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
                                    out: Sequence[Tensor]) -> None:
@@ -324,7 +319,7 @@ class StackedConv2d(ParamLayer):
                                        copies).double()                             # (S, p, K * T)
         outputs = _copies_as_positions(g.reshape(g.shape[0], self.out_channels, -1), copies).double()  # (S, q, K*T)
         ghost = ((patches.transpose(1, 2) @ patches) * (outputs.transpose(1, 2) @ outputs)).sum(dim=(1, 2))
-        scale = (_rows_norms(patches.transpose(1, 2)) * _rows_norms(outputs.transpose(1, 2))).sum(dim=1)
+        scale = (_norms(patches, dim=1) * _norms(outputs, dim=1)).sum(dim=1)
         return _ghost_bound(ghost, scale, max(patches.shape[1], outputs.shape[1]), patches.shape[2], g.dtype)
 
     def per_sample_sq_norms(self, saved: Tensor, grad_out: Tensor,
@@ -335,7 +330,7 @@ class StackedConv2d(ParamLayer):
         g = grad_out.reshape(samples * copies, *grad_out.shape[2:])
         positions = copies * g.shape[2] * g.shape[3]
         bias = g.sum(dim=(2, 3)).view(samples, copies, self.out_channels).sum(dim=1) if self.bias else None
-        bias_sq = _sq_norm(bias, 1).view(n_agents, batch) if bias is not None else 0.0
+        bias_sq = squared_norms(bias, 1).view(n_agents, batch) if bias is not None else 0.0
         if self._cost_ghost_over_materialised(positions) < 1.0:
             sq = torch.empty(samples, dtype=torch.float64, device=g.device)
             patch_bytes = 12 * positions * (self.in_channels * self.kernel[0] * self.kernel[1] + self.out_channels)
@@ -343,8 +338,8 @@ class StackedConv2d(ParamLayer):
                 copy_rows = slice(rows.start * copies, rows.stop * copies)
                 sq[rows] = self._ghost_sq_norms(a[copy_rows], g[copy_rows], copies)
             if bias is not None:
-                scale = _rows_norms(_copies_as_positions(g.reshape(len(g), self.out_channels, -1), copies)
-                                    .transpose(1, 2)).sum(dim=1)
+                outputs = _copies_as_positions(g.reshape(len(g), self.out_channels, -1), copies)  # (S, q, K * T)
+                scale = _norms(outputs, dim=1).sum(dim=1)
                 bias_sq = _summed_bias_bound(bias_sq, scale.view(n_agents, batch), positions, g.dtype)
             return sq.view(n_agents, batch) + bias_sq, None
         weight = torch.empty(samples, self.out_channels, self.in_channels, *self.kernel, dtype=g.dtype,
@@ -354,7 +349,7 @@ class StackedConv2d(ParamLayer):
             copy_rows = slice(rows.start * copies, rows.stop * copies)
             per_copy = self._per_sample_weights(a[copy_rows], g[copy_rows])
             weight[rows] = per_copy if copies == 1 else per_copy.view(-1, copies, *weight.shape[1:]).sum(dim=1)
-        sq = _sq_norm(weight, 4)
+        sq = squared_norms(weight, 4)
         per_sample = [weight.view(n_agents, batch, *weight.shape[1:])]
         if bias is not None:
             per_sample.append(bias.view(n_agents, batch, self.out_channels))
@@ -405,7 +400,7 @@ class StackedGroupNorm(ParamLayer):
     def per_sample_sq_norms(self, saved: Tensor, grad_out: Tensor,
                             copies: int = 1) -> tuple[Tensor, list[Tensor] | None]:
         per_sample = [_sum_copies(grad, copies) for grad in self._per_sample(saved, grad_out)]
-        return sum(_sq_norm(grad, 1) for grad in per_sample), per_sample
+        return sum(squared_norms(grad, 1) for grad in per_sample), per_sample
 
     def _weighted_from_activations(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
                                    out: Sequence[Tensor]) -> None:
@@ -456,7 +451,7 @@ class StackedEmbedding(ParamLayer):
             same = (tokens[:, rows, :, None] == tokens[:, rows, None, :]).double()
             ghost = (same * (g64 @ g64.transpose(-1, -2))).sum(dim=(-1, -2))
             # a one-hot "activation" per position: S = sum_t ||g_t||
-            sq[:, rows] = _ghost_bound(ghost, _rows_norms(g64).sum(dim=-1), g.shape[-1], positions, g.dtype)
+            sq[:, rows] = _ghost_bound(ghost, _norms(g64).sum(dim=-1), g.shape[-1], positions, g.dtype)
         return sq, None
 
     def _weighted_from_activations(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
