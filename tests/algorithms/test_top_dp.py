@@ -9,6 +9,7 @@ from pathlib import Path
 import networkx as nx
 import numpy as np
 import pytest
+import tomli_w
 import torch
 from tests.conftest import tiny_config
 
@@ -320,6 +321,27 @@ def test_agent_without_neighbour_is_refused_before_anything_is_written(tmp_path:
     out = tmp_path / "out"
     assert main(["run", str(config), "--out", str(out)]) != 0
     assert "topology.graph" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("algorithm", "privacy", "field", "hint"), [
+    ({"decay_gamma": 0.01, "decay_period": 2}, {"epsilon": 1.0}, "algorithm.decay_gamma", "0.01^5"),
+    ({"decay_gamma": 1.0}, {"epsilon": 1e-12, "delta": 1e-30}, "privacy.epsilon", "no noise multiplier"),
+])
+def test_a_budget_no_noise_can_meet_names_the_decay_or_the_budget(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], algorithm: dict, privacy: dict, field: str,
+        hint: str) -> None:
+    """A decay that leaves the late rounds almost noiseless (0.01 every 2 of 12 rounds) makes every budget
+    unreachable: the message names the decay and how far it goes; without decay, a budget no sigma up to the
+    search's limit meets (delta 1e-30) names the budget."""
+    raw = tiny_config(experiment={"rounds": 12, "eval_every": 12},
+                      algorithm={"name": "top-dp", "lr": 0.1, "batch_size": 16, **algorithm}, privacy=privacy)
+    config = tmp_path / "decay.toml"
+    config.write_text(tomli_w.dumps(raw))
+    out = tmp_path / "out"
+    assert main(["run", str(config), "--out", str(out), "--no-progress"]) != 0
+    error = capsys.readouterr().err
+    assert f"{field}: " in error and hint in error and "Traceback" not in error
     assert not out.exists()
 
 

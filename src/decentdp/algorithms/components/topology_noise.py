@@ -46,7 +46,7 @@ from pydantic import Field
 
 from decentdp.algorithms.base import Calibrated, Network, NoisePlan
 from decentdp.algorithms.components.select_mix import SelectMixSettings
-from decentdp.errors import ConfigError
+from decentdp.errors import ConfigError, PrivacyError
 from decentdp.privacy.accounting import calibrate_scale, narrow_bracket
 from decentdp.privacy.baselines.paper import theorem1_epsilon, theorem1_noise_multiplier
 from decentdp.privacy.discrete import grid_gaussian_release
@@ -121,6 +121,19 @@ def replayed_factors(plan: NoisePlan, alpha: float, sigmas: np.ndarray, gamma: f
     return factors
 
 
+def _unreachable_budget(error: PrivacyError, rounds: int, gamma: float, period: int) -> ConfigError:
+    """The field to change when no sigma_0 meets a budget: the decay, where it shrinks the late rounds' noise
+    (each decay step divides the noise the budget can buy by gamma), else the budget itself."""
+    if gamma < 1 and rounds > period:
+        steps = (rounds - 1) // period
+        reason = str(error).removesuffix("; raise epsilon or delta")
+        return ConfigError("algorithm.decay_gamma", f"{reason}: the noise decays to {gamma:g}^{steps} = "
+                                                    f"{gamma ** steps:.3g} of sigma_0 by round {rounds} "
+                                                    f"(algorithm.decay_period = {period}); raise decay_gamma "
+                                                    "or decay_period, or the budget")
+    return ConfigError("privacy.epsilon", str(error))
+
+
 #: Damped steps towards the worst-case calibration's fixed point (each step's vector is raised until it passes).
 FIXED_POINT_STEPS = 12
 
@@ -148,10 +161,13 @@ def calibrate_top_dp(plan: NoisePlan, alpha: float, gamma: float, period: int, s
     base = []
     for epsilon, rate in zip(plan.budgets, plan.sample_rates, strict=True):
         if (epsilon, rate) not in cache:
-            cache[(epsilon, rate)] = calibrate_scale(
-                lambda s, q=rate: decayed_history_event(s, q, plan.rounds, gamma, period, setup_releases), 1,
-                epsilon, plan.delta, accountant, describe=f"{plan.rounds} decayed rounds at rate {rate}",
-                relation=plan.relation)
+            try:
+                cache[(epsilon, rate)] = calibrate_scale(
+                    lambda s, q=rate: decayed_history_event(s, q, plan.rounds, gamma, period, setup_releases), 1,
+                    epsilon, plan.delta, accountant, describe=f"{plan.rounds} decayed rounds at rate {rate}",
+                    relation=plan.relation)
+            except PrivacyError as error:
+                raise _unreachable_budget(error, plan.rounds, gamma, period) from None
         base.append(cache[(epsilon, rate)] * (1 + 1e-9))  # a margin for the float64 sums of the ledger
     base = np.array(base)
 
