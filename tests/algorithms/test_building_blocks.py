@@ -291,6 +291,20 @@ def test_dinno_warns_when_one_primal_step_makes_its_agents_drift_apart() -> None
     assert any(w.startswith("algorithm.momentum = 0.9:") for w in experiment.warnings)
 
 
+@pytest.mark.parametrize(("optimizer", "reset", "primal_steps"),
+                         [(SGD(), False, 1), (Adam(), True, 1), (SGD(), False, 2)])
+def test_dinno_refuses_a_penalty_schedule_that_overflows_before_the_last_round(
+        optimizer: SGD | Adam, reset: bool, primal_steps: int) -> None:
+    """rho * 1.5^2000 leaves float64: the run crashed at round 1750 (Python's power) with Adam rebuilt each round,
+    and at the build (the stability map's log of inf) with plain SGD; now every setting is refused by name."""
+    algorithm = DPDiNNO(optimizer, rho=0.5, rho_growth=1.5, primal_steps=primal_steps, reset_each_round=reset)
+    with pytest.raises(ConfigError, match=r"algorithm\.rho_growth: .* 1e352 by the last round overflows float32"):
+        algorithm.stability_warnings(build_topology("complete", 4, seed=0), Schedule("constant", 0.1, 0.1, 2000))
+    assert DPDiNNO(optimizer, rho=0.5, rho_growth=1.04, primal_steps=primal_steps,  # 1e34 at the end: kept
+                   reset_each_round=reset).stability_warnings(build_topology("complete", 4, seed=0),
+                                                              Schedule("constant", 1e-40, 1e-40, 2000)) == []
+
+
 def test_dsgt_tracks_the_sum_of_the_latest_gradients(device: torch.device) -> None:
     """With sigma = 0 and a doubly stochastic W: sum_i y_i = sum_i G_i after every round (eq. 5)."""
     experiment = build_experiment(validate_config(tiny_config(

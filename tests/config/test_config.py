@@ -25,6 +25,8 @@ from decentdp.config import (
 from decentdp.errors import ConfigError, DataError, DecentDPError, GraphError
 from decentdp.experiment.build import build_experiment
 
+from conftest import tiny_config
+
 ALGORITHMS = ("central-dpsgd", "local", "dp-dsgd", "dp-dsgt", "dp-dinno")
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100")
 PARTITIONS = ("iid", "overlap", "dirichlet", "unequal")
@@ -580,4 +582,31 @@ def test_a_setting_given_with_set_is_never_dropped(tmp_path: Path, assignment: s
     value = assignment.partition("=")[2]
     path.write_text(f'[algorithm]\nname = "dp-dsgt"\n{key.split(".")[1]} = {value}\n[privacy]\nepsilon = 1.0\n',
                     encoding="utf-8")
-    assert key.split(".")[1] not in load_config(path).to_toml_dict()["algorithm"]
+    loaded = load_config(path)
+    assert key.split(".")[1] not in loaded.to_toml_dict()["algorithm"]
+    notice, = loaded.algorithm.ignored_notices  # said at run time (build_experiment's warnings)
+    assert notice.startswith(f"{key} = {value} is not a setting of 'dp-dsgt' and was ignored") and repr(owner) in notice
+
+
+def test_a_dropped_setting_is_among_the_runs_warnings() -> None:
+    """A reviewer's DP-DSGT config with momentum = 0.9 (DPDL's default) ran without momentum and without a word."""
+    config = validate_config(tiny_config(algorithm={"momentum": 0.9}, privacy={"epsilon": "inf"}))
+    warnings = build_experiment(config).warnings
+    assert any(w.startswith("algorithm.momentum = 0.9 is not a setting of 'dp-dsgt'") for w in warnings)
+    assert not build_experiment(validate_config(tiny_config(privacy={"epsilon": "inf"}))).warnings
+
+
+@pytest.mark.parametrize(("section", "values", "field"), [
+    ("algorithm", {"lr": 1e300}, "algorithm.lr"), ("algorithm", {"lr_final": 1e39}, "algorithm.lr_final"),
+    ("privacy", {"clip": 1e39}, "privacy.clip")])
+def test_values_beyond_float32_are_refused_by_name(section: str, values: dict[str, Any], field: str) -> None:
+    """lr = 1e300 crashed DP-DSGD in addmm_ with a traceback and let DP-DSGT run to garbage."""
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.") + ": .* is above the largest float32 "):
+        validate_config(tiny_config(**{section: values}))
+
+
+def test_noise_whose_scale_leaves_float32_is_refused_by_name() -> None:
+    """sigma * clip above the largest float32 made the noise infinite: a run of garbage parameters that still
+    reported its epsilon."""
+    with pytest.raises(ConfigError, match=r"privacy\.clip: the noise's standard deviation sigma \* clip"):
+        build_experiment(validate_config(tiny_config(privacy={"clip": 1e38, "epsilon": 0.01})))

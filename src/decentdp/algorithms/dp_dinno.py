@@ -35,6 +35,7 @@ from decentdp.algorithms.base import RoundContext, State, prefixed, unprefixed
 from decentdp.algorithms.components.optim import Adam, Optimizer, OptimizerAlgorithm, OptimizerSettings
 from decentdp.algorithms.components.schedules import Schedule
 from decentdp.algorithms.registry import register
+from decentdp.errors import ConfigError
 from decentdp.topology import Topology, laplacian_spectrum
 
 #: A disagreement the linearised round amplifies by more than this over a run is announced as divergent.
@@ -122,7 +123,14 @@ class DPDiNNO(OptimizerAlgorithm):
     def stability_warnings(self, topology: Topology, schedule: Schedule) -> list[str]:
         """A warning when one primal step per dual update makes the agents' disagreement grow (see
         :func:`disagreement_map`).  Not checked: several primal steps (the map above assumes ``psi = theta``),
-        and Adam rebuilt every round, whose step is ``lr * sign(G)`` coordinate-wise and so bounded."""
+        and Adam rebuilt every round, whose step is ``lr * sign(G)`` coordinate-wise and so bounded.  A penalty
+        schedule that leaves float32 before the last round is refused (a ConfigError naming ``rho_growth``)."""
+        log_last = math.log(self.rho0) + schedule.rounds * math.log(self.rho_growth)
+        if log_last > math.log(torch.finfo(torch.float32).max):
+            raise ConfigError("algorithm.rho_growth", f"the penalty rho * rho_growth^{schedule.rounds} = "
+                                                      f"{self.rho0:g} * {self.rho_growth:g}^{schedule.rounds} = "
+                                                      f"1e{log_last / math.log(10):.0f} by the last round overflows "
+                                                      "float32: lower rho_growth (or rho, or the rounds)")
         if self.primal_steps > 1 or (isinstance(self.optimizer, Adam) and self.reset_each_round):
             return []
         spectrum = laplacian_spectrum(topology.adjacency())  # dense, O(N^3): only for the settings checked

@@ -3,6 +3,7 @@ Bellet et al.'s ``[personalized]`` section beside it (:mod:`decentdp.config.pers
 
 from decentdp.config.personalized import PersonalizedSection
 from decentdp.config.schema import (
+    FLOAT32_MAX,
     GRAPH_REQUIRES,
     PLACEMENT_FIELDS,
     RECORDING_FIELDS,
@@ -18,6 +19,6 @@ from decentdp.config.schema import (
     validate_config,
 )
 
-__all__ = ["GRAPH_REQUIRES", "PLACEMENT_FIELDS", "RECORDING_FIELDS", "EngineSection", "ExperimentConfig",
+__all__ = ["FLOAT32_MAX", "GRAPH_REQUIRES", "PLACEMENT_FIELDS", "RECORDING_FIELDS", "EngineSection", "ExperimentConfig",
            "PersonalizedSection", "TrackingSection", "apply_overrides", "config_differences", "flat_fields",
            "load_config", "overridden_algorithm_keys", "parse_override", "validate_config"]

@@ -12,9 +12,10 @@ import math
 import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -31,6 +32,20 @@ from decentdp.config.personalized import PersonalizedSection
 from decentdp.errors import ConfigError
 from decentdp.models import check_model_options
 from decentdp.topology import PARAM_USERS
+
+#: The largest float32: parameters, steps and noise scales are float32 tensors, so a value above it overflows.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _within_float32(value: float | None) -> float | None:
+    if value is not None and value > FLOAT32_MAX:
+        raise ValueError(f"{value:g} is above the largest float32 ({FLOAT32_MAX:.4g}), the type of the tensors it "
+                         "scales")
+    return value
+
+
+#: A float that multiplies float32 tensors.
+Float32 = Annotated[float, AfterValidator(_within_float32)]
 
 DatasetName = Literal["digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "a9a"]
 PartitionName = Literal["iid", "overlap", "dirichlet", "unequal", "pathological"]
@@ -114,11 +129,12 @@ class AlgorithmSection(_Section):
     model_config = ConfigDict(_Section.model_config, extra="allow")
 
     name: str = "dp-dsgt"
-    lr: float = Field(0.1, gt=0.0)
-    lr_final: float | None = Field(None, gt=0.0)
+    lr: Float32 = Field(0.1, gt=0.0)
+    lr_final: Float32 | None = Field(None, gt=0.0)
     lr_schedule: Literal["constant", "logspace", "cosine"] = "constant"
     batch_size: int = Field(64, ge=1, description="expected Poisson batch size L; q_i = L / |D_i|")
     _settings: AlgorithmSettings | None = PrivateAttr(default=None)
+    _ignored: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @field_validator("name")
     @classmethod
@@ -139,7 +155,8 @@ class AlgorithmSection(_Section):
         for key in [key for key in extras if key not in own]:
             owners = _algorithms_with_setting(key)
             if key not in written and owners and any(_is_default(name, key, extras[key]) for name in owners):
-                del extras[key]  # resolved configs of other algorithms list it at its default: it changes nothing
+                # resolved configs of other algorithms list it at its default: dropped, and said at run time
+                self._ignored[key] = extras.pop(key)
                 continue
             allowed = ", ".join(sorted([*type(self).model_fields, *own]))
             raise _FieldError(f"algorithm.{key}",
@@ -162,6 +179,14 @@ class AlgorithmSection(_Section):
         """The algorithm's own validated settings."""
         assert self._settings is not None
         return self._settings
+
+    @property
+    def ignored_notices(self) -> list[str]:
+        """One line per key dropped because it is another algorithm's setting at that algorithm's default (as a
+        resolved config of that algorithm lists it): it changes nothing, but a user who wrote it meant something."""
+        return [f"algorithm.{key} = {value!r} is not a setting of '{self.name}' and was ignored (it is the default "
+                f"of {', '.join(repr(name) for name in _algorithms_with_setting(key) if _is_default(name, key, value))}"
+                ", so a resolved config of that algorithm lists it)" for key, value in self._ignored.items()]
 
 
 def _algorithms_with_setting(key: str) -> list[str]:
@@ -280,7 +305,7 @@ class PrivacySection(_Section):
     epsilon: float | None = Field(None, description="target epsilon per agent (required unless agent_epsilons is "
                                                     "given); 'inf' = a deliberately non-private run")
     delta: float = Field(1e-5, gt=0.0, lt=1.0)
-    clip: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    clip: Float32 = Field(1.0, gt=0.0, allow_inf_nan=False)
     accountant: Literal["tight", "pld", "rdp"] = Field(
         "tight", description="accountant that calibrates sigma, enforces budgets and reports epsilon: tight (the "
                              "smaller of PLD and RDP, both sound), pld or rdp alone")

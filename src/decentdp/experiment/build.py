@@ -26,7 +26,7 @@ import torch
 from decentdp.algorithms import algorithm_class
 from decentdp.algorithms.base import Algorithm, NoisePlan, PublicRun, State
 from decentdp.algorithms.components.schedules import Schedule
-from decentdp.config import ExperimentConfig
+from decentdp.config import FLOAT32_MAX, ExperimentConfig
 from decentdp.data.augment import Augmentation
 from decentdp.data.datasets import Dataset, load_dataset
 from decentdp.data.partition import class_histograms, hold_out, partition
@@ -265,7 +265,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     model = gradient_model(module.to(device), classification_loss, config.engine.gradients)
 
     sizes = [len(p) for p in parts]
-    warnings = _privacy_warnings(config, sizes) if private else []
+    warnings = [*config.algorithm.ignored_notices, *(_privacy_warnings(config, sizes) if private else [])]
     if cfg_data.validation_fraction > 0 and private:
         warnings.append(PRIVATE_EVALUATION_NOTICE)
     if cfg_data.partition == "pathological" and sum(sizes) + len(validation if validation is not None else ()) \
@@ -298,6 +298,9 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
         if private else None
     sigmas = own.noise_multipliers if own is not None else \
         calibrate(budgets, rates, config, planned, sums, algorithm.joint_accounting) if private else [0.0] * len(parts)
+    if private and max(sigmas, default=0.0) * config.privacy.clip > FLOAT32_MAX:
+        raise ConfigError("privacy.clip", f"the noise's standard deviation sigma * clip = {max(sigmas):.3g} * "
+                                          f"{config.privacy.clip:g} exceeds the largest float32: lower the clip")
     if own is not None and getattr(own.mechanism, "prepaid", False):
         planned = 1  # one event for the whole run (matrix-factorization noise), charged before round 0
     ledger = PrivacyLedger(len(parts), budgets, config.privacy.delta, budget_accountant=config.privacy.accountant,
