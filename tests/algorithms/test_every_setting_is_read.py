@@ -64,12 +64,14 @@ CASES = [(name, key) for name in algorithm_names()
          for key in algorithm_class(name).Settings.model_fields if key not in COMMON]
 
 
-def _fingerprint(name: str, settings: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, str]:
+def _fingerprint(name: str, settings: dict[str, Any], mixing: str = "metropolis-hastings",
+                 ) -> tuple[np.ndarray, np.ndarray, str]:
     """Final models, noise multipliers and the summary's epsilons of a 4-round tiny run."""
     raw = tiny_config(experiment={"rounds": 4, "eval_every": 4},
                       algorithm={"name": name, "lr": 0.1, "batch_size": 16, **settings},
                       privacy={"epsilon": "inf" if name == "no-noise" else 2.0},
-                      topology={"graph": "erdos-renyi", "agents": 5, "p": 0.7}, engine={"threads": 1})
+                      topology={"graph": "erdos-renyi", "agents": 5, "p": 0.7, "mixing": mixing},
+                      engine={"threads": 1})
     result = run_experiment(validate_config(raw), None, progress=False)
     summary = result.summary
     epsilons = {key: value for key, value in summary.items() if "epsilon" in key}
@@ -102,3 +104,34 @@ def test_moving_a_setting_changes_the_run(name: str, key: str) -> None:
     same_noise = default[1].shape == moved[1].shape and np.array_equal(default[1], moved[1])
     assert not (same_models and same_noise and default[2] == moved[2]), \
         f"algorithm.{key} of '{name}' changed neither the models, the noise nor the reported epsilons"
+
+
+READERS = [name for name in algorithm_names() if not algorithm_class(name).pools_data]
+
+
+@pytest.mark.parametrize("name", READERS)
+def test_reads_mixing_says_whether_the_mixing_matrix_changes_the_run(name: str) -> None:
+    """``Algorithm.reads_mixing`` decides whether a run that names ``topology.mixing`` is told it changes nothing,
+    so it must be true exactly where the mixing changes the run: the tiny run's graph under Metropolis-Hastings
+    and under plain averaging (which differ on it; max-degree does not, every edge touching a degree-4 agent)."""
+    default = _default_fingerprint(name)
+    averaged = _fingerprint(name, {}, mixing="average")
+    same = all(np.array_equal(a, b) for a, b in zip(default[:2], averaged[:2], strict=True)) \
+        and default[2] == averaged[2]
+    assert same != algorithm_class(name).reads_mixing, \
+        f"'{name}': reads_mixing = {algorithm_class(name).reads_mixing}, but the mixing " \
+        f"{'changed nothing' if same else 'changed the run'}"
+
+
+def test_a_mixing_the_algorithm_ignores_is_said_to_change_nothing() -> None:
+    from decentdp.experiment.build import build_experiment
+
+    def notes(name: str, mixing: str) -> list[str]:
+        raw = tiny_config(algorithm={"name": name}, topology={"graph": "path", "mixing": mixing},
+                          privacy={"epsilon": 2.0})
+        return build_experiment(validate_config(raw)).setup["mixing_warnings"]
+
+    assert notes("dp-dinno", "average") == ["topology.mixing = 'average' changes nothing: 'dp-dinno' weights its "
+                                            "neighbours in its own update rule, not with a mixing matrix"]
+    assert notes("dp-dinno", "metropolis-hastings") == []          # the default: nothing was asked
+    assert "not doubly stochastic" in " ".join(notes("dp-dsgd", "average"))  # a reader keeps the topology's checks

@@ -367,6 +367,10 @@ class Algorithm(ABC):
     Settings: ClassVar[type[AlgorithmSettings]] = AlgorithmSettings
     #: True when all agents' data are pooled into one agent (central training baselines).
     pools_data: ClassVar[bool] = False
+    #: Whether its rounds weight messages with the topology's mixing matrix (``topology.mixing``).  The others
+    #: weight their neighbours in their own update rule, and a run that names a mixing is told it changes nothing
+    #: (``tests/algorithms/test_every_setting_is_read.py`` checks the flag against runs under two mixings).
+    reads_mixing: ClassVar[bool] = True
     #: Round schedules the algorithm supports (``schedule.kind``); the first is its default.
     schedules: ClassVar[tuple[str, ...]] = ("synchronous",)
     #: Whether the round reads ``ctx.plan`` so that inactive agents neither send, receive nor move

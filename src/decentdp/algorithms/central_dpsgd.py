@@ -19,3 +19,4 @@ class CentralDPSGD(LocalTraining):
 
     name: ClassVar[str] = "central-dpsgd"
     pools_data: ClassVar[bool] = True
+    reads_mixing: ClassVar[bool] = False  # one agent: no graph

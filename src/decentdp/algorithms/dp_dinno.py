@@ -99,6 +99,7 @@ class DPDiNNO(OptimizerAlgorithm):
     """Consensus ADMM with an inexact, private primal solver."""
 
     samplings: ClassVar[tuple[str, ...]] = ("poisson", "cyclic")  # one release a round, the run's mechanism
+    reads_mixing: ClassVar[bool] = False  # (6) and line 14 sum the neighbours unweighted, with the degree
 
     name: ClassVar[str] = "dp-dinno"
     Settings = DiNNOSettings

@@ -17,6 +17,7 @@ class LocalTraining(OptimizerAlgorithm):
     """``theta_i <- optimizer_step(theta_i, G_i(theta_i))`` with no messages."""
 
     samplings: ClassVar[tuple[str, ...]] = ("poisson", "cyclic")  # one release a round, the run's mechanism
+    reads_mixing: ClassVar[bool] = False  # no messages
 
     name: ClassVar[str] = "local"
 

@@ -265,7 +265,9 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     model = gradient_model(module.to(device), classification_loss, config.engine.gradients)
 
     sizes = [len(p) for p in parts]
-    warnings = [*config.algorithm.ignored_notices, *(_privacy_warnings(config, sizes) if private else [])]
+    mixing_notes = _mixing_notes(config, algorithm, topology)
+    warnings = [*mixing_notes, *config.algorithm.ignored_notices,
+                *(_privacy_warnings(config, sizes) if private else [])]
     if cfg_data.validation_fraction > 0 and private:
         warnings.append(PRIVATE_EVALUATION_NOTICE)
     if cfg_data.partition == "pathological" and sum(sizes) + len(validation if validation is not None else ()) \
@@ -356,7 +358,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
         "neighbouring": config.privacy.neighbouring,
         "noise": config.privacy.noise,
         "topology": topology.report.as_dict(),
-        "mixing_warnings": list(topology.warnings),
+        "mixing_warnings": mixing_notes,
         "gradient_engine": model.backend,
         "gradient_engine_fallback_reason": model.fallback_reason,
         "memory_plan": memory.as_dict(),
@@ -366,6 +368,18 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     }
     return Experiment(config, dataset, data, topology, model, algorithm, oracle, simulator, evaluator,
                       noise_multipliers, sample_rates, histograms, memory, graphs, schedule, setup, warnings, period)
+
+
+def _mixing_notes(config: ExperimentConfig, algorithm: Algorithm, topology: Topology) -> list[str]:
+    """What the run should say about its mixing matrix: the topology's checks of it where the algorithm mixes
+    with it, else (for a mixing the config moved from its default) that it changes nothing."""
+    if algorithm.reads_mixing:
+        return list(topology.warnings)
+    mixing = config.topology.mixing
+    if mixing == type(config.topology).model_fields["mixing"].default:
+        return []
+    return [f"topology.mixing = {mixing!r} changes nothing: '{config.algorithm.name}' weights its neighbours in its "
+            "own update rule, not with a mixing matrix"]
 
 
 def _privacy_warnings(config: ExperimentConfig, sizes: list[int]) -> list[str]:

@@ -319,5 +319,5 @@ def _announce(experiment: Experiment, emit: Callable[[str], None]) -> None:
              ", clipped once (same noise and epsilon, about "
              f"{augmentation.copies} times the gradient work)")
     emit(experiment.memory.describe())
-    for warning in [*experiment.topology.warnings, *experiment.warnings]:
+    for warning in experiment.warnings:  # the topology's checks of its mixing matrix among them
         emit(f"warning: {warning}")

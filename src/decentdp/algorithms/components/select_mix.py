@@ -81,6 +81,7 @@ class SelectMix(Algorithm):
     Settings: ClassVar[type[AlgorithmSettings]] = SelectMixSettings
     schedules: ClassVar[tuple[str, ...]] = ("synchronous", "pairing")
     follows_plan: ClassVar[bool] = True
+    reads_mixing: ClassVar[bool] = False  # eq. 3 weights the one selected neighbour by alpha
     samplings: ClassVar[tuple[str, ...]] = ("poisson",)
     sampling_note: ClassVar[str] = "its own calibration plans for Poisson-sampled rounds"
 
