@@ -282,8 +282,9 @@ def test_each_algorithm_spends_exactly_its_budget_from_a_config(algorithm: str, 
         assert summary["paper_epsilon_max"] == pytest.approx(max(expected), rel=1e-9) and max(expected) < spent / 2
         assert "one release a round" in privacy["paper_epsilon_view"]
     if algorithm == "muffliato":
-        assert 0 < summary["epsilon_pairwise_max"] <= summary["epsilon_max"] + 1e-9
-        assert len(privacy["epsilon_pairwise_network"]) == 4
+        assert 0 < summary["nonadaptive_epsilon_pairwise_max"] <= summary["epsilon_max"] + 1e-9
+        assert len(privacy["nonadaptive_epsilon_pairwise_network"]) == 4
+        assert "gradients fixed in advance" in privacy["nonadaptive_assumption"]
         assert (tmp_path / "out" / "pairwise_epsilon.png").exists()
 
 

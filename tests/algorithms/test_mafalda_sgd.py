@@ -81,7 +81,7 @@ def test_the_ledger_holds_one_whole_run_event_charged_before_round_zero(tmp_path
     sigma = setup["noise_multipliers"][0]
     assert privacy["ledger"]["events"][0]["noise_multiplier"] == pytest.approx(sigma / details["sensitivity"])
     assert 4.99 < result.summary["epsilon_max"] <= 5.0
-    assert result.summary["epsilon_pairwise_max"] <= result.summary["epsilon_local_max"]
+    assert result.summary["nonadaptive_epsilon_pairwise_max"] <= result.summary["epsilon_local_max"]
     assert np.allclose(setup["paper_accounting"]["paper_epsilon_local"], privacy["epsilon"], rtol=1e-4)
 
 

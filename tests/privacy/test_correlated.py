@@ -262,10 +262,11 @@ def test_a_zip_dl_run_without_privacy_claims_no_finite_pairwise_epsilon(tmp_path
     raw = tiny_config(algorithm={"name": "zip-dl"}, privacy={"epsilon": "inf"}, experiment={"rounds": 3})
     result = run_experiment(validate_config(raw), tmp_path / "zip", progress=False, log=lambda _: None)
     privacy = json.loads((tmp_path / "zip" / "privacy.json").read_text())
-    assert result.summary["epsilon_pairwise_max"] is None or math.isinf(result.summary["epsilon_pairwise_max"])
-    assert all(value is None for row in privacy["epsilon_pairwise_network"] for value in row
+    headline = result.summary["nonadaptive_epsilon_pairwise_max"]
+    assert headline is None or math.isinf(headline)
+    assert all(value is None for row in privacy["nonadaptive_epsilon_pairwise_network"] for value in row
                if value not in (0, 0.0))
-    assert "no noise" in privacy["epsilon_pairwise_network_method"]
+    assert "no noise" in privacy["nonadaptive_epsilon_pairwise_network_method"]
 
 
 def test_zip_dl_quick_start_prices_each_neighbours_view_within_the_local_budget(tmp_path: Path) -> None:
@@ -273,9 +274,11 @@ def test_zip_dl_quick_start_prices_each_neighbours_view_within_the_local_budget(
     config = REPO / "experiments" / "correlated" / "zip-dl-digits.toml"
     result = run_experiment(load_config(config), tmp_path / "zip", progress=False, log=lambda _: None)
     privacy = json.loads((tmp_path / "zip" / "privacy.json").read_text())
-    pairwise = np.array(privacy["epsilon_pairwise_network"], dtype=float)
-    assert privacy["epsilon_pairwise_network_method"] == "the observer-view accountant over every message of the run"
-    assert result.summary["epsilon_max"] <= 4.0 + 1e-9 and result.summary["epsilon_pairwise_max"] <= 4.0 + 1e-9
+    pairwise = np.array(privacy["nonadaptive_epsilon_pairwise_network"], dtype=float)
+    assert privacy["nonadaptive_epsilon_pairwise_network_method"] == \
+        "the observer-view accountant over every message of the run"
+    assert result.summary["epsilon_max"] <= 4.0 + 1e-9
+    assert result.summary["nonadaptive_epsilon_pairwise_max"] <= 4.0 + 1e-9
     assert pairwise[0, 8] < 0.8 * pairwise[0, 1]        # the antipodal agent of the ring learns less
 
 

@@ -172,7 +172,7 @@ def _pairwise(muffliato: Muffliato, network: SimulatedNetwork, facts: RunFacts) 
                                                     (w > 0).astype(float))
     rdp = facts.rounds * network_dp.round_pairwise_rdp(coefficients, facts.noise_multipliers, np.ones(n))
     extras = muffliato.privacy_results({"pairwise_rdp": torch.from_numpy(rdp)}, facts).report
-    return (np.array(extras["epsilon_pairwise_network"], dtype=float),
+    return (np.array(extras["nonadaptive_epsilon_pairwise_network"], dtype=float),
             np.array(extras["paper_epsilon_pairwise_network"], dtype=float))
 
 
@@ -285,7 +285,7 @@ def test_a_view_beyond_the_budget_reports_the_local_epsilon_and_says_why(monkeyp
     assert np.allclose(reported[off], facts.local_epsilon[0])
     extras = Muffliato(MuffliatoSettings(gossip_steps=3)).privacy_results(
         {"pairwise_rdp": torch.zeros(8, 8, len(network_dp.RDP_ORDERS), dtype=torch.float64)}, facts).report
-    assert extras["epsilon_pairwise_network_method"].startswith("not computed")
+    assert extras["nonadaptive_epsilon_pairwise_network_method"].startswith("not computed")
 
 
 def test_muffliato_prices_every_node_with_its_own_sigma() -> None:
@@ -312,8 +312,8 @@ def test_muffliato_reports_each_colluding_set_at_least_as_high_as_its_members() 
     facts = dataclasses.replace(_facts(network, 2, 3.0, "add-remove"), colluding=[[1, 5]])
     rdp = torch.zeros(6, 6, len(RDP_ORDERS), dtype=torch.float64)
     extras = Muffliato(MuffliatoSettings(gossip_steps=2)).privacy_results({"pairwise_rdp": rdp}, facts).report
-    single = np.array(extras["epsilon_pairwise_network"], dtype=float)
-    (pooled,) = extras["epsilon_colluding"]
+    single = np.array(extras["nonadaptive_epsilon_pairwise_network"], dtype=float)
+    (pooled,) = extras["nonadaptive_epsilon_colluding"]
     assert pooled["agents"] == [1, 5] and pooled["epsilon"][1] is None and pooled["epsilon"][5] is None
     for sender in (0, 2, 3, 4):
         assert pooled["epsilon"][sender] >= max(single[sender, 1], single[sender, 5]) - 1e-9

@@ -147,9 +147,9 @@ def test_zip_dl_under_adam_reports_each_senders_local_epsilon() -> None:
     experiment, _, _ = traced_run("zip-dl", 4, 0.7, 0, 2, graph="ring", settings={"optimizer": "adam"})
     report = experiment.algorithm.privacy_results(experiment.final_state, run_facts(experiment, 2)).report
     local = experiment.ledger.reported_epsilon()[0]
-    pairwise = np.array(report["epsilon_pairwise_network"], dtype=float)
+    pairwise = np.array(report["nonadaptive_epsilon_pairwise_network"], dtype=float)
     np.testing.assert_allclose(pairwise[~np.eye(4, dtype=bool)], np.repeat(local, 3))
-    assert "adam" in report["epsilon_pairwise_network_method"]
+    assert "adam" in report["nonadaptive_epsilon_pairwise_network_method"]
 
 
 @pytest.mark.parametrize("name", ["muffliato", "zip-dl"])

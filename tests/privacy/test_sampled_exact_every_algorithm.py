@@ -96,8 +96,13 @@ BATCHES = {"udp": 240}
 #: model (through its own copy).  Their two batches are priced jointly.
 SHARES_NOISE_ACROSS_ROUNDS = {"zip-dl"}
 
+#: DECOR's pairwise figures (its observer sees every message) and the observer-view accountant's, exact for
+#: gradients fixed in advance (``nonadaptive_``): the exact losses here take the gradients the run drew as fixed,
+#: so both are checked against them.
+PAIRWISE_PREFIXES = ("", "nonadaptive_")
 #: The fields of privacy.json and summary.json named for epsilons that are not an epsilon of some observer.
-NOT_AN_EPSILON = {"epsilon_accountant", "epsilon_observer", "epsilon_pairwise_network_method", "epsilon_target"}
+NOT_AN_EPSILON = {"epsilon_accountant", "epsilon_observer", "epsilon_pairwise_network_method",
+                  "nonadaptive_epsilon_pairwise_network_method", "epsilon_target"}
 #: Reported papers' figures, labelled as such and never enforced: not claims of this library about an observer.
 PAPER_FIGURES = {
     "paper_epsilon_per_receiver": "TOP-DP's view (a): each receiver's messages composed alone; below one receiver's "
@@ -144,18 +149,21 @@ def reported_claims(run: SampledRun) -> list[Claim]:
                    Claim("privacy.json epsilon_rdp", u, others, decoded(privacy["epsilon_rdp"][u])),
                    Claim("summary.json epsilon_per_agent", u, others, decoded(summary_json["epsilon_per_agent"][u])),
                    Claim("summary.json epsilon_max", u, others, decoded(summary_json["epsilon_max"]))]
-        if "epsilon_pairwise_network" in privacy:
-            for v in others:
-                claims += [Claim("privacy.json epsilon_pairwise_network", u, (v,),
-                                 decoded(privacy["epsilon_pairwise_network"][u][v])),
-                           Claim("epsilon_pairwise_max", u, (v,), decoded(privacy["epsilon_pairwise_max"]))]
-        for entry in privacy.get("epsilon_colluding", []):
-            members = tuple(entry["agents"])
-            if u in members:
-                assert entry["epsilon"][u] is None, (members, u)
-                continue
-            claims.append(Claim("privacy.json epsilon_colluding", u, members, decoded(entry["epsilon"][u])))
-    for key in {"epsilon_pairwise_max"} & set(privacy):
+        for prefix in PAIRWISE_PREFIXES:
+            if f"{prefix}epsilon_pairwise_network" in privacy:
+                for v in others:
+                    claims += [Claim(f"privacy.json {prefix}epsilon_pairwise_network", u, (v,),
+                                     decoded(privacy[f"{prefix}epsilon_pairwise_network"][u][v])),
+                               Claim(f"{prefix}epsilon_pairwise_max", u, (v,),
+                                     decoded(privacy[f"{prefix}epsilon_pairwise_max"]))]
+            for entry in privacy.get(f"{prefix}epsilon_colluding", []):
+                members = tuple(entry["agents"])
+                if u in members:
+                    assert entry["epsilon"][u] is None, (members, u)
+                    continue
+                claims.append(Claim(f"privacy.json {prefix}epsilon_colluding", u, members,
+                                    decoded(entry["epsilon"][u])))
+    for key in {f"{prefix}epsilon_pairwise_max" for prefix in PAIRWISE_PREFIXES} & set(privacy):
         assert privacy[key] == summary_json[key], key   # the summary's headline figure is privacy.json's
     return claims
 

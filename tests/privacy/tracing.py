@@ -257,8 +257,9 @@ def reported_epsilons(experiment: Any, rounds: int) -> tuple[np.ndarray, np.ndar
     ledger = experiment.ledger.reported_epsilon()[0]
     extras = experiment.algorithm.privacy_results(experiment.final_state, run_facts(experiment, rounds)).report
     everyone = np.array(extras["epsilon_local"], dtype=float) if "epsilon_local" in extras else ledger
-    pairwise = extras.get("epsilon_pairwise_network")
-    sets = [np.array(entry["epsilon"], dtype=float) for entry in extras.get("epsilon_colluding", [])]
+    prefix = "nonadaptive_" if "nonadaptive_epsilon_pairwise_network" in extras else ""  # checked for fixed gradients
+    pairwise = extras.get(f"{prefix}epsilon_pairwise_network")
+    sets = [np.array(entry["epsilon"], dtype=float) for entry in extras.get(f"{prefix}epsilon_colluding", [])]
     return everyone, ledger, None if pairwise is None else np.array(pairwise, dtype=float), sets
 
 

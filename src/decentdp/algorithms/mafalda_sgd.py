@@ -18,16 +18,17 @@ the models after averaging: ``workloads_generator.py:507-509``), with ``W`` the 
 objective corrected (both explained there).  ``algorithm.factorization = 'independent'`` keeps ``C`` diagonal
 (independent noise at the same participation: DP-D-SGD's, the authors' baseline) for comparisons.
 
-**Privacy.**  Each agent's noisy gradients are ``C x + sigma Z`` after the public map ``C``: one Gaussian
-mechanism of multiplier ``sigma / sens(C)`` over the whole run (``sens(C) = 1`` after optimisation; a record is in
-one batch, so it moves the ``ceil(T / b)`` rounds of that batch only).  Its (epsilon, delta) is charged to the
-ledger once, before round 0 (``privacy.epsilon``, the local epsilon: every observer together), and the rounds
-charge nothing more.  What one agent, or a ``privacy.colluding`` set, learns of each sender from the messages it
-receives is priced by the observer-view accountant over the run's explicit view, each data term in its
-participation class (:mod:`decentdp.privacy.observer_pricing`), capped by the local epsilon:
-``epsilon_pairwise_network`` / ``epsilon_pairwise_max``.  The authors' own guarantee, local ``mu``-GDP with ``mu =
-sens(C) / sigma`` converted by their ``delta(epsilon)`` (``epsilon_computation.py:10-18``), is
-``paper_epsilon_local``.
+**Privacy.** Each agent's noisy gradients are ``C x + sigma Z`` after the public map ``C``: one Gaussian mechanism
+of multiplier ``sigma / sens(C)`` over the whole run (``sens(C) = 1`` after optimisation; a record is in one batch,
+so it moves the ``ceil(T / b)`` rounds of that batch only). Its (epsilon, delta) is charged to the ledger once,
+before round 0 (``privacy.epsilon``, the local epsilon: every observer together), and the rounds charge nothing
+more. What one agent, or a ``privacy.colluding`` set, learns of each sender from the messages it receives is priced
+by the observer-view accountant over the run's explicit view, each data term in its participation class
+(:mod:`decentdp.privacy.observer_pricing`), capped by the local epsilon: ``nonadaptive_epsilon_pairwise_network`` /
+``nonadaptive_epsilon_pairwise_max``, exact only for gradients fixed in advance
+(:mod:`decentdp.privacy.observer_pricing`; the local epsilon is the sound bound). The authors' own guarantee, local
+``mu``-GDP with ``mu = sens(C) / sigma`` converted by their ``delta(epsilon)`` (``epsilon_computation.py:10-18``),
+is ``paper_epsilon_local``.
 
 **State.**  A dense ``C`` needs every past output: ``noise_history`` keeps ``T`` rows of ``d`` per agent (``N T d``
 numbers: 6.5 GB at N = 16, T = 1000 and an MLP of 10^5 parameters).  ``algorithm.bands = k`` keeps ``C`` (and
@@ -249,5 +250,6 @@ class MafaldaSGD(SettingsAlgorithm):
         labelled: dict[str, Any] = {"epsilon_local": epsilon_json(local),
                                     "epsilon_local_max": epsilon_json(float(local.max()) if n else 0.0)}
         result = pairwise_results(capped, facts.colluding, note, labelled)
-        return AlgorithmPrivacy(result.report, ("epsilon_pairwise_max", "epsilon_local_max"), result.pairwise)
+        return AlgorithmPrivacy(result.report, ("nonadaptive_epsilon_pairwise_max", "epsilon_local_max"),
+                                result.pairwise)
 

@@ -14,16 +14,18 @@ with ``l2`` the spectral gap of ``W`` (Metropolis-Hastings, the authors' ``hamil
 with sigma the agents' median noise multiplier, at least 1/2 so that a non-private run gets
 ``log(N) / sqrt(l2)`` steps).  The graph may be redrawn each round (``topology.redraw_every``).
 
-**Accounting.**  Budgets hold on the ledger's per-agent (local-DP) view, which bounds every observer:
-whatever a node sees is post-processing of the senders' releases.  What one node ``v`` learns of ``u``
-is priced by the observer-view accountant (:mod:`decentdp.privacy.observer_pricing`: over the explicit
-view, or round by round for a long run) over the run's whole view: every gossip message of every round,
-each agent's own sigma, the run's neighbouring relation, and what ``v`` knows (its own injections);
-reported as ``epsilon_pairwise_network`` (row ``u``, column ``v``; never above ``u``'s local epsilon)
-and ``epsilon_pairwise_max``.  A direct neighbour receives ``u``'s noisy injection itself, so its
-epsilon is the local one.  The authors' bound (``contrib``, :mod:`decentdp.privacy.network_dp`), which
-composes messages that share one noise vector as if independent and each round separately, is reported
-as ``paper_epsilon_pairwise_network``.
+**Accounting.** Budgets hold on the ledger's per-agent (local-DP) view, which bounds every observer: whatever a
+node sees is post-processing of the senders' releases. What one node ``v`` learns of ``u`` is priced by the
+observer-view accountant (:mod:`decentdp.privacy.observer_pricing`: over the explicit view, or round by round for a
+long run) over the run's whole view: every gossip message of every round, each agent's own sigma, the run's
+neighbouring relation, and what ``v`` knows (its own injections); reported as
+``nonadaptive_epsilon_pairwise_network`` (row ``u``, column ``v``; never above ``u``'s local epsilon) and
+``nonadaptive_epsilon_pairwise_max``: exact only for gradients fixed in advance, since ``v`` does not see the model
+``u`` takes its gradient at, which carries noise ``v`` does not hold (a 4-agent path exceeds it,
+:mod:`decentdp.privacy.observer_view`); the sound bound for every observer is the local epsilon. A direct neighbour
+receives ``u``'s noisy injection itself, so its epsilon is the local one. The authors' bound (``contrib``,
+:mod:`decentdp.privacy.network_dp`), which composes messages that share one noise vector as if independent and each
+round separately, is reported as ``paper_epsilon_pairwise_network``.
 """
 
 from __future__ import annotations

@@ -15,15 +15,17 @@ mean (an unweighted zero sum), which cancels in the network's average only when 
 neighbours alike; the weighted projection cancels exactly for any doubly-stochastic W (Metropolis-Hastings),
 and the two agree on regular graphs with uniform weights.
 
-**Privacy.**  The zero-sum noise protects a message from the one neighbour that receives it; all of an
-agent's neighbours together cancel it.  So budgets hold, as for every algorithm, on the ledger's agent
-view of the oracle's own noise (``privacy.epsilon``: the local epsilon); a non-private run
-(``epsilon = 'inf'``) carries the zero-sum noise alone and promises nothing against all neighbours.  What
-one neighbour, or a ``privacy.colluding`` set, learns of each sender is priced by the observer-view
-accountant over every message of the run (each draw held by its sender, the run's relation), capped by the
-local epsilon: ``epsilon_pairwise_network`` / ``epsilon_pairwise_max``.  The unrolled run takes SGD's own step
-(momentum re-sends past gradients, weight decay past models: both linear); Adam's step is not linear in the
-gradients, so under Adam each sender's local epsilon is reported instead.
+**Privacy.** The zero-sum noise protects a message from the one neighbour that receives it; all of an agent's
+neighbours together cancel it. So budgets hold, as for every algorithm, on the ledger's agent view of the oracle's
+own noise (``privacy.epsilon``: the local epsilon); a non-private run (``epsilon = 'inf'``) carries the zero-sum
+noise alone and promises nothing against all neighbours. What one neighbour, or a ``privacy.colluding`` set, learns
+of each sender is priced by the observer-view accountant over every message of the run (each draw held by its
+sender, the run's relation), capped by the local epsilon: ``nonadaptive_epsilon_pairwise_network`` /
+``nonadaptive_epsilon_pairwise_max``, exact only for gradients fixed in advance (a neighbour does not see the model
+the sender's gradient is taken at; :mod:`decentdp.privacy.observer_pricing`), so the sound bound for every observer
+stays the local one. The unrolled run takes SGD's own step (momentum re-sends past gradients, weight decay past
+models: both linear); Adam's step is not linear in the gradients, so under Adam each sender's local epsilon is
+reported instead.
 """
 
 from __future__ import annotations

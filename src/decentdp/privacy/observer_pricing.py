@@ -12,7 +12,14 @@ feeds either accountant:
    sender's releases).
 
 Every result is capped by the sender's local epsilon (amplified by sampling where the view's is not), and a
-note says which method gave it (``epsilon_pairwise_network_method``).
+note says which method gave it (``nonadaptive_epsilon_pairwise_network_method``).
+
+**Only for gradients fixed in advance** (hence the ``nonadaptive_`` prefix of every field).  An observer that
+sees only the messages sent to it does not see the model at which the sender took its gradient, and that
+model carries noise the observer does not hold; an adaptive gradient then shifts the view in a direction
+correlated with that noise, which the linear-Gaussian view does not price (the module docstring of
+:mod:`decentdp.privacy.observer_view`, "Adaptivity").  The sound bound for every such observer is the
+sender's ledger ``epsilon`` (every observer together), which the budgets hold on.
 """
 
 from __future__ import annotations
@@ -33,6 +40,13 @@ from decentdp.privacy.observer_filter import (
 from decentdp.privacy.observer_view import ViewBuilder, dense_cost, observer_mu
 from decentdp.privacy.report import AlgorithmPrivacy
 from decentdp.results.files import epsilon_json
+
+#: What the ``nonadaptive_`` figures assume, written beside them in ``privacy.json``.
+NONADAPTIVE_ASSUMPTION = (
+    "exact (dense) or an upper bound (round by round) for gradients fixed in advance: a gradient taken at a model "
+    "that carries noise the observer does not hold can exceed it (Muffliato on a 4-agent path: 7.61 where this "
+    "reports 7.54, experiments/privacy/adaptive_observer.py); the sound bound for every observer is the "
+    "sender's epsilon")
 
 #: Work (:func:`~decentdp.privacy.observer_view.dense_cost`'s floating-point operations) the dense accountant
 #: may spend, about half a minute at one thread here (N = 16, T = 100, K = 4: 3.9e11 in 30 s,
@@ -126,16 +140,18 @@ def _recursive(recipe: ViewRecipe, observers: Sequence[Collection[int]], relatio
 def pairwise_results(capped: np.ndarray, colluding: Sequence[Sequence[int]], note: str,
                      labelled: dict[str, Any] | None = None) -> AlgorithmPrivacy:
     """An algorithm's results from :func:`priced_view`'s ``capped`` epsilons (columns: each single agent, then
-    each ``privacy.colluding`` set): ``epsilon_pairwise_network`` (0 on the diagonal), its largest entry (the
-    headline), the ``note``, the ``labelled`` entries (e.g. a paper's figure), then ``epsilon_colluding``."""
+    each ``privacy.colluding`` set), all prefixed ``nonadaptive_`` (:data:`NONADAPTIVE_ASSUMPTION`):
+    ``epsilon_pairwise_network`` (0 on the diagonal), its largest entry (the headline), the ``note``, the
+    ``labelled`` entries (e.g. a paper's figure), then ``epsilon_colluding``."""
     n = capped.shape[0]
     pairwise = capped[:, :n].copy()
     np.fill_diagonal(pairwise, 0.0)
     off = pairwise[~np.eye(n, dtype=bool)]
-    report: dict[str, Any] = {"epsilon_pairwise_max": epsilon_json(float(off.max()) if off.size else 0.0),
-                              "epsilon_pairwise_network": epsilon_json(pairwise),
-                              "epsilon_pairwise_network_method": note, **(labelled or {})}
+    report: dict[str, Any] = {"nonadaptive_epsilon_pairwise_max": epsilon_json(float(off.max()) if off.size else 0.0),
+                              "nonadaptive_epsilon_pairwise_network": epsilon_json(pairwise),
+                              "nonadaptive_epsilon_pairwise_network_method": note,
+                              "nonadaptive_assumption": NONADAPTIVE_ASSUMPTION, **(labelled or {})}
     if colluding:  # privacy.colluding: each set's view, members' own rows not priced (nan)
-        report["epsilon_colluding"] = [{"agents": list(members), "epsilon": epsilon_json(capped[:, n + k])}
-                                       for k, members in enumerate(colluding)]
-    return AlgorithmPrivacy(report, headline=("epsilon_pairwise_max",), pairwise=pairwise)
+        report["nonadaptive_epsilon_colluding"] = [{"agents": list(members), "epsilon": epsilon_json(capped[:, n + k])}
+                                                   for k, members in enumerate(colluding)]
+    return AlgorithmPrivacy(report, headline=("nonadaptive_epsilon_pairwise_max",), pairwise=pairwise)

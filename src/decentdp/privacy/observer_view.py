@@ -27,10 +27,19 @@ same-direction value ``1^T M 1`` is reported beside them (:attr:`ObserverLoss.mu
 sensitivity bound of the matrix-mechanism literature (Choquette-Choo et al., ME-MF, ICML 2023; the
 MFDL code of Bellet, Cyffers et al., ICLR 2026, uses ``sum |X|`` with ``X = B^+ B``).
 
-**Adaptivity.**  Later data terms depend on earlier messages (the gradient is taken at the model the
-messages built).  Messages are causal (a release depends on earlier sources only), and for causal
-linear-Gaussian releases the adaptive view has the non-adaptive view's ``mu`` (Denisov et al., NeurIPS
-2022, Thm. 2.1), which is what is computed here.
+**Adaptivity: what is computed here holds for data terms fixed in advance.**  Later data terms depend on
+earlier messages (the gradient is taken at the model the messages built).  For causal linear-Gaussian
+releases the adaptive view has the non-adaptive view's ``mu`` when each data term is a function of the
+*observer's* earlier outputs (Denisov et al., NeurIPS 2022, Thm. 2.1).  An observer that sees only the
+messages sent to it does not see the model at which the sender took its gradient, and that model carries
+noise the observer does not hold; the shift then correlates with noise in the view, and the loss can exceed
+this ``mu``: Muffliato on a path 0-1-2-3 (K = 1, T = 3, full batches, sigma = 30, 0.2, 0.2, 0.2), sender 1,
+observer 3, a record whose clipped gradient steps with the sender's model: exact epsilon 7.61 at delta 1e-5
+where this computes 7.54 (``experiments/privacy/adaptive_observer.py``, by quadrature).  So callers report
+these figures as ``nonadaptive_`` ones (:mod:`decentdp.privacy.observer_pricing`), and the sound bound for
+every observer is the sender's own epsilon: an observer of *every* message sees every model, every data term
+is a function of its view, and Denisov's theorem applies to it (DECOR's observer, :mod:`decentdp.privacy.
+correlated`, is of that kind).
 
 **Sampling.**  No amplification by Poisson sampling is claimed for a correlated view (none is proven for
 these structures in general): ``mu`` is the full-batch value, an upper bound for a sampled run too.  A
