@@ -62,7 +62,7 @@ def tune_and_test(path: Path, seed: int, grid: list[int], mu_grid: list[float], 
     print(f"{path.stem} seed {seed}: test RMSE {summary['rmse_mean']:.4f} with wakeups {wakeups}, mu {mu:g}",
           flush=True)
     return {"validation_rmse": scores, "wakeups": wakeups, "mu": mu, "rmse_mean": summary["rmse_mean"],
-            "epsilon_max": summary["epsilon_max"], "epsilon_max_paper": summary["epsilon_max_paper"],
+            "epsilon_max": summary["epsilon_max"], "paper_epsilon_max": summary["paper_epsilon_max"],
             "epsilon_max_rdp": summary["epsilon_max_rdp"], "wall_seconds": summary["wall_seconds"]}
 
 

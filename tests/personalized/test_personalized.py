@@ -631,9 +631,9 @@ def test_a_user_without_ratings_gets_the_confidence_floor_and_spends_nothing(tmp
 def test_cli_demo_prints_the_summary_keys(capsys, tmp_path):
     assert main(["run", str(DEMO), "--json", "--out", str(tmp_path / "out")]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for key in ("accuracy_mean", "epsilon_max", "epsilon_max_paper", "epsilon_max_rdp", "wall_seconds"):
+    for key in ("accuracy_mean", "epsilon_max", "paper_epsilon_max", "epsilon_max_rdp", "wall_seconds"):
         assert key in summary
-    assert summary["epsilon_max"] <= 1.0 + 1e-9 < summary["epsilon_max_paper"]
+    assert summary["epsilon_max"] <= 1.0 + 1e-9 < summary["paper_epsilon_max"]
     assert (tmp_path / "out" / "summary.json").is_file() and (tmp_path / "out" / "schedule.npz").is_file()
 
 
@@ -647,10 +647,23 @@ def test_movielens_cli_path(capsys, tmp_path):
                  "--json", "--out", str(tmp_path / "ml")]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["n_agents"] == 943
-    for key in ("rmse_mean", "epsilon_max", "epsilon_max_paper", "wall_seconds"):
+    for key in ("rmse_mean", "epsilon_max", "paper_epsilon_max", "wall_seconds"):
         assert summary[key] is not None
     # three wake-ups from Theta = 0 (every rating predicted 3, RMSE about 1.25): barely started, but finite
     assert 0.9 < summary["rmse_mean"] < 1.3 and summary["epsilon_max"] <= 1.0 + 1e-9
+
+
+def test_privacy_json_names_the_accountant_and_observer_of_its_epsilon(tmp_path):
+    """A reviewer's run with privacy.accountant = 'rdp' wrote its RDP value under the key "tight" (the tight
+    accountant's, the smaller of PLD and RDP, was 0.992 against 1.000): every field now says what it is."""
+    raw = _config()
+    raw["privacy"]["accountant"] = "rdp"
+    summary, _, _ = run_personalized(validate_config(raw), out_dir=tmp_path / "run", log=lambda _line: None)
+    privacy = json.loads((tmp_path / "run" / "privacy.json").read_text())
+    assert "tight" not in privacy and privacy["epsilon_accountant"] == summary["epsilon_accountant"] == "rdp"
+    assert privacy["epsilon"] == privacy["epsilon_rdp"] and max(privacy["epsilon"]) == summary["epsilon_max"]
+    assert privacy["epsilon_observer"].startswith("everyone together") and "paper_epsilon" in privacy
+    assert {"paper_epsilon_max", "paper_delta"} <= set(summary) and "epsilon_max_paper" not in summary
 
 
 def test_a_run_states_its_noise_mode_and_spends_the_warm_start_inside_the_budget(tmp_path):
@@ -690,7 +703,7 @@ def test_the_private_warm_start_alone_is_priced_at_its_pure_epsilon(method, tmp_
     summary, _, _ = run_personalized(validate_config(_config(method=method, warm_start=True)),
                                      out_dir=tmp_path / method, log=lines.append)
     assert summary["private"] is True and summary["epsilon_max"] == summary["warm_start_epsilon"] == 0.05
-    assert summary["epsilon_max_paper"] == 0.05
+    assert summary["paper_epsilon_max"] == 0.05
     assert not any("NOT private" in line for line in lines)
     assert json.loads((tmp_path / method / "privacy.json").read_text())["private"] is True
 

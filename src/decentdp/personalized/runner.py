@@ -178,31 +178,39 @@ def _releases_dp_models(settings: PersonalizedSection) -> bool:
     return settings.method == "cd" or (settings.warm_start and settings.method in ("local", "propagation"))
 
 
+#: Who ``epsilon`` is about: the ledger charges every model update an agent sends, to all its neighbours.
+PERSONALIZED_OBSERVER = ("everyone together: every model update the agent sent, every other agent's noise and data "
+                         "known")
+
+
 def _epsilons(run: PersonalizedRun, warm: float) -> dict[str, Any]:
-    """Each agent's spent epsilon three ways (plus the warm start's, by composition)."""
+    """Each agent's spent epsilon, keyed as ``privacy.json`` publishes it: ``epsilon`` by the run's accountant,
+    ``epsilon_pld`` and ``epsilon_rdp``, and the paper's composition ``paper_epsilon`` (with ``paper_delta``);
+    the warm start's is added by composition."""
     settings, privacy = run.config.personalized, run.config.privacy
     assert settings is not None
     n = run.problem.n_agents
     if settings.method == "local" or (settings.method == "propagation" and warm > 0):
         # nothing sent, or the warm start's DP local models propagated: their pure epsilon (0 without them)
         pure = np.full(n, warm)
-        return {"tight": pure, "pld": pure, "rdp": pure, "paper": pure, "paper_delta": 0.0}
+        return {"epsilon": pure, "epsilon_pld": pure, "epsilon_rdp": pure, "paper_epsilon": pure, "paper_delta": 0.0}
     if settings.method != "cd" or run.noise is None or not privacy.private:
         infinite = np.full(n, math.inf)
-        return {"tight": infinite, "pld": infinite, "rdp": infinite, "paper": infinite, "paper_delta": 1.0}
+        return {"epsilon": infinite, "epsilon_pld": infinite, "epsilon_rdp": infinite, "paper_epsilon": infinite,
+                "paper_delta": 1.0}
     made = run.ledger.releases()
     paper_eps = np.where(np.arange(settings.wakeups)[None, :] < made[:, None], run.noise.paper_epsilons, 0.0)
     per_update_deltas = np.where(np.arange(settings.wakeups)[None, :] < made[:, None], run.noise.paper_delta, 0.0)
     paper_delta = 1 - (1 - privacy.delta) * np.prod(1 - per_update_deltas, axis=1) \
         if settings.mechanism == "gaussian" else np.full(n, privacy.delta)
-    spent: dict[str, Any] = {"paper": kairouz_epsilon(paper_eps, privacy.delta) + warm,
+    spent: dict[str, Any] = {"paper_epsilon": kairouz_epsilon(paper_eps, privacy.delta) + warm,
                              "paper_delta": float(paper_delta.max())}
     for name in ("pld", "rdp"):
         try:
-            spent[name] = run.ledger.epsilon(name) + warm
+            spent[f"epsilon_{name}"] = run.ledger.epsilon(name) + warm
         except PrivacyError:
-            spent[name] = np.full(n, math.nan)
-    spent["tight"] = run.ledger.epsilon(privacy.accountant) + warm
+            spent[f"epsilon_{name}"] = np.full(n, math.nan)
+    spent["epsilon"] = run.ledger.epsilon(privacy.accountant) + warm
     return spent
 
 
@@ -289,15 +297,15 @@ def run_personalized(config: ExperimentConfig, out_dir: str | Path | None = None
     final = metrics[-1]
     summary = {"method": settings.method, "dataset": settings.dataset, "n_agents": problem.n_agents,
                **{key: value for key, value in final.items() if key not in ("ticks", "wall_seconds")},
-               "epsilon_max": epsilon_json(float(np.max(spent["tight"]))),
-               "epsilon_accountant": privacy.accountant,
-               "epsilon_max_pld": epsilon_json(float(np.max(spent["pld"]))),
-               "epsilon_max_rdp": epsilon_json(float(np.max(spent["rdp"]))),
-               "epsilon_max_paper": epsilon_json(float(np.max(spent["paper"]))),
-               "delta_paper": spent["paper_delta"], "delta": privacy.delta,
+               "epsilon_max": epsilon_json(float(np.max(spent["epsilon"]))),
+               "epsilon_accountant": privacy.accountant, "epsilon_observer": PERSONALIZED_OBSERVER,
+               "epsilon_max_pld": epsilon_json(float(np.max(spent["epsilon_pld"]))),
+               "epsilon_max_rdp": epsilon_json(float(np.max(spent["epsilon_rdp"]))),
+               "paper_epsilon_max": epsilon_json(float(np.max(spent["paper_epsilon"]))),
+               "paper_delta": spent["paper_delta"], "delta": privacy.delta,
                "epsilon_budget": epsilon_json(privacy.epsilon), "warm_start_epsilon": warm,
                "private": run.setup["private"], "noise": privacy.noise,
-               "epsilon_per_agent": epsilon_json(spent["tight"]),
+               "epsilon_per_agent": epsilon_json(spent["epsilon"]),
                "updates_per_agent_mean": float(run.ledger.releases().mean()) if settings.method == "cd" else None,
                "refused_releases": int(run.ledger.refused.sum()),
                "wall_seconds": wall, "finished": True}
@@ -307,12 +315,14 @@ def run_personalized(config: ExperimentConfig, out_dir: str | Path | None = None
                                                       "evaluation_records", "noise_notice", "evaluation_notice",
                                                       "public_inputs", "step_smoothness") if key in run.setup}
         write_json(folder / "privacy.json", {**{key: epsilon_json(value) if key != "paper_delta" else value
-                                                for key, value in spent.items()}, **statement})
+                                                for key, value in spent.items()},
+                                             "epsilon_accountant": privacy.accountant,
+                                             "epsilon_observer": PERSONALIZED_OBSERVER, **statement})
         write_json(folder / "summary.json", summary)
     headline = (f"RMSE mean {final['rmse_mean']:.4f}" if "rmse_mean" in final
                 else f"accuracy mean {final['accuracy_mean']:.4f}")
     emit(f"{headline}; epsilon max {summary['epsilon_max']} ({privacy.accountant}), paper's formula "
-         f"{summary['epsilon_max_paper']}; {wall:.1f} s")
+         f"{summary['paper_epsilon_max']}; {wall:.1f} s")
     return summary, metrics, theta
 
 
