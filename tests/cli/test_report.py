@@ -494,3 +494,34 @@ def test_out_refuses_a_folder_holding_other_files_and_redraws_an_earlier_report(
     again = tmp_path / "report"
     for _ in range(2):  # writing the same report folder twice is a redraw
         assert main(["report", str(tmp_path / "runs"), "--out", str(again)]) == 0
+
+
+def _edit_summary(folder: Path, **changes: Any) -> Path:
+    """A fake run's summary.json with ``changes`` written over it (a run of another kind, or a hand edit)."""
+    summary = folder / "summary.json"
+    summary.write_text(json.dumps({**json.loads(summary.read_text()), **changes}))
+    return folder
+
+
+def test_only_observers_narrower_than_everyone_together_are_marked_each_named(tmp_path: Path) -> None:
+    """A review: cyclic runs' epsilon_observer (CYCLIC_AGENT_VIEW) is everyone together, yet got the † and a footnote
+    saying everyone together was bounded only by inf; and with two narrower observers only the first was named."""
+    from decentdp.algorithms.decor import PAIRWISE_VIEW
+    from decentdp.cli.report import EVERYONE_TOGETHER
+    from decentdp.privacy.report import AGENT_VIEW, CYCLIC_AGENT_VIEW
+
+    assert AGENT_VIEW.startswith(EVERYONE_TOGETHER) and CYCLIC_AGENT_VIEW.startswith(EVERYONE_TOGETHER)
+    assert not PAIRWISE_VIEW.startswith(EVERYONE_TOGETHER)
+    _edit_summary(fake_run(tmp_path / "cyclic", 0.8, data={"sampling": "cyclic"}), epsilon_observer=CYCLIC_AGENT_VIEW)
+    text = markdown(build_report(find_runs([tmp_path])[0]))
+    assert "†" not in text and "narrower observer" not in text
+    _edit_summary(fake_run(tmp_path / "decor", 0.9, algorithm={"name": "dp-dinno"}), epsilon_observer=PAIRWISE_VIEW,
+                  epsilon_local_max=50.0)
+    _edit_summary(fake_run(tmp_path / "other", 0.9, algorithm={"name": "dp-dsgd"}),
+                  epsilon_observer="an eavesdropper: one edge", epsilon_local_max=60.0)
+    text = markdown(build_report(find_runs([tmp_path])[0]))
+    assert text.count("†") == 2 and text.count("‡") == 2  # a cell and a footnote each
+    assert f"† ε spent towards a narrower observer than everyone together: {PAIRWISE_VIEW.split(':')[0]}" in text
+    assert "up to 50.000" in text
+    assert "‡ ε spent towards a narrower observer than everyone together: an eavesdropper. " in text
+    assert "up to 60.000" in text

@@ -68,6 +68,14 @@ SHORT_NAMES = {"algorithm.name": "algorithm", "model.name": "model", "data.datas
 
 PAPER_UNITS = {"percent": 0.01, "fraction": 1.0}
 
+#: How the budgets that bound everyone together name their observer (``decentdp.privacy.report``'s AGENT_VIEW and
+#: CYCLIC_AGENT_VIEW, spelled out so that a report imports no torch): a summary's ``epsilon_observer`` that starts
+#: otherwise (DECOR's PAIRWISE_VIEW) names a narrower observer.
+EVERYONE_TOGETHER = "everyone together"
+
+#: Footnote marks of the narrower observers, one per observer in the order the rows name them.
+OBSERVER_MARKS = ("†", "‡", "§", "¶")
+
 
 @dataclass
 class Run:
@@ -343,13 +351,32 @@ def group_row(group: Group, fields: Sequence[str], metric: str) -> dict[str, Any
         "wall_seconds": statistics.fmean(float(run.summary.get("wall_seconds") or 0.0) for run in group.runs),
         "runs": [str(run.path) for run in group.runs],
     })
-    if first.summary.get("epsilon_observer"):  # budgets towards a narrower observer than everyone together (DECOR)
-        row["epsilon_observer"] = first.summary["epsilon_observer"]
+    observers = sorted({observer for run in group.runs if (observer := narrower_observer(run.summary))})
+    if observers:  # budgets towards a narrower observer than everyone together (DECOR)
+        row["epsilon_observer"] = "; ".join(observers)
         row["epsilon_local"] = max(_epsilon(run.summary.get("epsilon_local_max")) for run in group.runs)
     if metric == "accuracy_mean" and all(isinstance(run.summary.get("accuracy_min"), (int, float))
                                          for run in group.runs):
         row["worst_agent"] = statistics.fmean(float(run.summary["accuracy_min"]) for run in group.runs)
     return row
+
+
+def narrower_observer(summary: Mapping[str, Any]) -> str | None:
+    """The observer a run's epsilon names when narrower than everyone together (DECOR's pairwise view), else None:
+    a cyclic run names everyone together too (its ledger's own accounting), which needs no mark."""
+    observer = summary.get("epsilon_observer")
+    return None if observer is None or observer.startswith(EVERYONE_TOGETHER) else observer
+
+
+def observer_marks(rows: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """Each narrower observer the rows name, by its short name (before the colon), and its footnote mark."""
+    names = dict.fromkeys(_observer_name(row["epsilon_observer"]) for row in rows if row.get("epsilon_observer"))
+    return {name: OBSERVER_MARKS[index] if index < len(OBSERVER_MARKS) else f"†{index + 1}"
+            for index, name in enumerate(names)}
+
+
+def _observer_name(observer: str) -> str:
+    return observer.split(":")[0]
 
 
 # ----------------------------------------------------------------------------- paper values
@@ -611,6 +638,7 @@ def markdown(report: Report) -> str:
     titles = _column_names([*report.labels, *report.shared])
     paper = report.paper_source is not None
     has_worst = all("worst_agent" in row for row in report.rows)
+    marks = observer_marks(report.rows)
     header = [titles[name] for name in report.labels] + ["seeds", f"{report.metric}{unit} (mean ± std)"]
     header += ["worst agent" + unit] if has_worst else []
     header += ["ε spent", "ε target"]
@@ -628,7 +656,7 @@ def markdown(report: Report) -> str:
         cells = [_value_text(row[name]) for name in report.labels]
         cells += [str(row["n"]), f"{scale * row['mean']:.2f}{std}"]
         cells += [f"{scale * row['worst_agent']:.2f}"] if has_worst else []
-        narrower = " †" if row.get("epsilon_observer") else ""
+        narrower = f" {marks[_observer_name(row['epsilon_observer'])]}" if row.get("epsilon_observer") else ""
         cells += [_epsilon_text(row["epsilon_spent"]) + narrower, _epsilon_text(row["epsilon_target"])]
         if paper:
             if row["paper"] is None:
@@ -644,13 +672,13 @@ def markdown(report: Report) -> str:
     accountants = sorted({str(row["epsilon_accountant"]) for row in report.rows})
     lines.append(f"ε spent: the largest over agents and seeds ({', '.join(accountants).upper()} accountant); "
                  f"δ = {', '.join(sorted({_value_text(row['delta']) for row in report.rows}))}.")
-    narrower = [row for row in report.rows if row.get("epsilon_observer")]
-    if narrower:  # the table's metric pools every agent's model: everyone together is the observer that reads it
+    for name, mark in marks.items():  # the metric pools every agent's model: everyone together is who reads it
+        narrower = [row for row in report.rows if row.get("epsilon_observer")
+                    and _observer_name(row["epsilon_observer"]) == name]
         together = max(_epsilon(row["epsilon_local"]) for row in narrower)
-        lines.append(f"† ε spent towards a narrower observer than everyone together: "
-                     f"{narrower[0]['epsilon_observer'].split(':')[0]}. Everyone together, who sees every model "
-                     f"the metric is computed from, is bounded by epsilon_local: up to {_epsilon_text(together)} "
-                     "in these rows.")
+        lines.append(f"{mark} ε spent towards a narrower observer than everyone together: {name}. Everyone "
+                     f"together, who sees every model the metric is computed from, is bounded by epsilon_local: up "
+                     f"to {_epsilon_text(together)} in these rows.")
     if implied:
         lines.append(f"Also differing, set by the columns above: {', '.join(implied)} (all values in the CSV).")
     repeats = repeated_seeds(report.groups)
