@@ -25,7 +25,7 @@ from decentdp.cli.report import (
     read_paper,
     round_figure,
 )
-from decentdp.errors import ConfigError
+from decentdp.errors import ConfigError, DecentDPError
 
 from conftest import fake_run, tiny_config
 
@@ -76,19 +76,25 @@ def test_seeds_names_and_engine_settings_do_not_split_groups(tmp_path: Path) -> 
     assert len(report.rows) == 1 and report.rows[0]["n"] == 2
 
 
-def test_runs_that_share_a_seed_are_named_and_refused_for_a_paired_difference(tmp_path: Path) -> None:
-    """A helper's review: copies of one run (or a sweep's repeated values) read as two seeds, and --paired kept one
-    of them silently."""
+def test_runs_of_one_setting_that_share_a_seed_are_refused_naming_the_folders(tmp_path: Path, capsys) -> None:
+    """A review: a bit-identical copy of seed 0, and a run differing only in eval_every (an ignored field), were
+    counted as seeds of their own and weighted the mean ± std (and --paired kept one of them silently)."""
     fake_run(tmp_path / "a", 0.7, seed=0)
     fake_run(tmp_path / "copy", 0.7, seed=0)
+    fake_run(tmp_path / "eval1", 0.7, seed=0, experiment={"eval_every": 1})
+    fake_run(tmp_path / "s1", 0.8, seed=1)
     fake_run(tmp_path / "b", 0.8, seed=0, algorithm={"lr": 0.3})
-    report = build_report(find_runs([tmp_path / "a", tmp_path / "copy", tmp_path / "b"])[0])
-    assert "share a seed, each counted as a run of its own" in markdown(report)
-    assert str(tmp_path / "copy") in markdown(report)
-    with pytest.raises(ConfigError, match="share one seed in one group"):
+    out = tmp_path / "out"
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "copy"), str(tmp_path / "s1"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "share a seed" in err and f"seed 0: {tmp_path / 'a'}, {tmp_path / 'copy'} (the same config)" in err
+    assert "Traceback" not in err and not out.exists()
+    with pytest.raises(DecentDPError, match="differing only in experiment.eval_every"):
+        build_report(find_runs([tmp_path / "a", tmp_path / "eval1", tmp_path / "b"])[0])
+    with pytest.raises(DecentDPError, match="share a seed"):
         build_report(find_runs([tmp_path / "a", tmp_path / "copy", tmp_path / "b"])[0], paired="algorithm.lr=0.3")
-    single = build_report(find_runs([tmp_path / "a", tmp_path / "b"])[0])
-    assert "share a seed" not in markdown(single)
+    single = build_report(find_runs([tmp_path / "a", tmp_path / "s1", tmp_path / "b"])[0])
+    assert sorted(row["seeds"] for row in single.rows) == [[0], [0, 1]]
 
 
 def test_where_a_run_logs_or_keeps_its_keys_does_not_split_groups(tmp_path: Path) -> None:

@@ -21,7 +21,8 @@ spent) and ``metrics.jsonl`` (one row per evaluation); see :mod:`decentdp.experi
 
 Runs that cannot share a table are refused with a message naming the folders: runs on different
 datasets (their accuracies are on different test sets), unfinished runs (unless ``--skip-unfinished``,
-which leaves them out and names them), and runs without the metric.
+which leaves them out and names them), runs without the metric, and runs of one setting that share a seed (a
+group's statistics are over distinct seeds).
 """
 
 from __future__ import annotations
@@ -519,6 +520,7 @@ def build_report(runs: Sequence[Run], metric: str = "accuracy_mean", ignore: Ite
                                           "experiment.rounds)")
     fields = varying_fields(runs, ignore)
     groups = group_runs(runs, fields)
+    check_distinct_seeds(groups)
     labels = label_fields(groups, fields)
     shared = {name: runs[0].fields.get(name) for name in SHARED_SUMMARY
               if name in known and name not in fields and name not in ignore}
@@ -579,9 +581,6 @@ def add_paired_differences(rows: Sequence[dict[str, Any]], groups: Sequence[Grou
     if not references:
         present = sorted({_value_text(group.runs[0].fields.get(name)) for group in groups})
         raise ConfigError("--paired", f"no run has {name} = {text}; its values here: {', '.join(present)}")
-    for paths in repeated_seeds(groups):
-        raise ConfigError("--paired", f"{', '.join(map(str, paths))} share one seed in one group: a paired "
-                                      "difference needs one run per seed (report the copies apart)")
     for row, group in zip(rows, groups, strict=True):
         reference = references.get(tuple(group.key[fields.index(other)] for other in matched))
         by_seed = {run.seed: float(run.summary[metric]) for run in reference.runs} if reference is not None else {}
@@ -594,16 +593,35 @@ def add_paired_differences(rows: Sequence[dict[str, Any]], groups: Sequence[Grou
                    paired_seeds=len(differences))
 
 
-def repeated_seeds(groups: Sequence[Group]) -> list[list[Path]]:
-    """The folders of runs of one group that share a seed (copies of a run, a sweep's repeated draws): each
-    counts as a run of its own, which a table says (a helper's review: they read as seeds)."""
+def repeated_seeds(groups: Sequence[Group]) -> list[list[Run]]:
+    """The runs of one group that share a seed (copies of a run, runs differing only in ignored fields such as
+    ``experiment.eval_every`` or ``engine.*``, a sweep's repeated draws)."""
     repeats = []
     for group in groups:
-        by_seed: dict[int, list[Path]] = {}
+        by_seed: dict[int, list[Run]] = {}
         for run in group.runs:
-            by_seed.setdefault(run.seed, []).append(run.path)
-        repeats += [paths for paths in by_seed.values() if len(paths) > 1]
+            by_seed.setdefault(run.seed, []).append(run)
+        repeats += [runs for runs in by_seed.values() if len(runs) > 1]
     return repeats
+
+
+def check_distinct_seeds(groups: Sequence[Group]) -> None:
+    """Refuse a group with two runs of one seed: its mean ± std would weight that seed twice and read as more
+    seeds than it has (a review found a copy, and a run differing only in eval_every, counted as seeds).  The
+    message names the folders and the fields they differ in, so that the user can leave one out."""
+    repeats = repeated_seeds(groups)
+    if not repeats:
+        return
+    listing = []
+    for runs in repeats[:3]:
+        names = sorted({name for run in runs for name in run.fields} - {"experiment.seed"})
+        apart = [name for name in names if len({_hashable(run.fields.get(name)) for run in runs}) > 1]
+        listing.append(f"seed {runs[0].seed}: {', '.join(str(run.path) for run in runs)} ("
+                       f"{'differing only in ' + ', '.join(apart) if apart else 'the same config'})")
+    more = f"; and {len(repeats) - 3} more" if len(repeats) > 3 else ""
+    raise DecentDPError(f"runs of one setting share a seed, so its mean ± std would count that seed more than once: "
+                        f"{'; '.join(listing)}{more}. Leave all but one of each out of the report (or report them "
+                        "apart)")
 
 
 def _scale(metric: str) -> float:
@@ -681,11 +699,6 @@ def markdown(report: Report) -> str:
                      f"to {_epsilon_text(together)} in these rows.")
     if implied:
         lines.append(f"Also differing, set by the columns above: {', '.join(implied)} (all values in the CSV).")
-    repeats = repeated_seeds(report.groups)
-    if repeats:
-        shown = "; ".join(", ".join(map(str, paths)) for paths in repeats[:3])
-        lines.append(f"Runs of one setting that share a seed, each counted as a run of its own (copies, or a sweep's "
-                     f"repeated values): {shown}{f'; {len(repeats) - 3} more' if len(repeats) > 3 else ''}.")
     if paper:
         lines.append(f"Paper values: {report.paper_source}.")
     return "\n".join(lines) + "\n"
