@@ -531,3 +531,24 @@ def test_only_observers_narrower_than_everyone_together_are_marked_each_named(tm
     assert "up to 50.000" in text
     assert "‡ ε spent towards a narrower observer than everyone together: an eavesdropper. " in text
     assert "up to 60.000" in text
+
+
+def test_an_ignored_field_that_differs_inside_a_row_is_named_and_no_single_target_shown(tmp_path: Path,
+                                                                                        capsys) -> None:
+    """A review: --ignore privacy.epsilon averaged an epsilon-2 and an epsilon-4 run into one row without a word, and
+    the row's ε target (and rounds) came from its first run alone."""
+    fake_run(tmp_path / "e4", 0.8, seed=0, epsilon=4.0, experiment={"rounds": 4})
+    fake_run(tmp_path / "e2", 0.7, seed=1, epsilon=2.0, experiment={"rounds": 6})
+    _edit_summary(tmp_path / "e2", rounds=6)
+    report = build_report(find_runs([tmp_path])[0], ignore=["privacy.epsilon", "experiment.rounds"])
+    (row,) = report.rows
+    assert row["epsilon_target"] == (2.0, 4.0) and row["rounds"] == (4, 6)
+    text = markdown(report)
+    assert "| 2.000 / 4.000 |" in text
+    assert "differ in the ignored field privacy.epsilon: 4 (e4), 2 (e2)." in text
+    assert "differ in the ignored field experiment.rounds: 4 (e4), 6 (e2)." in text
+    result = report_json(capsys, str(tmp_path), "--ignore", "privacy.epsilon", "--ignore", "experiment.rounds")
+    assert result["rows"][0]["ignored_varying"] == {"privacy.epsilon": [4.0, 2.0], "experiment.rounds": [4, 6]}
+    assert result["rows"][0]["epsilon_target"] == [2.0, 4.0]
+    plain = build_report(find_runs([tmp_path / "e4"])[0], ignore=["privacy.epsilon"])
+    assert "ignored_varying" not in plain.rows[0] and "ignored field" not in markdown(plain)

@@ -316,6 +316,24 @@ def label_fields(groups: Sequence[Group], fields: Sequence[str]) -> list[str]:
 # ----------------------------------------------------------------------------- statistics
 
 
+def _one_or_all(values: Iterable[Any]) -> Any:
+    """The value every run of a group shares, or (where an ``--ignore`` field let runs that differ in it share a
+    group) a tuple of their distinct values, in order, so that no row shows one run's value as the group's."""
+    distinct = list(dict.fromkeys(_hashable(value) for value in values))
+    return distinct[0] if len(distinct) == 1 else tuple(sorted(distinct, key=_sort_key))
+
+
+def varying_ignored(group: Group, ignore: Sequence[str]) -> dict[str, list[Any]]:
+    """Each ``--ignore`` field whose value differs between the group's runs, with its value in each run (in the
+    group's run order): the group averages over them, which the report says."""
+    varying = {}
+    for name in ignore:
+        values = [run.fields.get(name) for run in group.runs]
+        if len({_hashable(value) for value in values}) > 1:
+            varying[name] = values
+    return varying
+
+
 def _mean_std(values: Sequence[float]) -> tuple[float, float | None]:
     """Mean, and the sample standard deviation (None for a single seed)."""
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
@@ -345,10 +363,11 @@ def group_row(group: Group, fields: Sequence[str], metric: str) -> dict[str, Any
         "max": max(values),
         "epsilon_spent": max(spent),
         "epsilon_spent_mean": statistics.fmean(spent),
-        "epsilon_accountant": first.summary.get("epsilon_accountant"),
-        "epsilon_target": _epsilon(first.summary.get("epsilon_target", first.fields.get("privacy.epsilon"))),
-        "delta": first.fields.get("privacy.delta"),
-        "rounds": first.summary.get("rounds"),
+        "epsilon_accountant": _one_or_all(run.summary.get("epsilon_accountant") for run in group.runs),
+        "epsilon_target": _one_or_all(_epsilon(run.summary.get("epsilon_target", run.fields.get("privacy.epsilon")))
+                                      for run in group.runs),
+        "delta": _one_or_all(run.fields.get("privacy.delta") for run in group.runs),
+        "rounds": _one_or_all(run.summary.get("rounds") for run in group.runs),
         "wall_seconds": statistics.fmean(float(run.summary.get("wall_seconds") or 0.0) for run in group.runs),
         "runs": [str(run.path) for run in group.runs],
     })
@@ -527,6 +546,10 @@ def build_report(runs: Sequence[Run], metric: str = "accuracy_mean", ignore: Ite
     if shared.get("data.partition") != "overlap":
         shared.pop("data.overlap_t", None)  # A(t) applies to the overlap partition only
     rows = [group_row(group, fields, metric) for group in groups]
+    for row, group in zip(rows, groups, strict=True):
+        varying = varying_ignored(group, ignore)
+        if varying:
+            row["ignored_varying"] = varying
     source = None
     if paper_file is not None:
         source, paper = read_paper(paper_file)
@@ -645,7 +668,10 @@ def _column_names(fields: Sequence[str]) -> dict[str, str]:
     return {name: title if counts[title] == 1 else name for name, title in short.items()}
 
 
-def _epsilon_text(value: float) -> str:
+def _epsilon_text(value: float | tuple[float, ...]) -> str:
+    """An epsilon to three decimals; a group's differing values (see :func:`_one_or_all`) each, joined by " / "."""
+    if isinstance(value, tuple):
+        return " / ".join(_epsilon_text(item) for item in value)
     return "inf" if math.isinf(value) else f"{value:.3f}"
 
 
@@ -687,9 +713,10 @@ def markdown(report: Report) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     implied = [name for name in report.fields if name not in report.labels]
     lines.append("")
-    accountants = sorted({str(row["epsilon_accountant"]) for row in report.rows})
+    accountants = sorted({str(name) for row in report.rows for name in _values(row["epsilon_accountant"])})
+    deltas = sorted({_value_text(delta) for row in report.rows for delta in _values(row["delta"])})
     lines.append(f"ε spent: the largest over agents and seeds ({', '.join(accountants).upper()} accountant); "
-                 f"δ = {', '.join(sorted({_value_text(row['delta']) for row in report.rows}))}.")
+                 f"δ = {', '.join(deltas)}.")
     for name, mark in marks.items():  # the metric pools every agent's model: everyone together is who reads it
         narrower = [row for row in report.rows if row.get("epsilon_observer")
                     and _observer_name(row["epsilon_observer"]) == name]
@@ -697,11 +724,30 @@ def markdown(report: Report) -> str:
         lines.append(f"{mark} ε spent towards a narrower observer than everyone together: {name}. Everyone "
                      f"together, who sees every model the metric is computed from, is bounded by epsilon_local: up "
                      f"to {_epsilon_text(together)} in these rows.")
+    lines += _ignored_notes(report)
     if implied:
         lines.append(f"Also differing, set by the columns above: {', '.join(implied)} (all values in the CSV).")
     if paper:
         lines.append(f"Paper values: {report.paper_source}.")
     return "\n".join(lines) + "\n"
+
+
+def _values(value: Any) -> tuple[Any, ...]:
+    """A row's value as a tuple of its values (one, or a group's differing ones)."""
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _ignored_notes(report: Report) -> list[str]:
+    """One line per row whose runs differ in an ``--ignore`` field: the field and each run's value (its folder's
+    name), since the row averages over them and its ε target and rounds are then each run's, not one."""
+    lines = []
+    for row, group in zip(report.rows, report.groups, strict=True):
+        for name, values in row.get("ignored_varying", {}).items():
+            each = ", ".join(f"{_value_text(value)} ({run.path.name})"
+                             for value, run in zip(values, group.runs, strict=True))
+            lines.append(f"Row {_label(row, report.labels, group)} averages runs that differ in the ignored field "
+                         f"{name}: {each}.")
+    return lines
 
 
 def _paired_text(row: dict[str, Any], scale: float) -> str:
@@ -734,8 +780,10 @@ def json_rows(report: Report) -> dict[str, Any]:
     def clean(value: Any) -> Any:
         if isinstance(value, float) and math.isinf(value):
             return None
-        if isinstance(value, tuple):
+        if isinstance(value, (tuple, list)):
             return [clean(item) for item in value]
+        if isinstance(value, dict):
+            return {key: clean(item) for key, item in value.items()}
         return value
 
     rows = [{key: clean(value) for key, value in row.items()} for row in report.rows]
