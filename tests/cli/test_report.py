@@ -367,6 +367,13 @@ def test_skip_unfinished_leaves_out_running_and_stopped_runs_and_names_them(tmp_
     assert [(row["n"], row["mean"]) for row in rows] == [(2, pytest.approx(0.72))]
     err = captured.err
     assert "left out 2 unfinished run(s)" in err and "running" in err and "stopped" in err
+    assert json.loads(captured.out)["skipped"] == [str((runs / "running").resolve()), str((runs / "stopped").resolve())]
+    out = tmp_path / "out"  # a review: the folders left out were named on stderr only, not in the report's files
+    assert main(["report", str(runs), "--skip-unfinished", "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert f"Left out 2 unfinished run(s) (--skip-unfinished): {(runs / 'running').resolve()}, " in text
+    assert json.loads((out / "report.json").read_text())["skipped"][1] == str((runs / "stopped").resolve())
+    capsys.readouterr()
     (runs / "starting").mkdir()  # a run that has made its folder, not yet its config, given by name (a glob)
     named = [str(folder) for folder in sorted(runs.iterdir())]
     assert main(["report", *named, "--json"]) == 2

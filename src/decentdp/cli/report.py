@@ -525,11 +525,14 @@ class Report:
     groups: list[Group]
     paper_source: str | None = None
     paired: str | None = None  # "FIELD=VALUE" of the reference groups (``--paired``)
+    skipped: list[str] = field(default_factory=list)  # unfinished folders left out (``--skip-unfinished``)
 
 
 def build_report(runs: Sequence[Run], metric: str = "accuracy_mean", ignore: Iterable[str] = (),
-                 paper_file: Path | None = None, paired: str | None = None, within: Sequence[str] = ()) -> Report:
-    """Group ``runs`` and compute every group's row (see the module docstring)."""
+                 paper_file: Path | None = None, paired: str | None = None, within: Sequence[str] = (),
+                 skipped: Sequence[Path] = ()) -> Report:
+    """Group ``runs`` and compute every group's row (see the module docstring); ``skipped`` are the unfinished
+    folders :func:`find_runs` left out, which the report names."""
     check_compatible(runs, metric)
     ignore = list(ignore)
     known = {name for run in runs for name in run.fields}
@@ -563,7 +566,7 @@ def build_report(runs: Sequence[Run], metric: str = "accuracy_mean", ignore: Ite
         add_paired_differences(rows, groups, fields, metric, paired, within, known)
     elif within:
         raise ConfigError("--within", "names the fields a --paired comparison keeps equal: give --paired as well")
-    return Report(metric, fields, labels, shared, rows, groups, source, paired)
+    return Report(metric, fields, labels, shared, rows, groups, source, paired, [str(path) for path in skipped])
 
 
 def add_paired_differences(rows: Sequence[dict[str, Any]], groups: Sequence[Group], fields: Sequence[str],
@@ -729,6 +732,9 @@ def markdown(report: Report) -> str:
         lines.append(f"Also differing, set by the columns above: {', '.join(implied)} (all values in the CSV).")
     if paper:
         lines.append(f"Paper values: {report.paper_source}.")
+    if report.skipped:
+        lines.append(f"Left out {len(report.skipped)} unfinished run(s) (--skip-unfinished): "
+                     f"{', '.join(report.skipped)}.")
     return "\n".join(lines) + "\n"
 
 
@@ -789,7 +795,7 @@ def json_rows(report: Report) -> dict[str, Any]:
     rows = [{key: clean(value) for key, value in row.items()} for row in report.rows]
     return {"metric": report.metric, "fields": report.fields, "labels": report.labels,
             "shared": {key: clean(value) for key, value in report.shared.items()}, "rows": rows,
-            "paper_source": report.paper_source, "paired": report.paired}
+            "paper_source": report.paper_source, "paired": report.paired, "skipped": report.skipped}
 
 
 # ----------------------------------------------------------------------------- figures
@@ -1120,7 +1126,7 @@ def add_parser(commands: Any) -> None:
                              "field that differs), e.g. privacy.epsilon")
     report.add_argument("--skip-unfinished", action="store_true",
                         help="leave out runs that have not finished (still running, killed) and name them on "
-                             "stderr, instead of refusing the report")
+                             "stderr and in report.md and report.json, instead of refusing the report")
 
 
 #: What ``decentdp report --out`` writes: a folder holding only these may be written again (the report redrawn).
@@ -1143,7 +1149,7 @@ def _check_report_folder(out: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     """``decentdp report``: read, check, group; print the table or JSON; write files with ``--out``."""
     runs, skipped = find_runs(args.results, skip_unfinished=args.skip_unfinished)
-    report = build_report(runs, args.metric, args.ignore, args.paper, args.paired, args.within)
+    report = build_report(runs, args.metric, args.ignore, args.paper, args.paired, args.within, skipped)
     for name in args.against:
         if args.out is None:
             raise ConfigError("--against", "draws a figure: give --out DIR as well")
