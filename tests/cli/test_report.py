@@ -559,3 +559,26 @@ def test_an_ignored_field_that_differs_inside_a_row_is_named_and_no_single_targe
     assert result["rows"][0]["epsilon_target"] == [2.0, 4.0]
     plain = build_report(find_runs([tmp_path / "e4"])[0], ignore=["privacy.epsilon"])
     assert "ignored_varying" not in plain.rows[0] and "ignored field" not in markdown(plain)
+
+
+def test_paper_rows_that_match_no_setting_are_listed_and_a_wrong_kind_of_value_refused(tmp_path: Path,
+                                                                                      capsys) -> None:
+    """A review: a typo in a match value ("dp-dsgtt"), or a string "4" for a number, matched nothing without a word."""
+    fake_run(tmp_path / "runs" / "a", 0.90, epsilon=4.0)
+    paper = tmp_path / "paper.toml"
+    paper.write_text('source = "p"\nrow = [\n  { value = 89.0, match = { "algorithm.name" = "dp-dsgt" } },\n'
+                     '  { value = 80.0, match = { "algorithm.name" = "dp-dsgtt", "privacy.epsilon" = 4.0 } },\n]\n')
+    out = tmp_path / "out"
+    assert main(["report", str(tmp_path / "runs"), "--paper", str(paper), "--out", str(out)]) == 0
+    assert "Paper rows that match no setting here: row 2 (algorithm.name = dp-dsgtt, privacy.epsilon = 4)." in \
+        (out / "report.md").read_text()
+    assert json.loads((out / "report.json").read_text())["paper_unmatched"] == [
+        {"row": 2, "match": {"algorithm.name": "dp-dsgtt", "privacy.epsilon": 4.0}}]
+    capsys.readouterr()
+    paper.write_text('source = "p"\nrow = [{ value = 89.0, match = { "privacy.epsilon" = "4" } }]\n')
+    assert main(["report", str(tmp_path / "runs"), "--paper", str(paper), "--out", str(tmp_path / "out2")]) == 2
+    err = capsys.readouterr().err
+    assert f"{paper}: row 1: match privacy.epsilon = '4' is a string, but privacy.epsilon is a number" in err
+    assert "Traceback" not in err and not (tmp_path / "out2").exists()
+    paper.write_text('source = "p"\nrow = [{ value = 89.0, match = { "privacy.epsilon" = 4 } }]\n')  # 4 equals 4.0
+    assert report_json(capsys, str(tmp_path / "runs"), "--paper", str(paper))["rows"][0]["paper"] == pytest.approx(0.89)

@@ -407,6 +407,7 @@ class PaperRow:
     match: dict[str, Any]
     value: float
     std: float | None
+    number: int = 0  # its place in the file (1 for the first row), which messages name
 
 
 def read_paper(path: Path) -> tuple[str, list[PaperRow]]:
@@ -443,7 +444,7 @@ def read_paper(path: Path) -> tuple[str, list[PaperRow]]:
             raise ConfigError("--paper", f"{where}: unknown key(s) {', '.join(extra)}; allowed: match, value, std")
         scale = PAPER_UNITS[unit]
         rows.append(PaperRow({name: _number(value) for name, value in entry["match"].items()},
-                             entry["value"] * scale, None if std is None else std * scale))
+                             entry["value"] * scale, None if std is None else std * scale, index + 1))
     return str(data.get("source", path.name)), rows
 
 
@@ -501,13 +502,38 @@ def schema_defaults() -> dict[str, Any]:
 
 
 def check_paper_fields(paper: Sequence[PaperRow], runs: Sequence[Run], file: Path) -> None:
-    """Refuse a ``match`` field that is no config field (a typo would silently match nothing)."""
+    """Refuse a ``match`` field that is no config field (a typo would silently match nothing), and a match value of a
+    kind that no run's value of the field has (a string "4" where the runs hold the number 4.0 equals none)."""
     known = {name for run in runs for name in run.fields} | schema_fields()
     for row in paper:
         unknown = sorted(set(row.match) - known)
         if unknown:
             raise ConfigError("--paper", f"{file}: match field(s) {', '.join(unknown)} are not config fields of "
                                          "these runs (write dotted names such as privacy.epsilon)")
+        for name, value in row.match.items():
+            kinds = {_kind(run.fields[name]) for run in runs if run.fields.get(name) is not None}
+            if kinds and _kind(value) not in kinds:
+                raise ConfigError("--paper", f"{file}: row {row.number}: match {name} = {value!r} is a "
+                                             f"{_kind(value)}, but {name} is a {' or a '.join(sorted(kinds))} in these "
+                                             "runs, so it can match none of them")
+
+
+def _kind(value: Any) -> str:
+    """What kind of value a config field holds, as far as equality goes (an integer equals its float)."""
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, tuple):
+        return "list"
+    return "string" if isinstance(value, str) else type(value).__name__
+
+
+def unmatched_paper_rows(paper: Sequence[PaperRow], groups: Sequence[Group]) -> list[PaperRow]:
+    """The paper rows that match no group (a typo in a match value, a setting these runs lack): the report names
+    them rather than leave the paper's value out without a word."""
+    return [row for row in paper if not any(all(group.runs[0].fields.get(name) == value
+                                                 for name, value in row.match.items()) for group in groups)]
 
 
 # ----------------------------------------------------------------------------- the report
@@ -526,6 +552,7 @@ class Report:
     paper_source: str | None = None
     paired: str | None = None  # "FIELD=VALUE" of the reference groups (``--paired``)
     skipped: list[str] = field(default_factory=list)  # unfinished folders left out (``--skip-unfinished``)
+    paper_unmatched: list[dict[str, Any]] = field(default_factory=list)  # paper rows matching no group
 
 
 def build_report(runs: Sequence[Run], metric: str = "accuracy_mean", ignore: Iterable[str] = (),
@@ -553,7 +580,7 @@ def build_report(runs: Sequence[Run], metric: str = "accuracy_mean", ignore: Ite
         varying = varying_ignored(group, ignore)
         if varying:
             row["ignored_varying"] = varying
-    source = None
+    source, unmatched = None, []
     if paper_file is not None:
         source, paper = read_paper(paper_file)
         check_paper_fields(paper, runs, paper_file)
@@ -562,11 +589,13 @@ def build_report(runs: Sequence[Run], metric: str = "accuracy_mean", ignore: Ite
             row["paper"] = None if found is None else found.value
             row["paper_std"] = None if found is None else found.std
             row["difference"] = None if found is None else row["mean"] - found.value
+        unmatched = [{"row": row.number, "match": row.match} for row in unmatched_paper_rows(paper, groups)]
     if paired is not None:
         add_paired_differences(rows, groups, fields, metric, paired, within, known)
     elif within:
         raise ConfigError("--within", "names the fields a --paired comparison keeps equal: give --paired as well")
-    return Report(metric, fields, labels, shared, rows, groups, source, paired, [str(path) for path in skipped])
+    return Report(metric, fields, labels, shared, rows, groups, source, paired, [str(path) for path in skipped],
+                  unmatched)
 
 
 def add_paired_differences(rows: Sequence[dict[str, Any]], groups: Sequence[Group], fields: Sequence[str],
@@ -732,10 +761,17 @@ def markdown(report: Report) -> str:
         lines.append(f"Also differing, set by the columns above: {', '.join(implied)} (all values in the CSV).")
     if paper:
         lines.append(f"Paper values: {report.paper_source}.")
+    if report.paper_unmatched:
+        listing = "; ".join(f"row {entry['row']} ({_match_text(entry['match'])})" for entry in report.paper_unmatched)
+        lines.append(f"Paper rows that match no setting here: {listing}.")
     if report.skipped:
         lines.append(f"Left out {len(report.skipped)} unfinished run(s) (--skip-unfinished): "
                      f"{', '.join(report.skipped)}.")
     return "\n".join(lines) + "\n"
+
+
+def _match_text(match: Mapping[str, Any]) -> str:
+    return ", ".join(f"{name} = {_value_text(value)}" for name, value in match.items())
 
 
 def _values(value: Any) -> tuple[Any, ...]:
@@ -795,7 +831,8 @@ def json_rows(report: Report) -> dict[str, Any]:
     rows = [{key: clean(value) for key, value in row.items()} for row in report.rows]
     return {"metric": report.metric, "fields": report.fields, "labels": report.labels,
             "shared": {key: clean(value) for key, value in report.shared.items()}, "rows": rows,
-            "paper_source": report.paper_source, "paired": report.paired, "skipped": report.skipped}
+            "paper_source": report.paper_source, "paper_unmatched": clean(report.paper_unmatched),
+            "paired": report.paired, "skipped": report.skipped}
 
 
 # ----------------------------------------------------------------------------- figures
