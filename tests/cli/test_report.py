@@ -264,6 +264,10 @@ def test_a_figure_option_that_cannot_be_drawn_is_refused(tmp_path: Path, capsys,
     assert not out.exists()
 
 
+#: Hand-edited or corrupt summary.json values (json.dumps writes a NaN as NaN, which json.loads reads back).
+HAND_EDITS = {"wall_seconds": "n/a", "epsilon_observer": ["x"], "epsilon_local_max": "abc", "accuracy_mean": math.nan}
+
+
 @pytest.mark.parametrize(("setup", "args", "message"), [
     ("mixed-datasets", [], "evaluated on different data"),
     ("validation-and-test", [], "digits, validation split 0.2: "),
@@ -274,6 +278,11 @@ def test_a_figure_option_that_cannot_be_drawn_is_refused(tmp_path: Path, capsys,
     ("missing", [], "no such results folder"),
     ("plain", ["--metric", "loss_max"], "no numeric 'loss_max'"),
     ("bad-epsilon", [], "summary.json: epsilon_max must be a number, \"inf\" or null, got 'abc'"),
+    ("edit:wall_seconds", [], "summary.json: wall_seconds must be a number or null, got 'n/a'"),
+    ("edit:epsilon_observer", [], "summary.json: epsilon_observer must be a text naming who"),
+    ("edit:epsilon_local_max", [], "summary.json: epsilon_local_max must be a number"),
+    ("edit:accuracy_mean", [], "'accuracy_mean' in summary.json is not a finite number (NaN"),
+    ("edit-seed", [], "summary.json: config.experiment.seed must be an integer, got 'zero'"),
     ("plain", ["--ignore", "privacy.nothing"], "--ignore: privacy.nothing is not a config field"),
     ("plain", ["--paper", "PAPER:unit = 'points'"], "unit must be one of"),
     ("plain", ["--paper", "PAPER:row = [{ value = 1.0, match = { 'privacy.nope' = 1 } }]"], "privacy.nope"),
@@ -314,6 +323,13 @@ def test_bad_input_is_one_clear_error(tmp_path: Path, capsys, setup: str, args: 
     elif setup == "bad-epsilon":  # a hand-edited summary
         summary = fake_run(runs / "a", 0.7) / "summary.json"
         summary.write_text(json.dumps({**json.loads(summary.read_text()), "epsilon_max": "abc"}))
+    elif setup.startswith("edit:"):  # a hand-edited or corrupt summary field (a review: each crashed with a traceback)
+        key = setup.removeprefix("edit:")
+        _edit_summary(fake_run(runs / "a", 0.7), **{key: HAND_EDITS[key]})
+    elif setup == "edit-seed":
+        summary = json.loads((fake_run(runs / "a", 0.7) / "summary.json").read_text())
+        summary["config"]["experiment"]["seed"] = "zero"
+        (runs / "a" / "summary.json").write_text(json.dumps(summary))
     if args and args[-1].startswith("PAPER:"):
         paper = tmp_path / "paper.toml"
         paper.write_text(args[-1].removeprefix("PAPER:") + "\n")

@@ -149,10 +149,7 @@ def read_run(folder: Path) -> Run:
     summary = _read_json(summary_file)
     if not isinstance(summary, dict) or "finished" not in summary:
         raise DecentDPError(f"{summary_file} is not a decentdp run summary")
-    for key in ("epsilon_max", "epsilon_target"):  # (the table takes their float; a hand-edited one would crash it)
-        value = summary.get(key)
-        if not (value is None or value == "inf" or isinstance(value, (int, float)) and not isinstance(value, bool)):
-            raise DecentDPError(f"{summary_file}: {key} must be a number, \"inf\" or null, got {value!r}")
+    _check_summary(summary, summary_file)
     if summary.get("finished") is False:
         raise UnfinishedRunError(f"{folder}: the run stopped after round {summary.get('rounds')} of "
                                  f"{summary.get('config', {}).get('experiment', {}).get('rounds', '?')}; "
@@ -171,6 +168,11 @@ def read_run(folder: Path) -> Run:
             raise DecentDPError(f"cannot read {metrics_file}: {exc}") from None
         _check_rows(curve, metrics_file)
     fields = {**schema_defaults(), **flatten(config)}  # a field the run's library did not have yet: its default
+    seed = fields.get("experiment.seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):  # (groups are keyed and paired by it)
+        where = f"{summary_file}: config.experiment.seed" if isinstance(summary.get("config"), dict) else \
+            f"{config_file}: experiment.seed"
+        raise DecentDPError(f"{where} must be an integer, got {seed!r}")
     personalized = config.get("personalized")
     if isinstance(personalized, dict):  # its [data], [topology], [model], [algorithm] are unused defaults
         fields = {key: value for key, value in fields.items()
@@ -178,6 +180,26 @@ def read_run(folder: Path) -> Run:
         fields["data.dataset"] = personalized.get("dataset")
         fields["algorithm.name"] = f"personalized {personalized.get('method', 'cd')}"
     return Run(folder, fields, summary, curve)
+
+
+def _check_summary(summary: dict[str, Any], path: Path) -> None:
+    """Refuse a hand-edited or corrupt ``summary.json`` field that the report reads, naming it, before anything is
+    written (the table takes the epsilons' and wall time's floats and the observer's text; a wrong kind crashed
+    it with a traceback)."""
+    for key in ("epsilon_max", "epsilon_target", "epsilon_local_max"):
+        value = summary.get(key)
+        if not (value is None or value == "inf" or _is_real(value)):
+            raise DecentDPError(f"{path}: {key} must be a number, \"inf\" or null, got {value!r}")
+    wall = summary.get("wall_seconds")
+    if not (wall is None or _is_real(wall) and math.isfinite(wall)):
+        raise DecentDPError(f"{path}: wall_seconds must be a number or null, got {wall!r}")
+    observer = summary.get("epsilon_observer")
+    if not (observer is None or isinstance(observer, str)):
+        raise DecentDPError(f"{path}: epsilon_observer must be a text naming who the epsilons bound, got {observer!r}")
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def results_folders_under(root: Path) -> list[Path]:
@@ -248,10 +270,14 @@ def check_compatible(runs: Sequence[Run], metric: str) -> None:
                             for (name, size, held), paths in datasets.items())
         raise DecentDPError(f"these runs were evaluated on different data, so their {metric} values do not "
                             f"belong in one table ({listing}); report each group separately")
-    missing = [run.path for run in runs if not isinstance(run.summary.get(metric), (int, float))]
+    missing = [run.path for run in runs if not _is_real(run.summary.get(metric))]
     if missing:
         raise DecentDPError(f"{_paths(missing)}: no numeric '{metric}' in {SUMMARY_FILE} (choose another --metric, "
                             "or leave these runs out)")
+    broken = [run.path for run in runs if not math.isfinite(run.summary[metric])]
+    if broken:  # a NaN would make its row's mean and std NaN without a word
+        raise DecentDPError(f"{_paths(broken)}: '{metric}' in {SUMMARY_FILE} is not a finite number (NaN or "
+                            "infinite); rerun these runs, or leave them out")
 
 
 def _paths(paths: Sequence[Path]) -> str:
