@@ -598,3 +598,29 @@ def test_paper_rows_that_match_no_setting_are_listed_and_a_wrong_kind_of_value_r
     assert "Traceback" not in err and not (tmp_path / "out2").exists()
     paper.write_text('source = "p"\nrow = [{ value = 89.0, match = { "privacy.epsilon" = 4 } }]\n')  # 4 equals 4.0
     assert report_json(capsys, str(tmp_path / "runs"), "--paper", str(paper))["rows"][0]["paper"] == pytest.approx(0.89)
+
+
+def test_a_missing_or_short_metrics_file_is_named_not_silently_dropped(tmp_path: Path) -> None:
+    """A review: a setting whose one seed lacked metrics.jsonl vanished from the round figure (and one seed without
+    it emptied its setting's curve), and a seed whose metrics stopped early shortened the curve while the table
+    showed the last round, without a word."""
+    fake_run(tmp_path / "alone", 0.7, algorithm={"name": "dp-dsgd"})
+    (tmp_path / "alone" / "metrics.jsonl").unlink()
+    fake_run(tmp_path / "s0", 0.8, seed=0)
+    fake_run(tmp_path / "s1", 0.9, seed=1)
+    (tmp_path / "s1" / "metrics.jsonl").unlink()
+    fake_run(tmp_path / "short", 0.6, algorithm={"name": "dp-dinno"})  # rows at rounds 0, 2, 4; cut after 2
+    metrics = tmp_path / "short" / "metrics.jsonl"
+    metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:2]))
+    report = build_report(find_runs([tmp_path])[0])
+    text = markdown(report)
+    assert f"{tmp_path / 'alone'}: no accuracy_mean in its metrics.jsonl (missing or empty); the round figures do " \
+           "not draw algorithm=dp-dsgd." in text
+    assert f"{tmp_path / 's1'}: no accuracy_mean in its metrics.jsonl (missing or empty); the round figures draw " \
+           "algorithm=dp-dsgt from the other 1 seed(s)." in text
+    assert f"{tmp_path / 'short'}: its metrics.jsonl stops at round 2, the run at round 4" in text
+    drawn = {line.get_label(): list(line.get_ydata()) for line in round_figure(report).axes[0].lines}
+    assert drawn["algorithm=dp-dsgt"] == pytest.approx([10.0, 50.0, 80.0])  # seed 0's curve, the seed that has one
+    assert "algorithm=dp-dsgd" not in drawn
+    complete = build_report(find_runs([tmp_path / "s0"])[0])
+    assert "metrics.jsonl" not in markdown(complete)

@@ -783,6 +783,7 @@ def markdown(report: Report) -> str:
                      f"together, who sees every model the metric is computed from, is bounded by epsilon_local: up "
                      f"to {_epsilon_text(together)} in these rows.")
     lines += _ignored_notes(report)
+    lines += curve_notes(report)
     if implied:
         lines.append(f"Also differing, set by the columns above: {', '.join(implied)} (all values in the CSV).")
     if paper:
@@ -1128,10 +1129,16 @@ def _check_rows(rows: list[Any], path: Path) -> None:
             raise DecentDPError(f"cannot read {path}, line {line}: round must be an integer, got {value!r:.60}")
 
 
+def _run_curve(run: Run, metric: str) -> dict[int, float]:
+    """A run's metric by round from its ``metrics.jsonl`` (empty when the file is missing or lacks the metric)."""
+    return {int(row["round"]): float(row[metric]) for row in run.curve   # (personalized rows count ticks)
+            if "round" in row and isinstance(row.get(metric), (int, float))}
+
+
 def _curve(runs: Sequence[Run], metric: str) -> tuple[list[int], list[float], list[float]]:
-    """Mean and std over seeds at the rounds every run evaluated."""
-    per_run = [{int(row["round"]): float(row[metric]) for row in run.curve   # (personalized rows count ticks)
-                if "round" in row and isinstance(row.get(metric), (int, float))} for run in runs]
+    """Mean and std over the seeds that have a curve, at the rounds every one of them evaluated: always the same
+    seeds at every round (:func:`curve_notes` says where they are fewer than the table's, or stop early)."""
+    per_run = [values for run in runs if (values := _run_curve(run, metric))]
     rounds = sorted(set.intersection(*(set(values) for values in per_run))) if per_run else []
     means, stds = [], []
     for k in rounds:
@@ -1139,6 +1146,30 @@ def _curve(runs: Sequence[Run], metric: str) -> tuple[list[int], list[float], li
         means.append(mean)
         stds.append(std or 0.0)
     return rounds, means, stds
+
+
+def curve_notes(report: Report) -> list[str]:
+    """What the round figures draw differently from the table, one line per folder: a seed without the metric in
+    its ``metrics.jsonl`` (the file missing or empty) is left out of its setting's curve, or the setting is not
+    drawn at all; a seed whose ``metrics.jsonl`` stops before its summary's last round ends its setting's curve
+    there, while the table holds the last round.  None when no run has a curve (personalized runs count ticks)."""
+    if not any(_run_curve(run, report.metric) for group in report.groups for run in group.runs):
+        return []
+    lines = []
+    for row, group in zip(report.rows, report.groups, strict=True):
+        label = _label(row, report.labels, group)
+        curves = {run.path: _run_curve(run, report.metric) for run in group.runs}
+        missing = [path for path, values in curves.items() if not values]
+        drawn = len(group.runs) - len(missing)
+        for path in missing:
+            lines.append(f"{path}: no {report.metric} in its {METRICS_FILE} (missing or empty); the round figures "
+                         + (f"draw {label} from the other {drawn} seed(s)" if drawn else f"do not draw {label}") + ".")
+        for run in group.runs:
+            last, rounds = max(curves[run.path], default=None), run.summary.get("rounds")
+            if last is not None and isinstance(rounds, int) and last < rounds:
+                lines.append(f"{run.path}: its {METRICS_FILE} stops at round {last}, the run at round {rounds}; the "
+                             f"round figures draw {label} only up to round {last}, the table at the last round.")
+    return lines
 
 
 def _save(fig: Any, path: Path) -> Path:
