@@ -624,3 +624,24 @@ def test_a_missing_or_short_metrics_file_is_named_not_silently_dropped(tmp_path:
     assert "algorithm=dp-dsgd" not in drawn
     complete = build_report(find_runs([tmp_path / "s0"])[0])
     assert "metrics.jsonl" not in markdown(complete)
+
+
+def test_epsilon_figure_keeps_privacy_fields_apart_and_marks_a_narrower_observer(tmp_path: Path) -> None:
+    """A review: the ε figure joined runs differing in privacy.clip into one line (its series key dropped every
+    privacy.* field), and drew DECOR's pairwise ε beside others' everyone-together ε without a mark."""
+    from decentdp.algorithms.decor import PAIRWISE_VIEW
+
+    for clip in (1.0, 2.0):
+        for epsilon in (2.0, 4.0):
+            fake_run(tmp_path / f"c{clip}-e{epsilon}", 0.7 + epsilon / 100 + clip / 10, epsilon=epsilon,
+                     spent=epsilon, privacy={"clip": clip})
+    _edit_summary(fake_run(tmp_path / "decor", 0.9, epsilon=4.0, spent=4.0, algorithm={"name": "dp-dsgd"}),
+                  epsilon_observer=PAIRWISE_VIEW, epsilon_local_max=40.0)
+    report = build_report(find_runs([tmp_path])[0])
+    ax = epsilon_figure(report).axes[0]
+    series = {container.get_label(): container.lines[0] for container in ax.containers}
+    assert sorted(series) == ["algorithm=dp-dsgd, clip=1 †", "algorithm=dp-dsgt, clip=1", "algorithm=dp-dsgt, clip=2"]
+    assert list(series["algorithm=dp-dsgt, clip=2"].get_xdata()) == [2.0, 4.0]
+    assert series["algorithm=dp-dsgd, clip=1 †"].get_markerfacecolor() == "none"
+    assert series["algorithm=dp-dsgt, clip=1"].get_markerfacecolor() != "none"
+    assert "open markers †: ε towards the worst single agent" in ax.get_title()

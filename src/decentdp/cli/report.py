@@ -1006,28 +1006,47 @@ def _legend(ax: Any, series: int) -> None:
         ax.figure.set_size_inches(11, 4.5)
 
 
+#: The config field an ε figure's axis shows (so no series is keyed by it).
+EPSILON_AXIS = "privacy.epsilon"
+
+
+def epsilon_series_fields(report: Report) -> list[str]:
+    """The fields an ε figure's series are keyed by: the label fields but the ε target, and every other
+    ``privacy.*`` field that differs (clip, accountant, neighbouring relation, δ change what an ε means or buys, so
+    runs that differ in them are never one line, even where the table's columns leave them implied)."""
+    return [*(name for name in report.labels if name != EPSILON_AXIS),
+            *(name for name in report.fields if name.startswith("privacy.") and name != EPSILON_AXIS
+              and name not in report.labels)]
+
+
 def epsilon_figure(report: Report) -> Any | None:
-    """The metric against the ε spent (log axis, plain tick labels), one series per setting of the label
-    fields other than ``privacy.*`` (named by its algorithm when there is one setting), non-private groups as
-    dashed lines; None when no run is private."""
+    """The metric against the ε spent (log axis, plain tick labels), one series per setting of
+    :func:`epsilon_series_fields` (named by its algorithm when there is one setting), non-private groups as dashed
+    lines; a series whose ε names a narrower observer than everyone together (DECOR's) has open markers and the
+    table's footnote mark, and the title says towards whom.  None when no run is private."""
     from decentdp.results.files import plain_log_ticks, pyplot
 
     if not any(math.isfinite(row["epsilon_spent"]) for row in report.rows):
         return None
     scale = _scale(report.metric)
-    others = [name for name in report.labels if not name.startswith("privacy.")]
+    others = epsilon_series_fields(report)
+    marks = observer_marks(report.rows)
     series: dict[str, list[dict[str, Any]]] = {}
     for row, group in zip(report.rows, report.groups, strict=True):
-        series.setdefault(_label(row, others, group), []).append(row)
+        observer = row.get("epsilon_observer")
+        name = _label(row, others, group) + (f" {marks[_observer_name(observer)]}" if observer else "")
+        series.setdefault(name, []).append(row)
     fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for index, (name, rows) in enumerate(series.items()):
         private = sorted((row for row in rows if math.isfinite(row["epsilon_spent"])),
                          key=lambda row: row["epsilon_spent_mean"])
         linestyle, marker = SERIES_STYLES[index // 10 % len(SERIES_STYLES)]
+        narrower = any(row.get("epsilon_observer") for row in rows)
         line = ax.errorbar([row["epsilon_spent_mean"] for row in private],
                            [scale * row["mean"] for row in private],
                            yerr=[scale * (row["std"] or 0.0) for row in private], marker=marker,
-                           linestyle=linestyle, capsize=3, label=name)
+                           linestyle=linestyle, capsize=3, label=name,
+                           **({"markerfacecolor": "none"} if narrower else {}))
         for row in rows:
             if not math.isfinite(row["epsilon_spent"]):
                 ax.axhline(scale * row["mean"], linestyle="--", color=line[0].get_color(), alpha=0.7)
@@ -1036,7 +1055,8 @@ def epsilon_figure(report: Report) -> Any | None:
     ax.set_xlabel("ε spent (largest over agents)")
     ax.set_ylabel(_ylabel(report.metric))
     dashed = "; dashed: non-private" if any(not math.isfinite(row["epsilon_spent"]) for row in report.rows) else ""
-    ax.set_title(_figure_title(report, f"{report.metric} against ε spent{dashed}"), fontsize=9)
+    towards = "".join(f"\nopen markers {mark}: ε towards {name}, not everyone together" for name, mark in marks.items())
+    ax.set_title(_figure_title(report, f"{report.metric} against ε spent{dashed}{towards}"), fontsize=9)
     ax.grid(alpha=0.3)
     _legend(ax, len(series))
     fig.tight_layout()
