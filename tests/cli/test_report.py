@@ -645,3 +645,17 @@ def test_epsilon_figure_keeps_privacy_fields_apart_and_marks_a_narrower_observer
     assert series["algorithm=dp-dsgd, clip=1 †"].get_markerfacecolor() == "none"
     assert series["algorithm=dp-dsgt, clip=1"].get_markerfacecolor() != "none"
     assert "open markers †: ε towards the worst single agent" in ax.get_title()
+
+
+def test_a_runs_metric_plot_title_says_towards_whom_a_narrower_epsilon_is() -> None:
+    """A review: each run's accuracy.png said "epsilon 4 at delta 1e-05" for DECOR too, whose epsilon names one
+    curious agent, not everyone together (the CLI's final line says towards whom)."""
+    from decentdp.algorithms.decor import PAIRWISE_VIEW
+    from decentdp.experiment.record import metrics_title
+    from decentdp.privacy.report import CYCLIC_AGENT_VIEW
+
+    summary = {"name": "r", "algorithm": "decor", "n_agents": 4, "epsilon_max": 4.0, "delta": 1e-5}
+    assert metrics_title(summary) == "r: decor, 4 agents, epsilon 4 at delta 1e-05"
+    assert metrics_title({**summary, "epsilon_observer": CYCLIC_AGENT_VIEW}) == metrics_title(summary)
+    assert metrics_title({**summary, "epsilon_observer": PAIRWISE_VIEW}) == (
+        f"r: decor, 4 agents, epsilon 4 at delta 1e-05\nepsilon towards {PAIRWISE_VIEW.split(':')[0]}")

@@ -287,13 +287,23 @@ class ResultsFolder:
         write_json(self.path / PRIVACY_FILE, privacy)
         write_json(self.path / SUMMARY_FILE, summary)
         if metrics:
-            eps = summary["epsilon_max"]
-            spent = "inf (not private)" if eps is None else format(eps, ".3g")
-            plot_metrics(metrics, self.path, f"{summary['name']}: {summary['algorithm']}, {summary['n_agents']} "
-                                             f"agents, epsilon {spent} at delta {summary['delta']:g}")
+            plot_metrics(metrics, self.path, metrics_title(summary))
 
     def profile(self, report: dict[str, Any]) -> None:
         write_json(self.path / PROFILE_FILE, report)
+
+
+def metrics_title(summary: dict[str, Any]) -> str:
+    """The title of a run's metric plots: its name, algorithm, agents and epsilon spent; where the epsilon names a
+    narrower observer than everyone together (DECOR's pairwise view), towards whom on a second line, as the CLI's
+    final summary line says it (an epsilon beside others' without it reads as the same guarantee)."""
+    eps = summary["epsilon_max"]
+    spent = "inf (not private)" if eps is None else format(eps, ".3g")
+    observer = str(summary.get("epsilon_observer") or AGENT_VIEW).split(":")[0]
+    everyone = AGENT_VIEW.split(":")[0]
+    towards = "" if observer == everyone else f"\nepsilon towards {observer}"
+    return (f"{summary['name']}: {summary['algorithm']}, {summary['n_agents']} agents, epsilon {spent} at delta "
+            f"{summary['delta']:g}{towards}")
 
 
 def summary(experiment: Experiment, metrics: list[dict[str, Any]], wall: float, finished: bool) -> dict[str, Any]:
