@@ -195,6 +195,9 @@ def rdp_curve(event: dp_accounting.DpEvent) -> np.ndarray:
                 raise PrivacyError(f"the RDP accountant cannot price {type(event).__name__}; use privacy.accountant "
                                    "= 'pld'")
             curve = accountant.compose(event).rdp.copy()
+    if np.any(curve < 0):  # a divergence is never negative: rounding made it so, and the conversion would read 0
+        raise PrivacyError(f"the RDP of {type(event).__name__} came out negative at some order (numerical "
+                           "instability): use privacy.accountant = 'pld'")
     curve.setflags(write=False)
     return curve
 

@@ -24,6 +24,9 @@ from scipy import special
 #: Terms of a fractional order's series before it is declared divergent (dp_accounting's
 #: ``_MAX_STEPS_LOG_A_FRAC``); such an order is priced at infinity, so it never gives the epsilon.
 MAX_SERIES_TERMS = 1000
+#: RDP values below this are rounding in the series (``log_a`` is the log of a sum near 1, absolute error about
+#: 1e-16): replaced by the unsampled Gaussian's, a sound upper bound.
+SERIES_FLOOR = 1e-12
 #: Terms each fractional series is first summed over (most stop within them at the multipliers runs use).
 FIRST_TERMS = 64
 
@@ -52,6 +55,10 @@ def sampled_gaussian_rdp(sample_rate: float, noise_multiplier: float, orders: np
     log_a[integer] = [_log_a_integer(q, sigma, int(order)) for order in orders[integer]]
     log_a[~integer] = _log_a_fractional(q, sigma, orders[~integer])
     curve = log_a / (orders - 1)
+    # Below the series' absolute rounding (log_a is a log of a sum near 1) a value says nothing, and may even be
+    # negative (about -1e-20 at q = 1e-5, sigma = 1e5), which dp_accounting's conversion reads as epsilon 0 for any
+    # count of releases; there the unsampled Gaussian's alpha / (2 sigma^2), never below the sampled one, is used.
+    curve = np.where(curve < SERIES_FLOOR, orders / (2 * sigma**2), curve)
     return np.where(np.isnan(curve), np.inf, curve)
 
 
