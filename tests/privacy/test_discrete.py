@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import random
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from decentdp.privacy.discrete import (
     grid_release,
     grid_scale,
     grid_step,
+    product_up,
     rounded_gaussian,
     uniform_below,
 )
@@ -159,3 +162,17 @@ def test_the_exact_loss_of_a_grid_laplace_release_is_within_its_ledger_event(rel
         w = v + relation_factor * clip * rng.uniform() * direction / np.abs(direction).sum()
         exact = np.abs(np.rint(v / gamma) - np.rint(w / gamma)).sum() / t
         assert exact <= budget_factor / multiplier * (1 + 1e-12)
+
+
+def test_noise_scales_are_never_rounded_below_the_priced_product() -> None:
+    """A review: sigma = 3 at C = nextafter(1/3, 1) gave a float64 product of exactly 1.0, below the true
+    1.00000000000000005, and rounding that up to float32 kept 1.0: the noise ran a rounding below its price.
+    ``product_up`` rounds the product up exactly (in rationals), and the mechanisms scale by it."""
+    clip = math.nextafter(1 / 3, 1)
+    scale = float(GaussianMechanism(torch.tensor([3.0]), clip).scales[0])
+    assert Fraction(scale) >= 3 * Fraction(clip)
+    generator = random.Random(0)
+    for _ in range(2000):
+        a, b = generator.uniform(0.01, 100), generator.uniform(0.01, 100)
+        up = product_up(a, b)
+        assert Fraction(up) >= Fraction(a) * Fraction(b) and up in (a * b, math.nextafter(a * b, math.inf))

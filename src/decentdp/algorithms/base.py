@@ -332,6 +332,7 @@ class Calibrated:
     paper_accounting: dict[str, Any]
     details: dict[str, Any] = field(default_factory=dict)  # how our own calibration sized the noise (setup.json)
     observer: str | None = None  # who the budgets' epsilon names, when not every observer together (privacy.json)
+    notices: list[str] = field(default_factory=list)  # what the run must tell its user about this noise (warnings)
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ PAIRWISE_VIEW = ("the worst single agent or privacy.colluding set for each sende
                  "round, holds its own noise and the keys of its edges, and knows every other agent's data (the "
                  "paper's SecLDP with curious agents); exact for that observer, an upper bound for one that sees "
                  "fewer messages; rounds composed with Poisson amplification")
-#: Said when a run uses secure mode: what the pairwise epsilon prices there.
+#: Said when a run uses secure mode (among its warnings): what the pairwise epsilon prices there.
 SECURE_EDGE_NOTICE = ("secure mode: each agent's own noise is released exactly on a grid (its local epsilon is exact); "
                       "edge noise comes from X25519-agreed keys through ChaCha20 as hardened float64 Gaussians, and "
                       "the pairwise epsilon prices it as continuous Gaussian noise")
@@ -138,7 +138,8 @@ class Decor(OptimizerAlgorithm):
         details = {"sigma_cdp": sigmas.tolist(), "sigma_cor": edge_scale * float(batches.mean()),
                    "edges": int(len(edges)), "effective_multiplier_worst": events.tolist(),
                    "observers": len(observers)}
-        return Calibrated(mechanism, sigmas.tolist(), paper, details, PAIRWISE_VIEW)
+        return Calibrated(mechanism, sigmas.tolist(), paper, details, PAIRWISE_VIEW,
+                          [SECURE_EDGE_NOTICE] if plan.noise == "secure" else [])
 
     def edge_scale(self, sigmas: np.ndarray, batches: np.ndarray) -> float:
         """tau: each edge's noise std on the update, in units of C (``rho`` times the mean own std on it)."""

@@ -303,6 +303,8 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     if private and max(sigmas, default=0.0) * config.privacy.clip > FLOAT32_MAX:
         raise ConfigError("privacy.clip", f"the noise's standard deviation sigma * clip = {max(sigmas):.3g} * "
                                           f"{config.privacy.clip:g} exceeds the largest float32: lower the clip")
+    if own is not None:
+        warnings += own.notices
     if own is not None and getattr(own.mechanism, "prepaid", False):
         planned = 1  # one event for the whole run (matrix-factorization noise), charged before round 0
     ledger = PrivacyLedger(len(parts), budgets, config.privacy.delta, budget_accountant=config.privacy.accountant,

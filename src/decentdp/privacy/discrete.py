@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from fractions import Fraction
 
 import mpmath
 import numpy as np
@@ -114,10 +115,19 @@ def grid_step(sensitivity: float) -> float:
     return 2.0 ** (math.floor(math.log2(sensitivity)) - GRID_BITS)
 
 
+def product_up(a: float, b: float) -> float:
+    """``a * b`` rounded up: the float64 product rounds to nearest, up to half an ulp below the true product, and a
+    noise scale priced at ``a * b`` must never be drawn below it (checked exactly, in rationals)."""
+    product = a * b
+    if math.isfinite(product) and Fraction(a) * Fraction(b) > Fraction(product):
+        return math.nextafter(product, math.inf)
+    return product
+
+
 def grid_scale(multiplier: float, dim: int, sensitivity: float) -> int:
     """``t`` (in grid steps) of the discrete Laplace that replaces a continuous Laplace of multiplier ``m``
     (scale ``m C``) on ``dim`` coordinates at no more epsilon (module docstring)."""
-    return int(math.ceil(multiplier * (sensitivity / grid_step(sensitivity) + dim)))
+    return int(math.ceil(product_up(multiplier, sensitivity / grid_step(sensitivity) + dim)))
 
 
 def grid_release(values: np.ndarray, sensitivity: float, multipliers: np.ndarray,
@@ -199,6 +209,6 @@ def grid_gaussian_release(values: np.ndarray, sensitivity: float, multipliers: n
     fractions = steps - nearest                                      # exact (Sterbenz)
     out = np.empty_like(values)
     for row in range(values.shape[0]):
-        scale = np.full(values.shape[1], float(multipliers[row]) * sensitivity / gamma)
+        scale = np.full(values.shape[1], product_up(float(multipliers[row]), sensitivity) / gamma)  # gamma: 2^k
         out[row] = (nearest[row] + rounded_gaussian(words_of_row(row), fractions[row], scale)) * gamma
     return out

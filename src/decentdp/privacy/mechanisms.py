@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from decentdp.privacy.accounting import calibrate_noise_multiplier
-from decentdp.privacy.discrete import grid_gaussian_release, grid_release
+from decentdp.privacy.discrete import grid_gaussian_release, grid_release, product_up
 from decentdp.privacy.events import gaussian_event, joint_gaussian_event, laplace_event
 from decentdp.rng import AgentRandom, Stream
 
@@ -192,7 +192,9 @@ class _ScaledNoise:
     def __init__(self, noise_multipliers: torch.Tensor, sensitivity: float) -> None:
         self.noise_multipliers = noise_multipliers
         self.sensitivity = float(sensitivity)
-        self.scales = round_up_to_float32(noise_multipliers.double() * self.sensitivity)
+        self.scales = round_up_to_float32(torch.tensor(
+            [product_up(value, self.sensitivity) for value in noise_multipliers.double().tolist()],
+            dtype=torch.float64, device=noise_multipliers.device))
 
     def multiplier(self, owner: int) -> float:
         return float(self.noise_multipliers[owner])
