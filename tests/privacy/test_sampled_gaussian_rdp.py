@@ -9,6 +9,7 @@ series do not converge and both price the order at infinity).
 from __future__ import annotations
 
 import logging
+import math
 
 import dp_accounting
 import numpy as np
@@ -111,3 +112,14 @@ def test_the_bracket_search_never_closes_on_a_point_whose_excess_is_nan() -> Non
 
     safe = narrow_bracket(excess, 0.0, 2.0, 1e-6)
     assert 1.0 <= safe <= 1.0 + 2e-6
+
+
+@pytest.mark.parametrize("releases", [101, 200])
+def test_unsampled_gaussian_histories_use_their_closed_form_at_any_multiplier(releases: int) -> None:
+    """A review: past sigma / sqrt(T) < 0.1 the PLD accountant refused before reaching the closed form it uses
+    for unsampled Gaussians, and tight fell back to RDP (96.9 where the exact epsilon is 92.5 at T = 101)."""
+    event = gaussian_event(1.0, 1.0)
+    exact = gaussian_dp_epsilon(math.sqrt(releases) / 1.0, 1e-5)
+    for accountant in ("pld", "tight"):
+        assert epsilon_of_history(((event, releases),), 1e-5, accountant) == pytest.approx(exact, rel=1e-12)
+    assert epsilon_of_history(((event, releases),), 1e-5, "rdp") > exact

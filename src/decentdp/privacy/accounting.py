@@ -257,18 +257,17 @@ def _epsilon_of_merged(history: History, delta: float, accountant: str, relation
     priced = tuple((priced_event(event, accountant, relation), count) for event, count in history)
     if accountant == "rdp":
         return rdp_epsilon(np.asarray(rdp_total(priced)), delta)
+    if all(type(event) is dp_accounting.GaussianDpEvent for event, _ in priced):
+        return _gaussian_epsilon(priced, delta, relation)  # exact, no discretisation: no minimum multiplier either
     smallest = min((multiplier for event, count in priced
                     if (multiplier := _effective_multiplier(event, count)) is not None), default=math.inf)
     if accountant == "pld" and smallest < PLD_MIN_NOISE_MULTIPLIER:
         raise PrivacyError(f"PLD accounting is impractical for sigma = {smallest:g} < {PLD_MIN_NOISE_MULTIPLIER}; "
                            "use the RDP accountant")
     releases = sum(count for _, count in priced)
-    if accountant == "pld" and releases > PLD_MAX_RELEASES \
-            and not all(type(event) is dp_accounting.GaussianDpEvent for event, _ in priced):
+    if accountant == "pld" and releases > PLD_MAX_RELEASES:
         raise PrivacyError(f"PLD accounting is impractical for {releases:.3g} releases (more than "
                            f"{PLD_MAX_RELEASES:.0e}); use the RDP accountant")
-    if all(type(event) is dp_accounting.GaussianDpEvent for event, _ in priced):
-        return _gaussian_epsilon(priced, delta, relation)
     interval = _pld_interval(history, delta, relation)
     try:
         # Past a loss of about 709 nats dp_accounting's mass ratio overflows and its epsilon reads infinite: an
