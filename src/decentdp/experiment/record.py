@@ -82,6 +82,10 @@ def key_directory(config: ExperimentConfig) -> Path:
 
 
 DIAGNOSTICS_FILE = "diagnostics.json"
+#: What a results folder holds when its run was killed before its first checkpoint (nothing to resume): such a
+#: folder may be started again (and these files replaced).
+STARTED_ONLY = frozenset({CONFIG_FILE, PROVENANCE_FILE, SETUP_FILE, DIAGNOSTICS_FILE, f".{CHECKPOINT_FILE}.tmp",
+                          *(f".{name}.tmp" for name in (CONFIG_FILE, PROVENANCE_FILE, SETUP_FILE, DIAGNOSTICS_FILE))})
 DIAGNOSTICS_WARNING = ("operator diagnostics computed from the raw private data, NOT differentially private: "
                        "do not share this file or the 'diagnostics' entries of metrics.jsonl")
 
@@ -144,7 +148,10 @@ class ResultsFolder:
     def _acquire(self, created: bool) -> None:
         """Lock the folder (``fcntl.flock`` on ``LOCK_FILE``, holding this process's id), or refuse naming the
         process that holds it; released by :func:`_release` when this object goes."""
-        descriptor = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            descriptor = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise ConfigError("--out", f"cannot write the results folder {self.path}: {exc.strerror}") from None
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -189,7 +196,8 @@ class ResultsFolder:
                                                  f"{self.path}: the agents' keys must never sit with the results")
         if self.path.exists() and not self.path.is_dir():
             raise ConfigError("--out", f"{self.path} exists and is not a directory")
-        if self.path.exists() and any(entry.name != LOCK_FILE for entry in self.path.iterdir()):
+        held = {entry.name for entry in self.path.iterdir()} - {LOCK_FILE} if self.path.is_dir() else set()
+        if held and not held <= STARTED_ONLY:
             raise ConfigError("--out", f"{self.path} already holds files; pass --resume to continue that run "
                                        "or choose an empty directory")
         _check_creatable(self.path)
@@ -199,6 +207,8 @@ class ResultsFolder:
         except OSError as exc:
             raise ConfigError("--out", f"cannot create the results folder {self.path}: {exc.strerror}") from None
         self._acquire(created)
+        for name in held:  # (under the lock) a start that never reached its first checkpoint: nothing to resume
+            (self.path / name).unlink(missing_ok=True)
         return None
 
     def check_same_data(self, experiment: Experiment) -> None:
@@ -271,9 +281,17 @@ class ResultsFolder:
             payload |= {"state": dict(state), "scheduler": experiment.simulator.scheduler.state_dict(),
                         "ledger": experiment.ledger.state_dict()}
         tmp = self.path / f".{CHECKPOINT_FILE}.tmp"
-        torch.save(payload, tmp)
-        tmp.replace(self.path / CHECKPOINT_FILE)
-        write_jsonl(self.path / METRICS_FILE, metrics)
+        try:
+            torch.save(payload, tmp)
+            tmp.replace(self.path / CHECKPOINT_FILE)
+            write_jsonl(self.path / METRICS_FILE, metrics)
+        except (OSError, RuntimeError) as exc:  # torch reports a failed write (ENOSPC, EFBIG) as a RuntimeError
+            tmp.unlink(missing_ok=True)
+            kept = "the previous checkpoint is kept: free space and continue with --resume" \
+                if (self.path / CHECKPOINT_FILE).is_file() else "no checkpoint was written: free space and start again"
+            reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0]
+            raise ConfigError("--out", f"cannot write the checkpoint of round {round_done} in {self.path} "
+                                       f"({reason}); {kept}") from None
 
     def finish(self, experiment: Experiment, summary: dict[str, Any], metrics: list[dict[str, Any]],
                extras: AlgorithmPrivacy | None = None) -> None:
@@ -284,10 +302,11 @@ class ResultsFolder:
             experiment.setup.get("epsilon_observer", AGENT_VIEW))
         if extras is not None and extras.pairwise is not None:
             plot_pairwise(extras.pairwise, self.path / "pairwise_epsilon.png")
+        write_jsonl(self.path / METRICS_FILE, metrics)  # (a resume of a finished checkpoint writes no checkpoint)
         write_json(self.path / PRIVACY_FILE, privacy)
-        write_json(self.path / SUMMARY_FILE, summary)
         if metrics:
             plot_metrics(metrics, self.path, metrics_title(summary))
+        write_json(self.path / SUMMARY_FILE, summary)  # last: a folder with summary.json is complete
 
     def profile(self, report: dict[str, Any]) -> None:
         write_json(self.path / PROFILE_FILE, report)

@@ -1,0 +1,78 @@
+"""Resume edge cases from a review of the run loop: a start killed before its first checkpoint, a kill between
+the checkpoint and metrics.jsonl, a failed checkpoint write, and a resume naming the device it ran on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from decentdp.config import validate_config
+from decentdp.errors import ConfigError
+from decentdp.experiment import record
+from decentdp.experiment.loop import run_experiment
+from decentdp.runtime.simulator import Simulator
+
+from conftest import tiny_config
+
+
+def _quiet() -> dict:
+    return {"progress": False, "log": lambda line: None}
+
+
+def test_a_start_killed_before_its_first_checkpoint_may_start_again(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    config = validate_config(tiny_config())
+
+    def killed(self: Simulator, state: dict) -> dict:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Simulator, "setup", killed)
+        with pytest.raises(KeyboardInterrupt):
+            run_experiment(config, tmp_path / "run", **_quiet())
+    assert {p.name for p in (tmp_path / "run").iterdir()} == {"config.toml", "provenance.json", "setup.json"}
+    assert run_experiment(config, tmp_path / "run", **_quiet()).summary["finished"]
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="already holds files"):
+        run_experiment(config, tmp_path / "other", **_quiet())
+
+
+def test_a_kill_between_the_last_checkpoint_and_metrics_leaves_complete_metrics(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = validate_config(tiny_config(experiment={"rounds": 5, "eval_every": 2}))
+    write = record.write_jsonl
+
+    def killed(path: Path, rows: list) -> None:
+        if rows[-1]["round"] == 5:
+            raise KeyboardInterrupt
+        write(path, rows)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(record, "write_jsonl", killed)
+        with pytest.raises(KeyboardInterrupt):
+            run_experiment(config, tmp_path / "run", **_quiet())
+    run_experiment(config, tmp_path / "run", resume=True, **_quiet())
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(row)["round"] for row in rows] == [0, 2, 4, 5]
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = validate_config(tiny_config())
+
+    def full(payload: dict, path: Path) -> None:
+        raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+
+    monkeypatch.setattr(record.torch, "save", full)
+    with pytest.raises(ConfigError, match="cannot write the checkpoint of round 0"):
+        run_experiment(config, tmp_path / "run", **_quiet())
+    assert not (tmp_path / "run" / ".checkpoint.pt.tmp").exists()
+
+
+def test_a_resume_may_name_the_device_auto_chose(tmp_path: Path) -> None:
+    config = validate_config(tiny_config())
+    run_experiment(config, tmp_path / "run", stop_after=2, **_quiet())
+    pinned = validate_config(tiny_config(engine={"device": "cpu"}))
+    assert run_experiment(pinned, tmp_path / "run", resume=True, **_quiet()).summary["finished"]
