@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from decentdp.config import validate_config
@@ -76,3 +77,32 @@ def test_a_resume_may_name_the_device_auto_chose(tmp_path: Path) -> None:
     run_experiment(config, tmp_path / "run", stop_after=2, **_quiet())
     pinned = validate_config(tiny_config(engine={"device": "cpu"}))
     assert run_experiment(pinned, tmp_path / "run", resume=True, **_quiet()).summary["finished"]
+
+
+def test_a_resume_whose_code_plans_other_noise_is_refused(tmp_path: Path) -> None:
+    """A review: a calibration changed between a run's start and its resume (as TOP-DP's did twice), and the resume
+    went on with the new sigma without a word: setup.json and summary.json then named different mechanisms.  The
+    run's start is simulated as written by an older code, with other multipliers in its setup.json."""
+    config = validate_config(tiny_config(experiment={"rounds": 5}))
+    run_experiment(config, tmp_path / "run", stop_after=2, **_quiet())
+    setup_file = tmp_path / "run" / "setup.json"
+    setup = json.loads(setup_file.read_text())
+    setup["noise_multipliers"][1] *= 0.8
+    setup_file.write_text(json.dumps(setup))
+    with pytest.raises(ConfigError, match=r"other noise_multipliers than this code plans \(agent 1\)"):
+        run_experiment(config, tmp_path / "run", resume=True, **_quiet())
+    setup["noise_multipliers"][1] /= 0.8
+    setup_file.write_text(json.dumps(setup))
+    assert run_experiment(config, tmp_path / "run", resume=True, **_quiet()).summary["finished"]
+
+
+def test_an_epsilon_shown_to_people_is_rounded_up() -> None:
+    """A review: the CLI's last line showed 3.89634 as 3.896 and the per-round log 4.32056 as 4.32, below the
+    bound they stand for."""
+    from decentdp.results.files import epsilon_text
+
+    assert epsilon_text(3.89634) == "3.897" and epsilon_text(3.896) == "3.896"
+    assert epsilon_text(4.32056, significant=3) == "4.33" and epsilon_text(999.2, significant=3) == "1000"
+    assert epsilon_text(0.000123456, significant=3) == "0.000124" and epsilon_text(None) == "inf"
+    for value in np.random.default_rng(0).lognormal(0, 3, 2000):
+        assert float(epsilon_text(value)) >= value and float(epsilon_text(value, significant=3)) >= value

@@ -27,7 +27,7 @@ from decentdp.cli import audit as audit_command
 from decentdp.cli import report as report_command
 from decentdp.cli import sweep as sweep_command
 from decentdp.errors import ConfigError, DecentDPError
-from decentdp.results.files import CHECKPOINT_FILE
+from decentdp.results.files import CHECKPOINT_FILE, epsilon_text
 from decentdp.util.arguments import add_threads_option, with_threads
 
 EXIT_USER_ERROR = 2
@@ -157,7 +157,7 @@ def _eps(value: float | str | None) -> str:
     """An epsilon of a summary: a number, or "inf" / null (results files' spellings of no guarantee)."""
     if value is None or isinstance(value, str):
         return "inf" if value is None else value
-    return f"{value:.3f}" if math.isfinite(value) else "inf"
+    return epsilon_text(value)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from decentdp.errors import ConfigError, DecentDPError
-from decentdp.results.files import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, write_atomic
+from decentdp.results.files import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, epsilon_text, write_atomic
 
 #: Fields that never define a group: the seed (what a group averages over), labels, where data was
 #: read from and a secure run's keys kept, how often the run evaluated or checkpointed
@@ -730,7 +730,7 @@ def _epsilon_text(value: float | tuple[float, ...]) -> str:
     """An epsilon to three decimals; a group's differing values (see :func:`_one_or_all`) each, joined by " / "."""
     if isinstance(value, tuple):
         return " / ".join(_epsilon_text(item) for item in value)
-    return "inf" if math.isinf(value) else f"{value:.3f}"
+    return epsilon_text(value)
 
 
 def markdown(report: Report) -> str:

@@ -26,7 +26,7 @@ from decentdp.experiment.build import Experiment, build_experiment
 from decentdp.experiment.record import ResultsFolder, summary
 from decentdp.experiment.tracking import Tracker, check_tracking, open_tracker
 from decentdp.privacy.report import AlgorithmPrivacy
-from decentdp.results.files import epsilon_json
+from decentdp.results.files import epsilon_json, epsilon_text
 from decentdp.rng import SIMULATION_NOTICE
 from decentdp.runtime.averaging import AVERAGE, evaluated_parameters
 from decentdp.util.allocator import retain_freed_memory
@@ -144,6 +144,7 @@ def _train(experiment: Experiment, folder: ResultsFolder | None, checkpoint: dic
         if folder is not None:
             folder.restore_keys(experiment, checkpoint)  # (a secure run's fingerprint is keyed by them)
             folder.check_same_data(experiment)
+            folder.check_same_noise(experiment)
     elif folder is not None:
         folder.start(experiment)
     if folder is not None and diagnostics:
@@ -190,7 +191,7 @@ def _train(experiment: Experiment, folder: ResultsFolder | None, checkpoint: dic
         emit(f"round {done:>5}/{rounds}  acc {row['accuracy_mean']:.4f} "
              f"(min {row['accuracy_min']:.4f}, max {row['accuracy_max']:.4f})  "
              f"consensus {row['consensus_distance']:.3g}  eps({row['epsilon_accountant']}) "
-             f"{'inf' if row['epsilon_max'] is None else format(row['epsilon_max'], '.3g')}")
+             f"{epsilon_text(row['epsilon_max'], significant=3)}")
 
     def after_round(done: int, current: State) -> bool:
         nonlocal completed

@@ -19,6 +19,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from decentdp.algorithms.base import State
@@ -38,6 +39,7 @@ from decentdp.results.files import (
     SETUP_FILE,
     SUMMARY_FILE,
     epsilon_json,
+    epsilon_text,
     plot_metrics,
     provenance,
     strict_json,
@@ -82,6 +84,8 @@ def key_directory(config: ExperimentConfig) -> Path:
 
 
 DIAGNOSTICS_FILE = "diagnostics.json"
+#: ``setup.json`` fields that fix a run's mechanism: a resume must plan them as the run's start did.
+NOISE_SETUP_FIELDS = ("noise_multipliers", "sample_rates", "planned_releases")
 #: What a results folder holds when its run was killed before its first checkpoint (nothing to resume): such a
 #: folder may be started again (and these files replaced).
 STARTED_ONLY = frozenset({CONFIG_FILE, PROVENANCE_FILE, SETUP_FILE, DIAGNOSTICS_FILE, f".{CHECKPOINT_FILE}.tmp",
@@ -228,6 +232,26 @@ class ResultsFolder:
                                             f"on (setup.json's data_fingerprint): resuming would continue its noise "
                                             "on other data; pass the data directory it started with")
 
+    def check_same_noise(self, experiment: Experiment) -> None:
+        """Refuse to resume where today's code plans other noise than the run started with (``setup.json``'s
+        noise multipliers, sample rates and planned releases): a calibration changed since, and the rounds after
+        the checkpoint would run another mechanism than the ones before it, under a summary that names one."""
+        try:
+            held = json.loads((self.path / SETUP_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return  # (an older folder: nothing recorded to compare with)
+        for name in NOISE_SETUP_FIELDS:
+            if name not in held or name not in experiment.setup:
+                continue
+            recorded, now = np.asarray(held[name], dtype=float), np.asarray(experiment.setup[name], dtype=float)
+            if recorded.shape != now.shape or not np.allclose(recorded, now, rtol=1e-6, atol=0.0, equal_nan=True):
+                where = "" if recorded.shape != now.shape or recorded.ndim == 0 else \
+                    f" (agent {int(np.argmax(~np.isclose(recorded, now, rtol=1e-6, atol=0.0, equal_nan=True)))})"
+                raise ConfigError("--resume", f"the run in {self.path} started with other {name} than this code "
+                                              f"plans{where}: a calibration changed since it started, and resuming "
+                                              "would run its last rounds under another mechanism than its first; "
+                                              "start it again in an empty folder")
+
     def start(self, experiment: Experiment) -> None:
         """The files known before the first round: resolved config, provenance, the run's setup."""
         try:
@@ -317,7 +341,7 @@ def metrics_title(summary: dict[str, Any]) -> str:
     narrower observer than everyone together (DECOR's pairwise view), towards whom on a second line, as the CLI's
     final summary line says it (an epsilon beside others' without it reads as the same guarantee)."""
     eps = summary["epsilon_max"]
-    spent = "inf (not private)" if eps is None else format(eps, ".3g")
+    spent = "inf (not private)" if eps is None else epsilon_text(eps, significant=3)
     observer = str(summary.get("epsilon_observer") or AGENT_VIEW).split(":")[0]
     everyone = AGENT_VIEW.split(":")[0]
     towards = "" if observer == everyone else f"\nepsilon towards {observer}"

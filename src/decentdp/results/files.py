@@ -73,6 +73,22 @@ def epsilon_json(value: Any) -> Any:
     return None if value is None or not math.isfinite(float(value)) else float(value)
 
 
+def epsilon_text(value: float | None, decimals: int | None = 3, significant: int | None = None) -> str:
+    """An epsilon for people to read, rounded *up* (a figure below the bound it shows would promise more
+    privacy than the run has): to ``decimals`` places, or to ``significant`` figures; "inf" where infinite or
+    ``None`` (no guarantee)."""
+    if value is None or not math.isfinite(value):
+        return "inf"
+    if significant is not None:
+        if value <= 0:
+            return "0"
+        decimals = max(0, significant - 1 - math.floor(math.log10(value)))
+        shown = math.ceil(value * 10**decimals) / 10**decimals
+        return f"{shown:.{significant}g}" if shown < 10**significant else f"{shown:.0f}"
+    scale = 10 ** (decimals or 0)
+    return f"{math.ceil(value * scale) / scale:.{decimals or 0}f}"
+
+
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return value.tolist()

@@ -75,7 +75,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from decentdp.algorithms import algorithm_class
 from decentdp.errors import ConfigError, DecentDPError
-from decentdp.results.files import CHECKPOINT_FILE, write_atomic
+from decentdp.results.files import CHECKPOINT_FILE, epsilon_text, write_atomic
 
 if TYPE_CHECKING:
     from decentdp.tuning.selection import TrialCount
@@ -1021,13 +1021,13 @@ def selection_summary(selection: dict[str, Any], out: Path) -> str:
                      f"{released['noisy_accuracy']:.4f} (score_noise {selection['score_noise']:g} on the count of "
                      "correct predictions)")
         if "estimate_epsilon_max" not in selection:
-            lines.append(f"epsilon of the selection at delta {selection['delta']:g}: {selection['epsilon_max']:.3f} "
-                         f"(worst agent; one trial with its score: {selection['epsilon_one_trial_max']:.3f}; "
-                         f"{selection['trials_drawn']} trials composed: "
-                         f"{selection['epsilon_k_fold_composition_max']:.3f})")
+            lines.append(f"epsilon of the selection at delta {selection['delta']:g}: "
+                         f"{epsilon_text(selection['epsilon_max'])} (worst agent; one trial with its score: "
+                         f"{epsilon_text(selection['epsilon_one_trial_max'])}; {selection['trials_drawn']} trials "
+                         f"composed: {epsilon_text(selection['epsilon_k_fold_composition_max'])})")
         else:
             lines.append(f"epsilon of the selection: no bound (see the warning); the trials that ran estimate "
-                         f"{selection['estimate_epsilon_max']:.3f} at delta {selection['delta']:g}")
+                         f"{epsilon_text(selection['estimate_epsilon_max'])} at delta {selection['delta']:g}")
         lines.append("running best.toml on the test set is a further run: its epsilon composes with the selection's")
         if "warning" in selection:
             lines.append(f"warning: {selection['warning']}")
