@@ -106,3 +106,38 @@ def test_an_epsilon_shown_to_people_is_rounded_up() -> None:
     assert epsilon_text(0.000123456, significant=3) == "0.000124" and epsilon_text(None) == "inf"
     for value in np.random.default_rng(0).lognormal(0, 3, 2000):
         assert float(epsilon_text(value)) >= value and float(epsilon_text(value, significant=3)) >= value
+
+
+def test_a_resume_that_sets_no_thread_count_computes_on_the_checkpoints(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review: with no thread count set, a resume chose its count from the machine's load of the moment, and a
+    count other than the first half's changed the run's last bits (while an explicit other --threads was refused).
+    Now the resume takes the checkpoint's count, and an explicit one is accepted."""
+    import torch
+
+    from decentdp.experiment import loop
+    from decentdp.util.threads import ThreadChoice
+
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    chosen = {"count": 1}
+    apply = loop.apply_threads
+
+    def by_load(requested: int | None, **kwargs: object) -> ThreadChoice:
+        if requested is not None:
+            return apply(requested)
+        torch.set_num_threads(chosen["count"])
+        return ThreadChoice(chosen["count"], "cpu affinity", 2, None)
+
+    monkeypatch.setattr(loop, "apply_threads", by_load)
+    before = torch.get_num_threads()
+    try:
+        config = validate_config(tiny_config(experiment={"rounds": 5}))
+        run_experiment(config, tmp_path / "run", stop_after=2, **_quiet())
+        chosen["count"] = 2   # the machine is quieter now
+        assert run_experiment(config, tmp_path / "run", resume=True, **_quiet()).summary["threads"] == 1
+        run_experiment(config, tmp_path / "other", stop_after=2, **_quiet())
+        pinned = validate_config(tiny_config(experiment={"rounds": 5}, engine={"threads": 2}))
+        assert run_experiment(pinned, tmp_path / "other", resume=True, **_quiet()).summary["threads"] == 2
+    finally:
+        torch.set_num_threads(before)

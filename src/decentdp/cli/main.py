@@ -184,7 +184,8 @@ def _run(args: argparse.Namespace) -> int:
         if (out / CHECKPOINT_FILE).is_file():
             data = f" --data-dir {args.data_dir}" if args.data_dir else ""
             print(f"decentdp: interrupted; continue with: decentdp run {args.config} --resume --out {out}{data} "
-                  "(and the same --set options)", file=sys.stderr)
+                  "(and the same --set options; with no --threads it computes on as many threads as before)",
+                  file=sys.stderr)
         else:
             print("decentdp: interrupted before the first checkpoint was written; nothing to resume, start the "
                   "run again", file=sys.stderr)

@@ -292,8 +292,11 @@ class TrackingSection(_Section):
 
 
 #: Fields that say where a run computes or logs, not what it computes: a run may resume with other values.
-PLACEMENT_FIELDS = ("engine.backend", "engine.workers", "engine.address", "engine.device", "tracking.backend",
-                    "tracking.log_dir", "tracking.uri", "tracking.experiment", "tracking.parent_run")
+#: (``engine.threads`` changes only the last bits of float sums; a resume that leaves it unset takes the count the
+#: run checkpointed with, and ends bit for bit as the uninterrupted run.)
+PLACEMENT_FIELDS = ("engine.backend", "engine.workers", "engine.address", "engine.device", "engine.threads",
+                    "tracking.backend", "tracking.log_dir", "tracking.uri", "tracking.experiment",
+                    "tracking.parent_run")
 #: Fields that say how often a run records itself (evaluations, checkpoints), not what it computes: evaluation
 #: and checkpoints draw nothing from the run's streams, so a run may resume with other values and ends the same.
 RECORDING_FIELDS = ("experiment.eval_every", "experiment.checkpoint_every")

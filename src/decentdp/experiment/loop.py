@@ -12,7 +12,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +105,10 @@ def _run(config: ExperimentConfig, folder: ResultsFolder | None, data_dir: str |
     checkpoint = folder.open(config, resume) if folder is not None else None  # paths checked before the build
     check_tracking(config)  # the tracker's library and store, before the data loads
     experiment = build_experiment(config, data_dir)
-    if not threads.explicit:
+    if not threads.explicit and checkpoint is not None and "threads" in checkpoint:
+        # the count the run computed with, not today's load: float sums split over other threads end otherwise
+        threads = replace(apply_threads(checkpoint["threads"]), source="as the run before its checkpoint")
+    elif not threads.explicit:
         threads = apply_threads(config.engine.threads, round_flops=experiment.round_flops)
     if config.engine.backend == "ray":  # agents sharded over Ray worker processes (the optional `ray` extra)
         from decentdp.runtime.distributed.ray_backend import distribute

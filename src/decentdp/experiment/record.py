@@ -298,7 +298,8 @@ class ResultsFolder:
                    "key_file": None if self.key_file is None else str(self.key_file),
                    "passes": {"agents_per_pass": experiment.oracle.agents_per_pass,
                               "evaluation_chunk": experiment.evaluator.chunk},
-                   "wall_seconds": wall_seconds, "device": str(experiment.device)}
+                   "wall_seconds": wall_seconds, "device": str(experiment.device),
+                   "threads": torch.get_num_threads()}  # (a resume that sets none computes with these)
         if isinstance(experiment.simulator, ShardCheckpointWriter):
             payload["shards"] = experiment.simulator.write_shards(self.path, round_done)
         else:
