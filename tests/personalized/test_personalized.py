@@ -888,3 +888,15 @@ def test_a_private_updates_broadcast_loses_at_most_the_reported_epsilon(replacem
         *leaky_first, _ = _first_broadcast(data(1.0), None)
         *leaky_second, _ = _first_broadcast(data(10.0), None)
         assert _laplace_epsilon(tuple(leaky_first), tuple(leaky_second), delta) > 10 * reported
+
+
+def test_an_out_folder_that_cannot_be_created_is_one_message_before_the_build(tmp_path, capsys, monkeypatch):
+    """A review: --out below a file gave NotADirectoryError's traceback, after the model was built."""
+    import decentdp.personalized.runner as runner
+
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setattr(runner, "build_run", lambda *args: pytest.fail("built before the folder was checked"))
+    assert main(["run", str(DEMO), "--out", str(tmp_path / "afile" / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"--out: cannot create {tmp_path / 'afile' / 'run'}: {tmp_path / 'afile'} is a file" in err
+    assert "Traceback" not in err

@@ -38,6 +38,7 @@ from decentdp.results.files import (
     PROVENANCE_FILE,
     SETUP_FILE,
     SUMMARY_FILE,
+    check_creatable,
     epsilon_json,
     epsilon_text,
     plot_metrics,
@@ -49,27 +50,6 @@ from decentdp.results.files import (
 )
 from decentdp.rng import AgentKeys, SecureRandom
 from decentdp.runtime.distributed.sharded import SHARD_CHECKPOINT_FORMAT, ShardCheckpointWriter, read_shard_checkpoints
-
-
-def _check_creatable(path: Path) -> None:
-    """Refuse, before anything runs, a results folder that cannot be created: one below a file, or below
-    a directory this process may not write (such as /proc)."""
-    ancestor = path.absolute()
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise ConfigError("--out", f"cannot create {path}: {ancestor} is a file, not a directory")
-    if not os.access(ancestor, os.W_OK | os.X_OK) or _read_only_mount(ancestor):
-        raise ConfigError("--out", f"cannot create {path}: {ancestor} is not writable")
-
-
-def _read_only_mount(directory: Path) -> bool:
-    """Whether ``directory`` is on a read-only or pseudo file system (os.access says yes to root there)."""
-    try:
-        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY) or str(directory.resolve()).startswith(
-            ("/proc", "/sys"))
-    except OSError:
-        return True
 
 
 def key_directory(config: ExperimentConfig) -> Path:
@@ -204,7 +184,7 @@ class ResultsFolder:
         if held and not held <= STARTED_ONLY:
             raise ConfigError("--out", f"{self.path} already holds files; pass --resume to continue that run "
                                        "or choose an empty directory")
-        _check_creatable(self.path)
+        check_creatable(self.path)
         created = not self.path.exists()
         try:
             self.path.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ from decentdp.personalized.schedule import WakeupPlan, plan_wakeups, poisson_tic
 from decentdp.personalized.solver import PrivateUpdates, coordinate_descent, model_propagation
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.privacy.report import privacy_statement
-from decentdp.results.files import epsilon_json, provenance, write_json, write_jsonl, write_toml
+from decentdp.results.files import check_creatable, epsilon_json, provenance, write_json, write_jsonl, write_toml
 from decentdp.rng import agent_random
 
 
@@ -222,6 +222,8 @@ def run_personalized(config: ExperimentConfig, out_dir: str | Path | None = None
     folder = Path(out_dir) if out_dir is not None else None
     if folder is not None and folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise ConfigError("--out", f"{folder} already holds files or is not a directory; choose an empty directory")
+    if folder is not None:
+        check_creatable(folder)  # before the build: a folder below a file or in a read-only place
     clock = time.perf_counter()
     run = build_run(config, data_dir, device)
     settings, privacy = config.personalized, config.privacy
@@ -235,7 +237,10 @@ def run_personalized(config: ExperimentConfig, out_dir: str | Path | None = None
     if run.setup["private"] and "noise_notice" in run.setup:
         emit(f"privacy: {run.setup['noise_notice']}")
     if folder is not None:
-        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError("--out", f"cannot create the results folder {folder}: {exc.strerror}") from None
         write_toml(folder / "config.toml", config.to_toml_dict())
         write_json(folder / "provenance.json", provenance(config.experiment.seed))
         write_json(folder / "setup.json", run.setup)

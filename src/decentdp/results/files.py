@@ -19,6 +19,8 @@ from typing import Any
 
 import tomli_w
 
+from decentdp.errors import ConfigError
+
 CONFIG_FILE = "config.toml"
 PROVENANCE_FILE = "provenance.json"
 METRICS_FILE = "metrics.jsonl"
@@ -61,6 +63,27 @@ def strict_json(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return strict_json(value.tolist())
     return value
+
+
+def check_creatable(path: Path) -> None:
+    """Refuse, before anything runs, a results folder that cannot be created: one below a file, or below
+    a directory this process may not write (such as /proc)."""
+    ancestor = path.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError("--out", f"cannot create {path}: {ancestor} is a file, not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK) or read_only_mount(ancestor):
+        raise ConfigError("--out", f"cannot create {path}: {ancestor} is not writable")
+
+
+def read_only_mount(directory: Path) -> bool:
+    """Whether ``directory`` is on a read-only or pseudo file system (os.access says yes to root there)."""
+    try:
+        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY) or str(directory.resolve()).startswith(
+            ("/proc", "/sys"))
+    except OSError:
+        return True
 
 
 def epsilon_json(value: Any) -> Any:
