@@ -141,3 +141,34 @@ def test_a_resume_that_sets_no_thread_count_computes_on_the_checkpoints(tmp_path
         assert run_experiment(pinned, tmp_path / "other", resume=True, **_quiet()).summary["threads"] == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_results_files_are_on_the_disk_before_they_replace_the_old(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review: the checkpoint and the results files were renamed into place unflushed, so after a power loss the
+    rename could survive and the bytes not (an empty checkpoint.pt: a run that cannot resume).  Now the file is
+    flushed before the rename and the directory after it, for the JSON files and the checkpoint alike."""
+    import os
+    import stat
+
+    from decentdp.results import files
+
+    events: list[tuple[str, str]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def flushed(descriptor: int) -> None:
+        events.append(("fsync", "directory" if stat.S_ISDIR(os.fstat(descriptor).st_mode) else "file"))
+        fsync(descriptor)
+
+    def renamed(source: str | Path, target: str | Path) -> None:
+        events.append(("replace", Path(target).name))
+        replace(source, target)
+
+    monkeypatch.setattr(files.os, "fsync", flushed)
+    monkeypatch.setattr(files.os, "replace", renamed)
+    files.write_json(tmp_path / "summary.json", {"a": 1})
+    assert events == [("fsync", "file"), ("replace", "summary.json"), ("fsync", "directory")]
+    events.clear()
+    run_experiment(validate_config(tiny_config()), tmp_path / "run", stop_after=1, **_quiet())
+    at = events.index(("replace", "checkpoint.pt"))
+    assert events[at - 1] == ("fsync", "file") and events[at + 1] == ("fsync", "directory")

@@ -44,6 +44,7 @@ from decentdp.results.files import (
     plot_metrics,
     provenance,
     strict_json,
+    write_durably,
     write_json,
     write_jsonl,
     write_toml,
@@ -287,8 +288,7 @@ class ResultsFolder:
                         "ledger": experiment.ledger.state_dict()}
         tmp = self.path / f".{CHECKPOINT_FILE}.tmp"
         try:
-            torch.save(payload, tmp)
-            tmp.replace(self.path / CHECKPOINT_FILE)
+            write_durably(self.path / CHECKPOINT_FILE, lambda handle: torch.save(payload, handle))
             write_jsonl(self.path / METRICS_FILE, metrics)
         except (OSError, RuntimeError) as exc:  # torch reports a failed write (ENOSPC, EFBIG) as a RuntimeError
             tmp.unlink(missing_ok=True)

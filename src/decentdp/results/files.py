@@ -12,10 +12,10 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import tomli_w
 
@@ -33,11 +33,26 @@ PROFILE_FILE = "profile.json"
 _PACKAGES = ("decentdp", "torch", "numpy", "scipy", "networkx", "dp-accounting", "pydantic", "scikit-learn")
 
 
-def write_atomic(path: Path, text: str | bytes) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the whole new one."""
+def write_durably(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write ``path`` through ``write(handle)`` so that readers, and the disk after a crash or power loss, hold the
+    old file or the whole new one, never a part: into ``.NAME.tmp`` beside it, flushed to the disk, renamed over
+    ``path``, and the directory's entry flushed too."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(text.encode() if isinstance(text, str) else text)
+    with open(tmp, "wb") as handle:
+        write(handle)
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(tmp, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the whole new one (:func:`write_durably`)."""
+    write_durably(path, lambda handle: handle.write(text.encode() if isinstance(text, str) else text))
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -33,7 +33,6 @@ only float summation orders differ.  Ledgers are split and merged by :func:`spli
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.privacy.mechanisms import Mechanism, NoiseDraw
 from decentdp.privacy.oracle import DataOracle
 from decentdp.privacy.sampling import AgentData, CyclicSampler, PoissonSampler
+from decentdp.results.files import write_durably
 from decentdp.rng import AgentRandom
 from decentdp.runtime.network import GraphSequence, SimulatedNetwork
 from decentdp.runtime.scheduler import Scheduler
@@ -546,12 +546,7 @@ def write_shard_checkpoint(directory: Path, shard: Shard, state: State, per_agen
     payload = {"agents": [lo, hi], "per_agent": sorted(per_agent),
                "state": {key: value.detach().cpu() for key, value in state.items()},
                "ledger": shard.ledger.state_dict(), "scheduler": shard.simulator.scheduler.state_dict()}
-    temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "wb") as handle:
-        torch.save(payload, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    write_durably(path, lambda handle: torch.save(payload, handle))
     return {"file": path.name, "agents": [lo, hi], "bytes": path.stat().st_size}
 
 
