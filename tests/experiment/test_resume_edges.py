@@ -172,3 +172,30 @@ def test_results_files_are_on_the_disk_before_they_replace_the_old(tmp_path: Pat
     run_experiment(validate_config(tiny_config()), tmp_path / "run", stop_after=1, **_quiet())
     at = events.index(("replace", "checkpoint.pt"))
     assert events[at - 1] == ("fsync", "file") and events[at + 1] == ("fsync", "directory")
+
+
+def test_a_lock_taken_on_a_lock_file_its_holder_just_removed_is_taken_again(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review: a run that opened .lock just before the holder's release removed it would lock the removed file,
+    while a third run created and locked a new one: two writers.  The lock is now checked to be the named file."""
+    import fcntl
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    swaps = {"left": 1}
+    lock = fcntl.flock
+
+    def holder_released_meanwhile(descriptor: int, operation: int) -> None:
+        lock(descriptor, operation)
+        if swaps["left"]:   # the holder's release: its file removed, a new run's file in its place
+            swaps["left"] -= 1
+            (folder / record.LOCK_FILE).unlink()
+            (folder / record.LOCK_FILE).write_text("")
+
+    monkeypatch.setattr(record.fcntl, "flock", holder_released_meanwhile)
+    results = record.ResultsFolder(folder)
+    results._acquire(created=False)
+    named = (folder / record.LOCK_FILE).stat()
+    held = record.os.fstat(results._lock.peek()[2][0])
+    assert (named.st_ino, swaps["left"]) == (held.st_ino, 0)
+    results.close()

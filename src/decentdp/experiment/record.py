@@ -110,6 +110,16 @@ def _merged_shards(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 LOCK_FILE = ".lock"
 
 
+def _still_named(descriptor: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open at ``descriptor`` (a lock on a removed file locks nothing)."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(descriptor)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
 def _release(descriptor: int, folder: Path, created: bool) -> None:
     """Drop a results folder's lock; a folder this run created and left empty (it failed before writing
     anything) goes too, so that a failed start leaves nothing behind."""
@@ -133,17 +143,21 @@ class ResultsFolder:
     def _acquire(self, created: bool) -> None:
         """Lock the folder (``fcntl.flock`` on ``LOCK_FILE``, holding this process's id), or refuse naming the
         process that holds it; released by :func:`_release` when this object goes."""
-        try:
-            descriptor = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise ConfigError("--out", f"cannot write the results folder {self.path}: {exc.strerror}") from None
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(descriptor, 32).decode(errors="replace").strip() or "unknown"
-            os.close(descriptor)
-            raise ConfigError("--out", f"{self.path} is being written by another run (process {holder}); wait "
-                                       "for it to end, or choose another folder") from None
+        while True:
+            try:
+                descriptor = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise ConfigError("--out", f"cannot write the results folder {self.path}: {exc.strerror}") from None
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(descriptor, 32).decode(errors="replace").strip() or "unknown"
+                os.close(descriptor)
+                raise ConfigError("--out", f"{self.path} is being written by another run (process {holder}); wait "
+                                           "for it to end, or choose another folder") from None
+            if _still_named(descriptor, self.path / LOCK_FILE):
+                break
+            os.close(descriptor)  # locked a file its last holder had just removed: a third run could lock the new
         os.ftruncate(descriptor, 0)
         os.write(descriptor, str(os.getpid()).encode())
         self._lock = weakref.finalize(self, _release, descriptor, self.path, created)
