@@ -182,6 +182,47 @@ def test_npz_not_an_archive(tmp_path: Path, content: bytes) -> None:
     assert "pickle" not in str(info.value)
 
 
+def test_npz_labels_without_a_column_are_refused(tmp_path: Path) -> None:
+    """Labels of shape (n, 0) passed the check (only a second axis above 1 was refused) and gave n images with no
+    label: a whole run trained, reported accuracy nan and ended in a traceback."""
+    arrays = tiny_mnist()
+    arrays["y_test"] = np.zeros((3, 0), dtype=np.uint8)
+    np.savez(tmp_path / "mnist.npz", **arrays)
+    with pytest.raises(DataError, match=r"mnist.npz, array y_test: expected one label per image"):
+        load_dataset("mnist", tmp_path)
+
+
+def test_npz_with_a_damaged_compressed_member_is_one_message_naming_the_file(tmp_path: Path) -> None:
+    """A damaged deflate stream inside a compressed npz raised zlib.error ('Error -3 while decompressing data'), or
+    a damaged .npy header tokenize.TokenError, with no file name.  (Blank images compress, so the bytes flipped
+    lie in a deflate stream; random ones would be stored and fail the CRC check, which was already caught.)"""
+    arrays = tiny_mnist()
+    arrays["x_train"][:] = 0
+    arrays["x_test"][:] = 0
+    path = tmp_path / "mnist.npz"
+    np.savez_compressed(path, **arrays)
+    original = path.read_bytes()
+    for start in (60, 80, 120):
+        damaged = bytearray(original)
+        damaged[start:start + 20] = bytes(b ^ 0xFF for b in damaged[start:start + 20])
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(DataError, match="mnist.npz: not a readable npz file"):
+            load_dataset("mnist", tmp_path)
+
+
+def test_npz_member_without_the_npy_suffix_is_named(tmp_path: Path) -> None:
+    """numpy lists a zip member 'x_train' as key x_train, but the header check opened 'x_train.npy': KeyError."""
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "mnist.npz", "w") as archive:
+        for key, array in tiny_mnist().items():
+            buffer = io.BytesIO()
+            np.save(buffer, array)
+            archive.writestr(key, buffer.getvalue())
+    with pytest.raises(DataError, match="mnist.npz: array x_train is not stored as x_train.npy"):
+        load_dataset("mnist", tmp_path)
+
+
 def test_idx_bad_magic(tmp_path: Path) -> None:
     arrays = tiny_mnist()
     write_idx(tmp_path, arrays, gz=False)

@@ -457,3 +457,12 @@ def test_describe_reports_zero_gap_for_a_disconnected_graph() -> None:
     report = describe(graph, block_diagonal_matrix())
     assert report.fiedler == pytest.approx(0.0, abs=1e-12)
     assert report.spectral_gap == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_custom_matrix_that_never_reaches_consensus_is_refused() -> None:
+    """A zero-diagonal ring of 4 (weights 1/2 to each neighbour) is symmetric, doubly stochastic and connected,
+    but has eigenvalue -1: values swap between the two halves forever.  It was accepted with no warning."""
+    w = 0.5 * nx.to_numpy_array(nx.cycle_graph(4), nodelist=range(4))
+    with pytest.raises(GraphError, match="never reaches consensus"):
+        topology_from_matrix(w)
+    assert topology_from_matrix((np.eye(4) + w) / 2).report.spectral_gap > 0.4

@@ -362,7 +362,7 @@ def _check_layout(layout: dict[str, _Layout], sources: dict[str, str]) -> None:
             raise DataError(f"{labels}: labels of shape {label_shape} hold {label_shape[1]} values per image (one-hot "
                             f"rows?); decentdp reads one class index per image, shape ({label_shape[0]},): save "
                             f"{key}.argmax(axis=1) instead")
-        if len(label_shape) not in (1, 2) or label_shape[0] != n:
+        if len(label_shape) not in (1, 2) or label_shape[0] != n or label_shape[1:] not in ((), (1,)):
             raise DataError(f"{labels}: expected one label per image, shape ({n},), got {label_shape}")
         if label_dtype.kind not in "iuf":
             raise DataError(f"{labels}: labels must be numbers (class indices), got dtype {label_dtype}")
@@ -383,15 +383,21 @@ def _read_npz(path: Path, sources: dict[str, str]) -> dict[str, np.ndarray]:
                 raise DataError(f"{path}: missing arrays {missing}; expected keys {list(_NPZ_KEYS)}")
             _check_layout(_npz_layout(path), sources)
             return {k: npz[k] for k in _NPZ_KEYS}
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
-        raise DataError(f"{path}: not a readable npz file ({exc})") from exc
+    except DataError:
+        raise
+    except Exception as exc:  # a damaged member raises zlib.error, a damaged .npy header tokenize.TokenError, ...
+        reason = next(iter(str(exc).splitlines()), "") or type(exc).__name__
+        raise DataError(f"{path}: not a readable npz file ({reason})") from exc
 
 
 def _npz_layout(path: Path) -> dict[str, _Layout]:
     """Shape and dtype of each of the four arrays of an npz file, from their ``.npy`` headers alone."""
     layout = {}
     with zipfile.ZipFile(path) as archive:
+        names = set(archive.namelist())
         for key in _NPZ_KEYS:
+            if f"{key}.npy" not in names:  # (np.load lists a member 'x_train' without the suffix as key x_train too)
+                raise DataError(f"{path}: array {key} is not stored as {key}.npy (write the file with numpy.savez)")
             with archive.open(f"{key}.npy") as member:
                 version = np.lib.format.read_magic(member)
                 read = np.lib.format.read_array_header_1_0 if version == (1, 0) else \

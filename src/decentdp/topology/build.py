@@ -105,7 +105,19 @@ def topology_from_matrix(w: np.ndarray, *, require_doubly_stochastic: bool = Tru
     graph.add_edges_from(np.argwhere(np.triu(support, k=1)).tolist())
     warnings = validate_mixing(w, graph, require_doubly_stochastic=require_doubly_stochastic, kind="custom")
     check_connected(graph)
-    return _freeze_topology(graph, w, "custom", warnings)
+    topology = _freeze_topology(graph, w, "custom", warnings)
+    if topology.n_agents > 1 and topology.report.spectral_gap <= _NO_GAP:
+        raise GraphError(
+            "mixing matrix 'custom' has an eigenvalue of modulus 1 besides the consensus one (spectral gap "
+            f"{topology.report.spectral_gap:.3g}): repeated mixing never reaches consensus (a zero diagonal on a "
+            "bipartite graph makes agents swap values forever); give every agent a positive self weight, e.g. "
+            "use (I + W) / 2"
+        )
+    return topology
+
+
+# Spectral gaps at or below this are zero up to the eigensolver's rounding.
+_NO_GAP = 1e-9
 
 
 def _freeze_topology(graph: nx.Graph, w: np.ndarray, kind: str, warnings: Iterable[str]) -> Topology:
