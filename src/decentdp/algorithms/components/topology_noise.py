@@ -283,7 +283,7 @@ def noise_left(plan: NoisePlan, alpha: float, vectors: Sequence[np.ndarray], gam
     after the setup's ``x_i = sigma_i / L_i z_i``, sent to every neighbour (line 6).  The final mean square is
     a quadratic form ``Q`` of the state, carried back a round at a time (``Q <- A^T Q A``), so each fresh draw
     weighs ``b^T Q b`` (``b``: the rows it enters) times its variance: exact over the last
-    :data:`NOISE_PATH_ROUNDS` rounds, the older rounds weighted as the oldest of those are on average.  The
+    :data:`NOISE_PATH_ROUNDS` rounds, the older rounds weighted as the oldest quarter of those on average.  The
     greedy cover depends on sigma only through which reuse is usable (eq. 5b), so the vectors that agree on it
     share the covers, the weights and one backward pass.  Checked against the rounds themselves with the
     gradient zeroed (``tests/algorithms/test_top_dp.py``)."""
@@ -298,7 +298,7 @@ def noise_left(plan: NoisePlan, alpha: float, vectors: Sequence[np.ndarray], gam
     stack = np.stack([np.asarray(v, dtype=np.float64) for v in vectors])
     n, size = stack.shape[1], stack.shape[1] + len(into)           # state: the estimates, then each in-edge's row
     reused, sender = into[:, 0], into[:, 1]
-    residual, usable = residual_multipliers(stack[:, sender],
+    residual, usable = residual_multipliers(stack[:, sender],   # eq. 5a as reuse_coefficients, every vector at once
                                             (1 - alpha) * stack[:, reused] * batch[sender] / batch[reused])
     estimate_variance = (stack / batch) ** 2                                      # (V, N) per unit of decay
     message_variance = (residual / batch[sender]) ** 2                            # (V, E_in): the group reusing e
