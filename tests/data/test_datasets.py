@@ -240,6 +240,17 @@ def test_idx_truncated(tmp_path: Path) -> None:
         load_dataset("mnist", tmp_path)
 
 
+@pytest.mark.parametrize("sizes", [(-50, -28, 28), (-1, 28, 28), (7, -28, -28)])
+def test_idx_negative_sizes_are_refused_naming_the_file(tmp_path: Path, sizes: tuple[int, int, int]) -> None:
+    """Two negative sizes whose product matches the data passed the size check, and numpy's reshape raised
+    'can only specify one unknown dimension' without naming the file (a reviewer)."""
+    write_idx(tmp_path, tiny_mnist(), gz=False)
+    header = (0x0803).to_bytes(4, "big") + b"".join(d.to_bytes(4, "big", signed=True) for d in sizes)
+    (tmp_path / "train-images-idx3-ubyte").write_bytes(header + bytes(abs(sizes[0] * sizes[1] * sizes[2])))
+    with pytest.raises(DataError, match=r"train-images-idx3-ubyte: IDX header announces shape .*negative size"):
+        load_dataset("mnist", tmp_path)
+
+
 def test_a_damaged_gzip_stream_is_one_message_naming_the_file(tmp_path: Path) -> None:
     """A flipped byte inside a .gz stream raises zlib.error, not OSError (a helper's review: a traceback); every
     position tried gives one DataError naming the file."""

@@ -205,6 +205,19 @@ def test_overlap_agent_without_class_rejected() -> None:
     assert info.value.field == "data.overlap_t"
 
 
+@pytest.mark.parametrize(("labels", "n_agents", "empty"), [
+    ([0] * 50 + [2] * 50, 2, 1),
+    ([0] * 30 + [1] * 30 + [3] * 30, 4, 2),
+    ([1] * 40 + [2] * 40, 1, 0),
+])
+def test_a_pathological_partition_refuses_an_empty_class_by_name(labels, n_agents, empty) -> None:
+    """Every class is trimmed to the smallest class's size, so an empty class left every agent with nothing, and
+    the message blamed agent 0 (a reviewer); the message names the class instead."""
+    with pytest.raises(ConfigError, match=rf"class {empty} has no sample: it needs every class present") as info:
+        partition(np.array(labels), n_agents, "pathological", seed=0)
+    assert info.value.field == "data.partition"
+
+
 def test_a_pathological_partition_says_how_many_records_it_trains_on() -> None:
     """CGA's split trims every class to the smallest class's size (a helper's review: 5,790 of MNIST's 60,000
     records dropped without a word); the run's warnings say so, and no such warning comes from a split that

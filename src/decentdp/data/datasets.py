@@ -12,6 +12,7 @@ import gzip
 import hashlib
 import hmac
 import io
+import math
 import pickle
 import tarfile
 import zipfile
@@ -444,7 +445,9 @@ def _read_idx(path: Path, magic: int) -> np.ndarray:
     if len(raw) < header:
         raise DataError(f"{path}: truncated IDX header")
     shape = tuple(int(d) for d in np.frombuffer(raw, dtype=">i4", count=ndim, offset=4))
-    if len(raw) - header != int(np.prod(shape)):
+    if min(shape) < 0:  # numpy's reshape would take one as "unknown" and fail without naming the file
+        raise DataError(f"{path}: IDX header announces shape {shape}, with a negative size")
+    if len(raw) - header != math.prod(shape):  # exact, where np.prod could wrap around int64
         raise DataError(f"{path}: IDX header announces shape {shape} but holds {len(raw) - header} bytes")
     return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
 

@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import io
 import re
 import warnings
 from pathlib import Path
@@ -57,18 +56,30 @@ def ratings_path(data_dir: str | Path | None) -> Path:
 def read_ratings(path: Path) -> np.ndarray:
     """The ``(R, 3)`` int64 array ``user, item, rating`` of ``u.data`` (0-based ids); DataError naming the
     file and line when it is not four integer columns (each within int64) with ids >= 1 and ratings in 1..5."""
+    return _read_ratings_and_lines(path)[0]
+
+
+def _read_ratings_and_lines(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`read_ratings`'s table and, for each of its rows, the line of ``path`` it came from (1-based).
+
+    Blank lines are skipped, so row indices are not line numbers: every message names the line through these.
+    u.data has no comment syntax: a line starting with '#' is refused, as any other malformed line, by both
+    numpy's parser (``comments=None``) and the line-by-line check."""
     try:
         text = path.read_text(encoding="latin-1")
     except OSError as exc:
         raise DataError(f"cannot read {path}: {exc.strerror}") from None
-    try:  # numpy's C parser (blank lines skipped); on any failure the line-by-line check names the line
+    lines = text.splitlines()
+    numbers = [number for number, line in enumerate(lines, start=1) if line.strip()]
+    rows_text = [lines[number - 1] for number in numbers]
+    try:  # numpy's C parser on the non-blank lines; on any failure the line-by-line check names the line
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "input contained no data": reported below
-            parsed = np.loadtxt(io.StringIO(text), dtype=np.int64, ndmin=2)
+            parsed = np.loadtxt(rows_text, dtype=np.int64, ndmin=2, comments=None)
     except ValueError:
         parsed = None
-    if parsed is None or parsed.shape[1] != 4:
-        rows = [(number, line.split()) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    if parsed is None or parsed.shape != (len(numbers), 4):
+        rows = [(number, line.split()) for number, line in zip(numbers, rows_text, strict=True)]
         if not rows:
             raise DataError(f"{path} holds no ratings")
         for number, row in rows:
@@ -80,25 +91,27 @@ def read_ratings(path: Path) -> np.ndarray:
                 raise DataError(f"{path}, line {number}: {outside[0][:40]} does not fit a 64-bit integer (MovieLens "
                                 "ids, ratings and timestamps do)")
         parsed = np.asarray([row for _, row in rows], dtype=np.int64)
+    line_numbers = np.asarray(numbers, dtype=np.int64)
     table = parsed[:, :3]
     bad = np.flatnonzero((table[:, 0] < 1) | (table[:, 1] < 1) | (table[:, 2] < 1) | (table[:, 2] > 5))
     if len(bad):
-        raise DataError(f"{path}, line {bad[0] + 1}: user and item ids start at 1 and ratings lie in 1..5, got "
-                        f"{' '.join(map(str, table[bad[0]]))}")
-    return table - np.array([1, 1, 0])
+        raise DataError(f"{path}, line {line_numbers[bad[0]]}: user and item ids start at 1 and ratings lie in "
+                        f"1..5, got {' '.join(map(str, table[bad[0]]))}")
+    return table - np.array([1, 1, 0]), line_numbers
 
 
-def _refuse_repeated_pairs(path: Path, users: np.ndarray, items: np.ndarray) -> None:
+def _refuse_repeated_pairs(path: Path, users: np.ndarray, items: np.ndarray, line_numbers: np.ndarray) -> None:
     """Refuse a (user, item) pair rated twice (a helper's review): the dense rating matrices behind the features
     and the graph would keep one of the ratings while both stayed the user's targets.  (A user id with no
-    rating is an agent without data, which runs: it gets the confidence floor and spends nothing.)"""
+    rating is an agent without data, which runs: it gets the confidence floor and spends nothing.)
+    ``line_numbers``: each row's line in ``path`` (blank lines make them differ from row indices)."""
     pairs = users * (int(items.max()) + 1) + items
     order = np.argsort(pairs, kind="stable")
     repeated = np.flatnonzero(pairs[order][1:] == pairs[order][:-1])
     if len(repeated):
         first, second = sorted(order[repeated[0]:repeated[0] + 2])
-        raise DataError(f"{path}, lines {first + 1} and {second + 1}: user {users[first] + 1} rates item "
-                        f"{items[first] + 1} twice; keep one rating per (user, item) pair")
+        raise DataError(f"{path}, lines {line_numbers[first]} and {line_numbers[second]}: user {users[first] + 1} "
+                        f"rates item {items[first] + 1} twice; keep one rating per (user, item) pair")
 
 
 def als_features(users: np.ndarray, items: np.ndarray, ratings: np.ndarray, n_users: int, n_items: int,
@@ -160,16 +173,16 @@ def load_movielens(data_dir: str | Path | None, seed: int, *, test_fraction: flo
                    neighbours: int = 10) -> PersonalData:
     """MovieLens-100K as one regression task per user (module docstring); deterministic given ``seed``."""
     path = ratings_path(data_dir)
-    table = read_ratings(path)
+    table, line_numbers = _read_ratings_and_lines(path)
     users, items, ratings = table[:, 0], table[:, 1], table[:, 2].astype(np.float64)
     n_users, n_items = int(users.max()) + 1, int(items.max()) + 1
     needed = DENSE_COPIES * 8 * max(n_users * n_items, n_users * n_users)  # ratings, similarities: dense
     if needed > MAX_DENSE_BYTES:
-        line = int(np.argmax(users if n_users >= n_items else items)) + 1
+        line = line_numbers[int(np.argmax(users if n_users >= n_items else items))]
         raise DataError(f"{path}, line {line}: ids are used as indices, and ids up to {n_users} users and "
                         f"{n_items} items make {needed / 2**30:.3g} GiB of dense matrices (at most "
                         f"{MAX_DENSE_BYTES / 2**30:.3g}); number the users and items from 1 without large gaps")
-    _refuse_repeated_pairs(path, users, items)
+    _refuse_repeated_pairs(path, users, items, line_numbers)
     if neighbours > n_users - 1:
         raise ConfigError("personalized.neighbours", f"is {neighbours}, but {path} has {n_users} user ids: each user "
                                                      f"can have at most {n_users - 1} neighbours")

@@ -17,7 +17,8 @@ Schemes
     IID labels, but lognormally distributed agent sizes (see :func:`partition`).
 ``pathological``
     CGA's class split (Esfandiari et al. 2021, ``utils.py``; DPDL specs A.5.1 item 6): classes are
-    trimmed to the smallest class's size; with N <= classes, class ``c`` goes whole to agent ``c mod N``;
+    trimmed to the smallest class's size, so every class ``0..max(labels)`` must have a sample (an empty
+    one is refused); with N <= classes, class ``c`` goes whole to agent ``c mod N``;
     with N > classes (N a multiple of the classes), agent ``i`` gets an equal slice of class ``i mod C``.
 """
 
@@ -319,6 +320,12 @@ def _pathological(labels: np.ndarray, n_agents: int, rng: np.random.Generator) -
         raise ConfigError("topology.agents", f"the 'pathological' partition with more agents ({n_agents}) than "
                                              f"classes ({n_classes}) needs a multiple of {n_classes} agents")
     by_class = [rng.permutation(np.flatnonzero(labels == c)) for c in range(n_classes)]
+    empty = [c for c, members in enumerate(by_class) if not len(members)]
+    if empty:  # trimming to the smallest class would leave every agent with nothing
+        raise ConfigError("data.partition", f"the 'pathological' partition trims every class 0..{n_classes - 1} to "
+                                            f"the smallest class's size, and class {empty[0]} has no sample: it "
+                                            "needs every class present (number the classes 0..K-1 without gaps, "
+                                            "or use another scheme)")
     size = min(len(members) for members in by_class)  # trimmed to equal size, as the authors' code does
     parts: list[list[np.ndarray]] = [[] for _ in range(n_agents)]
     if n_agents <= n_classes:
