@@ -346,6 +346,8 @@ def test_unknown_graph_parameter_is_rejected() -> None:
         ("fiedler", 8, {"fiedler": 0.0}, "topology.fiedler"),
         ("fiedler", 8, {"fiedler": 1.2}, "topology.fiedler"),
         ("fiedler", 8, {"fiedler": 0.3, "fiedler_tol": 0.0}, "topology.fiedler_tol"),
+        ("ring", 8, {"fiedler_tol": 5.0}, "topology.fiedler_tol"),   # (a review: ignored, so never checked)
+        ("erdos-renyi", 8, {"p": 0.5, "fiedler_tol": -5.0}, "topology.fiedler_tol"),
         ("k-regular", 8, {}, "topology.k"),
         ("k-regular", 7, {"k": 3}, "topology.k"),
         ("k-regular", 8, {"k": 8}, "topology.k"),

@@ -117,6 +117,8 @@ def make_graph(
     max_tries = _require_int("topology.max_tries", max_tries, minimum=1)
     _check_params_used(kind, {"p": p, "radius": radius, "k": k, "fiedler": fiedler, "rows": rows})
     _check_min_agents(kind, n)
+    # checked for every kind, though only ``fiedler`` reads it: a bad value is a mistake wherever it is passed
+    tol = _require_real("topology.fiedler_tol", fiedler_tol, kind, "the Fiedler tolerance", low=0.0, high=1.0)
     rng = np.random.default_rng(seed)
 
     if kind == "complete":
@@ -161,9 +163,6 @@ def make_graph(
     elif kind == "fiedler":
         target = _require_real(
             "topology.fiedler", fiedler, kind, "the target normalized Fiedler value", low=0.0, high=1.0
-        )
-        tol = _require_real(
-            "topology.fiedler_tol", fiedler_tol, kind, "the Fiedler tolerance", low=0.0, high=1.0
         )
         graph = _fiedler_graph(n, target, tol, rng, max_tries)
     else:
