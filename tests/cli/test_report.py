@@ -659,3 +659,13 @@ def test_a_runs_metric_plot_title_says_towards_whom_a_narrower_epsilon_is() -> N
     assert metrics_title({**summary, "epsilon_observer": CYCLIC_AGENT_VIEW}) == metrics_title(summary)
     assert metrics_title({**summary, "epsilon_observer": PAIRWISE_VIEW}) == (
         f"r: decor, 4 agents, epsilon 4 at delta 1e-05\nepsilon towards {PAIRWISE_VIEW.split(':')[0]}")
+
+
+def test_rows_priced_by_different_accountants_each_say_which(tmp_path: Path) -> None:
+    """The footnote said "(PLD, RDP accountant)" for the whole table and left the reader to guess each row's."""
+    _edit_summary(fake_run(tmp_path / "a", 0.8, algorithm={"name": "dp-dsgd"}), epsilon_accountant="pld")
+    _edit_summary(fake_run(tmp_path / "b", 0.7, algorithm={"name": "dp-dsgt"}), epsilon_accountant="rdp")
+    text = markdown(build_report(find_runs([tmp_path])[0]))
+    assert "4.200 (PLD) |" in text and "4.200 (RDP) |" in text and "each row's accountant beside it" in text
+    single = markdown(build_report(find_runs([tmp_path / "a"])[0]))
+    assert "(PLD accountant)" in single and "(PLD) |" not in single

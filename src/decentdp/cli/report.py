@@ -741,6 +741,7 @@ def markdown(report: Report) -> str:
     paper = report.paper_source is not None
     has_worst = all("worst_agent" in row for row in report.rows)
     marks = observer_marks(report.rows)
+    accountants = sorted({str(name) for row in report.rows for name in _values(row["epsilon_accountant"])})
     header = [titles[name] for name in report.labels] + ["seeds", f"{report.metric}{unit} (mean ± std)"]
     header += ["worst agent" + unit] if has_worst else []
     header += ["ε spent", "ε target"]
@@ -759,7 +760,8 @@ def markdown(report: Report) -> str:
         cells += [str(row["n"]), f"{scale * row['mean']:.2f}{std}"]
         cells += [f"{scale * row['worst_agent']:.2f}"] if has_worst else []
         narrower = f" {marks[_observer_name(row['epsilon_observer'])]}" if row.get("epsilon_observer") else ""
-        cells += [_epsilon_text(row["epsilon_spent"]) + narrower, _epsilon_text(row["epsilon_target"])]
+        by = f" ({'/'.join(map(str, _values(row['epsilon_accountant']))).upper()})" if len(accountants) > 1 else ""
+        cells += [_epsilon_text(row["epsilon_spent"]) + by + narrower, _epsilon_text(row["epsilon_target"])]
         if paper:
             if row["paper"] is None:
                 cells += ["—", "—"]
@@ -771,10 +773,9 @@ def markdown(report: Report) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     implied = [name for name in report.fields if name not in report.labels]
     lines.append("")
-    accountants = sorted({str(name) for row in report.rows for name in _values(row["epsilon_accountant"])})
     deltas = sorted({_value_text(delta) for row in report.rows for delta in _values(row["delta"])})
-    lines.append(f"ε spent: the largest over agents and seeds ({', '.join(accountants).upper()} accountant); "
-                 f"δ = {', '.join(deltas)}.")
+    which = f"{accountants[0].upper()} accountant" if len(accountants) == 1 else "each row's accountant beside it"
+    lines.append(f"ε spent: the largest over agents and seeds ({which}); δ = {', '.join(deltas)}.")
     for name, mark in marks.items():  # the metric pools every agent's model: everyone together is who reads it
         narrower = [row for row in report.rows if row.get("epsilon_observer")
                     and _observer_name(row["epsilon_observer"]) == name]
