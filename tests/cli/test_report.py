@@ -17,6 +17,7 @@ from decentdp.cli.report import (
     IGNORED_FIELDS,
     IGNORED_SECTIONS,
     build_report,
+    csv_text,
     epsilon_figure,
     field_figure,
     find_runs,
@@ -572,6 +573,7 @@ def test_an_ignored_field_that_differs_inside_a_row_is_named_and_no_single_targe
     assert "differ in the ignored field experiment.rounds: 4 (e4), 6 (e2)." in text
     result = report_json(capsys, str(tmp_path), "--ignore", "privacy.epsilon", "--ignore", "experiment.rounds")
     assert result["rows"][0]["ignored_varying"] == {"privacy.epsilon": [4.0, 2.0], "experiment.rounds": [4, 6]}
+    assert "privacy.epsilon=4 / 2; experiment.rounds=4 / 6" in csv_text(report)   # the CSV says it too
     assert result["rows"][0]["epsilon_target"] == [2.0, 4.0]
     plain = build_report(find_runs([tmp_path / "e4"])[0], ignore=["privacy.epsilon"])
     assert "ignored_varying" not in plain.rows[0] and "ignored field" not in markdown(plain)

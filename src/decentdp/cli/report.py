@@ -833,12 +833,15 @@ def csv_text(report: Report) -> str:
                "epsilon_spent_mean", "epsilon_accountant", "epsilon_observer", "epsilon_local",
                "epsilon_target", "delta", "rounds", "wall_seconds",
                "paper", "paper_std", "difference", "paired_difference", "paired_std", "paired_ahead", "paired_seeds",
-               "runs"]
+               "ignored_varying", "runs"]
     columns = [name for name in columns if any(name in row for row in report.rows)]
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(columns)
     for row in report.rows:
+        row = {**row, "ignored_varying": "; ".join(  # the --ignore fields that differ inside the row, run by run
+            f"{name}={' / '.join(map(_value_text, values))}" for name, values in row.get("ignored_varying", {}).items())
+            or None}
         writer.writerow([" ".join(map(str, row[name])) if isinstance(row.get(name), list) else
                          _value_text(row.get(name)) if row.get(name) is None or isinstance(row.get(name), tuple)
                          else row.get(name) for name in columns])
