@@ -146,6 +146,15 @@ def philox4x32(counter: Sequence[torch.Tensor], key: Sequence[torch.Tensor], rou
     return [c0, c1, c2, c3]
 
 
+def below_on_grid(probabilities: np.ndarray | float) -> np.ndarray:
+    """The largest multiple of ``2^-53`` at or below each probability, exactly (a float64 scaled by a power of
+    two and floored loses nothing).  Every uniform this module or torch draws in float64 lies on the ``2^-53``
+    grid (or its midpoints, or one step up), so ``u < below_on_grid(p)`` holds with probability at most
+    ``below_on_grid(p) <= p``; comparing with ``p`` itself could hold with probability up to ``p + 2^-53``, and a
+    mechanism priced at ``p`` (a sampling rate, a randomized-response probability) must never run above it."""
+    return np.floor(np.asarray(probabilities, dtype=np.float64) * 2.0**53) * 2.0**-53
+
+
 def _unit53(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """A float64 uniform in [0, 1) from 53 bits of two 32-bit words."""
     return ((high >> 5) * 67108864 + (low >> 6)).double() * 2.0 ** -53

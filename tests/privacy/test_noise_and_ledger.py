@@ -292,3 +292,72 @@ def test_a_pld_whose_loss_overflows_reads_infinite_quietly_and_tight_is_rdp(recw
     tight = epsilon_of_history(history, delta, "tight", "replace-one")
     assert tight == epsilon_of_history(history, delta, "rdp", "replace-one") < 72 * 2 / scale
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def _exact_sampled_laplace_epsilon(rate: float, multiplier: float, delta: float) -> float:
+    """The exact epsilon at ``delta`` of one Poisson-sampled Laplace release (add/remove, both directions):
+    sensitivity 1, scale b = multiplier; with the record the output is the mixture (1 - q) Lap(0, b) + q Lap(1, b),
+    without it Lap(0, b).  Outside [0, 1] the two densities are in a fixed ratio (closed form: the tails hold
+    1/2 and e^(-1/b)/2 of Lap(0, b)); inside, quadrature."""
+    from scipy import integrate, optimize
+
+    b = multiplier
+    without = stats.laplace(0.0, b).pdf
+    with_record = lambda x: (1 - rate) * without(x) + rate * stats.laplace(1.0, b).pdf(x)  # noqa: E731
+    tails = (((1 - rate) + rate * math.exp(-1 / b), 0.5), ((1 - rate) + rate * math.exp(1 / b), math.exp(-1 / b) / 2))
+
+    def hockey(forward: bool, epsilon: float) -> float:
+        first, second = (with_record, without) if forward else (without, with_record)
+        middle = integrate.quad(lambda x: max(0.0, first(x) - math.exp(epsilon) * second(x)), 0.0, 1.0,
+                                limit=200, epsabs=1e-13)[0]
+        return middle + sum(max(0.0, (ratio if forward else 1.0) - math.exp(epsilon) * (1.0 if forward else ratio))
+                            * mass for ratio, mass in tails)
+
+    def excess(epsilon: float) -> float:
+        return max(hockey(True, epsilon), hockey(False, epsilon)) - delta
+
+    return 0.0 if excess(0.0) <= 0 else optimize.brentq(excess, 0.0, 1 / b + 1e-9, xtol=1e-12)
+
+
+def test_a_sampled_laplace_ledger_charges_changing_events_and_bounds_the_exact_loss() -> None:
+    """A review: a Poisson-sampled Laplace event (LaplaceMechanism at a rate below 1) crashed the ledger's RDP
+    totals the first time an agent's event changed (dp_accounting has no RDP of sampled Laplace).  RDP now bounds
+    it by the unsampled Laplace (sound: sampling only helps) and PLD prices the sampling; every accountant's
+    epsilon for one release is at least the exact one, computed by quadrature."""
+    from decentdp.privacy.accounting import rdp_curve
+    from decentdp.privacy.events import laplace_event
+
+    first, second = laplace_event(2.0, 0.1), laplace_event(3.0, 0.2)
+    assert np.array_equal(rdp_curve(first), rdp_curve(laplace_event(2.0)))
+    for accountant in ("rdp", "pld", "tight"):
+        ledger = PrivacyLedger(2, math.inf, 1e-5, budget_accountant=accountant)
+        ids = np.array([ledger.intern(first), ledger.intern(second)])
+        for round_index in range(6):  # every round changes each agent's event
+            ledger.charge(round_index, ids[[round_index % 2, (round_index + 1) % 2]])
+        assert np.isfinite(ledger.epsilon(accountant)).all() and (ledger.releases() == 6).all()
+    for rate, multiplier in ((0.1, 2.0), (0.5, 0.7)):
+        exact = _exact_sampled_laplace_epsilon(rate, multiplier, 1e-5)
+        for accountant in ("rdp", "pld", "tight"):
+            ledger = PrivacyLedger(1, math.inf, 1e-5, budget_accountant=accountant)
+            ledger.charge(0, np.array([ledger.intern(laplace_event(multiplier, rate))]))
+            assert ledger.epsilon(accountant)[0] >= exact - 1e-9, (rate, multiplier, accountant)
+        assert exact < 1 / multiplier   # the quadrature sees the sampling's credit: PLD may take it, RDP does not
+
+
+def test_poisson_inclusion_never_exceeds_the_priced_rate_on_the_uniforms_grid() -> None:
+    """A uniform u on the 2^-53 grid is below a float64 rate q with probability ceil(q 2^53) 2^-53, up to 2^-53
+    above q.  The sampler compares with the rate rounded down onto the grid: exactly that probability, at most q.
+    Checked by counting grid points, exactly, for rates that are not on the grid and at the grid's edges."""
+    from fractions import Fraction
+
+    from decentdp.rng import below_on_grid
+
+    for rate in (0.1, 1 / 3, 64 / 60000, 2.0**-53 * 0.5, 1.0 - 2.0**-54, 0.25, 1.0):
+        threshold = float(below_on_grid(rate))
+        grid_points_below = math.ceil(Fraction(threshold) * 2**53)   # k 2^-53 < threshold
+        assert Fraction(grid_points_below, 2**53) <= Fraction(rate)
+        assert Fraction(rate) - Fraction(grid_points_below, 2**53) < Fraction(1, 2**53)
+    assert math.ceil(Fraction(0.1) * 2**53) > Fraction(0.1) * 2**53   # the plain comparison runs above 0.1
+    data = AgentData(torch.zeros(6, 2), torch.zeros(6, dtype=torch.long), [torch.arange(0, 3), torch.arange(3, 6)])
+    sampler = PoissonSampler(data, torch.tensor([0.1, 1 / 3], dtype=torch.float64), AgentRandom(0))
+    assert sampler._slot_rates.tolist() == [float(below_on_grid(0.1))] * 3 + [float(below_on_grid(1 / 3))] * 3

@@ -28,8 +28,8 @@ from decentdp.privacy.mechanisms import LaplaceMechanism
 
 
 class UnsampledLaplace(LaplaceMechanism):
-    """Li18's Laplace releases, accounted without subsampling amplification (as Li et al. state it; sound,
-    and what RDP can price: dp_accounting has no RDP bound for Poisson-sampled Laplace)."""
+    """Li18's Laplace releases, accounted without subsampling amplification, as Li et al. state it (sound;
+    the PLD accountant could credit the sampling, RDP only bounds sampled Laplace by the unsampled one)."""
 
     def agent_event(self, owner: int, sample_rate: float, rows: int) -> dp_accounting.DpEvent:
         return super().agent_event(owner, 1.0, rows)

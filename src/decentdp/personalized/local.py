@@ -34,7 +34,7 @@ from decentdp.data.personal import PersonalData
 from decentdp.errors import PrivacyError
 from decentdp.personalized.objective import Problem, agent_grams, data_gradient_sums
 from decentdp.privacy.discrete import grid_release
-from decentdp.rng import AgentRandom, Stream
+from decentdp.rng import AgentRandom, Stream, below_on_grid
 
 #: Round of the warm start's noise keys (the setup phase, before any update).
 WARM_START_ROUND = -1
@@ -139,7 +139,8 @@ def local_dp_release(data: PersonalData, epsilon: float, bound: float, rng: np.r
     clipped = data.x_train * np.minimum(1.0, bound / np.maximum(size, 1e-300))
     features = clipped + rng.laplace(0.0, 2.0 * bound / ((1.0 - LABEL_SHARE) * epsilon), clipped.shape)
     label_epsilon = LABEL_SHARE * epsilon
-    keep = rng.random(len(data.y_train)) < 1.0 / (1.0 + math.exp(-label_epsilon))
+    # kept with at most probability e^eps' / (1 + e^eps'): numpy's uniforms lie on the 2^-53 grid
+    keep = rng.random(len(data.y_train)) < below_on_grid(1.0 / (1.0 + math.exp(-label_epsilon)))
     info = {**data.info, "local_dp": {"epsilon": epsilon, "l1_bound": bound, "label_share": LABEL_SHARE}}
     return PersonalData(features, np.where(keep, data.y_train, -data.y_train), data.owner_train, data.x_test,
                         data.y_test, data.owner_test, data.weights, data.task, info)

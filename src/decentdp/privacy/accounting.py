@@ -175,8 +175,9 @@ def rdp_curve(event: dp_accounting.DpEvent) -> np.ndarray:
     (``alpha / (2 sigma^2)``; Mironov 2017, Prop. 6), without building an accountant per event, so
     that a ledger of 10^5 releases with distinct noise stays fast; a Poisson-sampled Gaussian uses
     dp_accounting's series vectorised (:mod:`decentdp.privacy.sampled_gaussian_rdp`: the same values, a
-    tenth of the time, which a calibration's dozens of curves feel); every other event is priced by
-    dp_accounting's ``RdpAccountant``.
+    tenth of the time, which a calibration's dozens of curves feel); a Poisson-sampled Laplace, which
+    dp_accounting cannot price in RDP, is bounded by the unsampled Laplace (the PLD accountant credits its
+    sampling); every other event is priced by dp_accounting's ``RdpAccountant``.
     """
     if isinstance(event, dp_accounting.NonPrivateDpEvent):
         curve = np.full(len(RDP_ORDERS), np.inf)
@@ -185,6 +186,11 @@ def rdp_curve(event: dp_accounting.DpEvent) -> np.ndarray:
     elif isinstance(event, dp_accounting.LaplaceDpEvent):
         epsilon = 1 / event.noise_multiplier
         curve = np.array([_laplace_rdp(epsilon, order) for order in RDP_ORDERS])
+    elif (isinstance(event, dp_accounting.PoissonSampledDpEvent)
+          and type(event.event) is dp_accounting.LaplaceDpEvent):
+        # dp_accounting has no RDP of sampled Laplace; the unsampled one bounds it (Renyi divergence is jointly
+        # quasi-convex, and each pair of components of the two mixtures is at most one Laplace release apart)
+        curve = rdp_curve(event.event)
     elif (isinstance(event, dp_accounting.PoissonSampledDpEvent)
           and type(event.event) is dp_accounting.GaussianDpEvent):
         curve = sampled_gaussian_rdp(event.sampling_probability, event.event.noise_multiplier, RDP_ORDERS)

@@ -12,11 +12,18 @@ rejection).  Every grid point then has positive probability under any input, and
 :func:`grid_release` sizes the grid from the l1 sensitivity ``C``: ``gamma`` is the power of two with
 ``2^GRID_BITS <= C / gamma < 2^(GRID_BITS + 1)`` (:func:`grid_step`), so that dividing by it and
 multiplying back are exact in float64.  Rounding moves each coordinate by at most half a step, so
-neighbouring sums (l1 distance at most C under add/remove) round to integers at most ``C / gamma + d``
-apart (``d`` coordinates).  With ``t = ceil(m (C / gamma + d))`` (:func:`grid_scale`) the release costs at
-most ``1 / m``, the epsilon of the continuous Laplace of multiplier ``m`` that it replaces (``2 / m``
-under replace-one, where sums are 2C apart): the ledger's event stays a sound upper bound.  The
-noise's scale grows by a factor ``1 + d gamma / C`` (a few parts per million here).
+neighbouring sums (l1 distance at most C under add/remove) round to integers at most ``K = C / gamma + d``
+apart (``d`` coordinates).  The ledger prices the release as the continuous Laplace of multiplier ``m`` that
+it replaces, whose pure epsilon is ``1 / m`` (``2 / m`` under replace-one, where sums are 2C apart), and whose
+whole privacy-loss profile the PLD and RDP accountants compose.  At *equal* pure epsilon the discrete
+Laplace's profile lies slightly above the continuous one (its total variation is ``1 - e^(-a/2) sech(1/2t)``
+against ``1 - e^(-a/2)``: about ``1 / 8t^2`` more), so :func:`grid_scale` takes one step of slack,
+``t = ceil(m (K + 1))``: the pure epsilon ``K / t`` is then at least ``1 / (m t)`` below ``1 / m``, far more
+than that excess, and the hockey-stick divergence of every grid release stays under the continuous
+Laplace's at every epsilon (checked exactly against the closed forms in ``tests/privacy/test_discrete.py``,
+one and two coordinates; without the step it was above at some).  The ledger's event is then a sound upper
+bound for every accountant.  The noise's scale grows by a factor ``1 + (d + 1) gamma / C`` (a few parts per
+million here).
 
 **Gaussian noise** is released as the continuous Gaussian mechanism's output rounded to the grid,
 ``gamma rint((v + sigma C Z) / gamma)``, sampled exactly (:func:`rounded_gaussian`): a uniform ``U`` is
@@ -126,8 +133,15 @@ def product_up(a: float, b: float) -> float:
 
 def grid_scale(multiplier: float, dim: int, sensitivity: float) -> int:
     """``t`` (in grid steps) of the discrete Laplace that replaces a continuous Laplace of multiplier ``m``
-    (scale ``m C``) on ``dim`` coordinates at no more epsilon (module docstring)."""
-    return int(math.ceil(product_up(multiplier, sensitivity / grid_step(sensitivity) + dim)))
+    (scale ``m C``) on ``dim`` coordinates with a privacy-loss profile under it: ``ceil(m (C / gamma + dim + 1))``,
+    the rounded inputs' largest l1 distance plus one step of slack (module docstring)."""
+    return discrete_scale(multiplier, sensitivity / grid_step(sensitivity) + dim)
+
+
+def discrete_scale(multiplier: float, distance: float) -> int:
+    """``t = ceil(m (K + 1))``: the discrete Laplace scale for integer inputs at most ``K`` apart in l1 whose
+    privacy-loss profile lies under the continuous Laplace of pure epsilon ``1 / m`` (module docstring)."""
+    return int(math.ceil(product_up(multiplier, distance + 1)))
 
 
 def grid_release(values: np.ndarray, sensitivity: float, multipliers: np.ndarray,

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from decentdp.rng import AgentRandom, record_hash
+from decentdp.rng import AgentRandom, below_on_grid, record_hash
 
 
 @dataclass(frozen=True)
@@ -80,9 +80,10 @@ class PoissonSampler:
     one float64 uniform per slot (:meth:`~decentdp.rng.AgentRandom.record_uniforms`: in simulation
     mode from the round-wide stream ``(seed, round, SAMPLING, step)``, in secure mode each agent's
     slice from its own secret key) and keeps a slot when its draw is below its owner's rate, so a
-    round costs a few vector operations whatever the number of agents.  Comparing in float64 makes
-    the inclusion probability ``q_i`` to within ``2**-53``: the rate the accountant is told is the
-    rate that ran.
+    round costs a few vector operations whatever the number of agents.  The draw is compared with the rate
+    rounded down onto the uniforms' ``2^-53`` grid (:func:`~decentdp.rng.below_on_grid`), so a record's inclusion
+    probability is at most ``q_i``, the rate the accountant is told (compared with ``q_i`` itself it could be
+    up to ``2^-53`` above).
 
     Independence of sharding: agent ``i``'s batch depends only on the run's key, the round, the
     step and the *global* slot layout (every agent's dataset size, which all processes know), not on
@@ -116,7 +117,8 @@ class PoissonSampler:
         self.offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)]).to(device)  # (N+1,)
         self.records = torch.cat([idx.long().to(device) for idx in data.indices])  # (S,) record of each slot
         self.owners = owners.to(device)  # (S,) agent of each slot
-        self._slot_rates = sample_rates.to(torch.float64)[owners].to(device)  # (S,) rate of each slot's owner
+        thresholds = torch.from_numpy(below_on_grid(sample_rates.double().cpu().numpy()))
+        self._slot_rates = thresholds[owners].to(device)  # (S,) each slot owner's rate, on the uniforms' grid
         self._first = self.records[self.offsets[:-1]]  # each agent's padding record: its first one
         self._ahead: dict[tuple[int, int], _Selection] = {}  # the next batch's selection (lookahead)
         self._steps = 1  # batches per round seen so far: which batch comes next
