@@ -671,3 +671,17 @@ def test_rows_priced_by_different_accountants_each_say_which(tmp_path: Path) -> 
     assert "4.200 (PLD) |" in text and "4.200 (RDP) |" in text and "each row's accountant beside it" in text
     single = markdown(build_report(find_runs([tmp_path / "a"])[0]))
     assert "(PLD accountant)" in single and "(PLD) |" not in single
+
+
+def test_many_unmatched_paper_rows_are_named_briefly(tmp_path: Path) -> None:
+    """A report over a subset of a paper's cells named every other cell on one line (115 of them for Fig. 1)."""
+    fake_run(tmp_path / "runs" / "a", 0.90, epsilon=4.0)
+    rows = ",\n".join(f'  {{ value = {80 + k}.0, match = {{ "privacy.epsilon" = {k + 10}.0 }} }}' for k in range(8))
+    paper = tmp_path / "paper.toml"
+    paper.write_text(f'source = "p"\nrow = [\n{rows},\n]\n')
+    out = tmp_path / "out"
+    assert main(["report", str(tmp_path / "runs"), "--paper", str(paper), "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert "row 5 (privacy.epsilon = 14); and 3 more (all in report.json, paper_unmatched)." in text
+    assert "row 6 (" not in text
+    assert len(json.loads((out / "report.json").read_text())["paper_unmatched"]) == 8

@@ -68,6 +68,8 @@ SHORT_NAMES = {"algorithm.name": "algorithm", "model.name": "model", "data.datas
                "topology.graph": "graph", "topology.agents": "agents", "experiment.rounds": "rounds"}
 
 PAPER_UNITS = {"percent": 0.01, "fraction": 1.0}
+#: How many unmatched paper rows the markdown names (a typo is among few; a subset of a paper's cells leaves many).
+UNMATCHED_SHOWN = 5
 
 #: How the budgets that bound everyone together name their observer (``decentdp.privacy.report``'s AGENT_VIEW and
 #: CYCLIC_AGENT_VIEW, spelled out so that a report imports no torch): a summary's ``epsilon_observer`` that starts
@@ -789,8 +791,12 @@ def markdown(report: Report) -> str:
         lines.append(f"Also differing, set by the columns above: {', '.join(implied)} (all values in the CSV).")
     if paper:
         lines.append(f"Paper values: {report.paper_source}.")
-    if report.paper_unmatched:
-        listing = "; ".join(f"row {entry['row']} ({_match_text(entry['match'])})" for entry in report.paper_unmatched)
+    if report.paper_unmatched:  # a typo shows here; a report over a subset of the paper's cells lists the rest briefly
+        shown = report.paper_unmatched[:UNMATCHED_SHOWN]
+        listing = "; ".join(f"row {entry['row']} ({_match_text(entry['match'])})" for entry in shown)
+        more = len(report.paper_unmatched) - len(shown)
+        if more:
+            listing += f"; and {more} more (all in report.json, paper_unmatched)"
         lines.append(f"Paper rows that match no setting here: {listing}.")
     if report.skipped:
         lines.append(f"Left out {len(report.skipped)} unfinished run(s) (--skip-unfinished): "
