@@ -104,8 +104,12 @@ def test_an_epsilon_shown_to_people_is_rounded_up() -> None:
     assert epsilon_text(3.89634) == "3.897" and epsilon_text(3.896) == "3.896"
     assert epsilon_text(4.32056, significant=3) == "4.33" and epsilon_text(999.2, significant=3) == "1000"
     assert epsilon_text(0.000123456, significant=3) == "0.000124" and epsilon_text(None) == "inf"
-    for value in np.random.default_rng(0).lognormal(0, 3, 2000):
-        assert float(epsilon_text(value)) >= value and float(epsilon_text(value, significant=3)) >= value
+    assert epsilon_text(83.94200000000001) == "83.943"   # a review: the product rounded first, and it read 83.942
+    from decimal import Decimal
+
+    for value in [*np.random.default_rng(0).lognormal(0, 3, 2000), *(k / 1000 + 1e-14 for k in range(1, 99999, 7))]:
+        for text in (epsilon_text(value), epsilon_text(value, significant=3)):
+            assert Decimal(text) >= Decimal(value), (value, text)   # exactly, not through a float
 
 
 def test_a_resume_that_sets_no_thread_count_computes_on_the_checkpoints(tmp_path: Path,

@@ -13,6 +13,7 @@ import platform
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from decimal import ROUND_CEILING, Decimal
 from importlib import metadata
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -120,11 +121,17 @@ def epsilon_text(value: float | None, decimals: int | None = 3, significant: int
     if significant is not None:
         if value <= 0:
             return "0"
-        decimals = max(0, significant - 1 - math.floor(math.log10(value)))
-        shown = math.ceil(value * 10**decimals) / 10**decimals
+        decimals = max(0, significant - 1 - Decimal(value).adjusted())
+        shown = _ceiling(value, decimals)
         return f"{shown:.{significant}g}" if shown < 10**significant else f"{shown:.0f}"
-    scale = 10 ** (decimals or 0)
-    return f"{math.ceil(value * scale) / scale:.{decimals or 0}f}"
+    return f"{_ceiling(value, decimals or 0):.{decimals or 0}f}"
+
+
+def _ceiling(value: float, decimals: int) -> float:
+    """``value`` rounded up to ``decimals`` places, from its exact binary value (``math.ceil(value * 10**d)``
+    rounds the product first: 83.94200000000001 * 1000 is 83942.0, and the text read 83.942, below the value).
+    The float returned prints back as those digits at ``decimals`` places."""
+    return float(Decimal(value).quantize(Decimal(1).scaleb(-decimals), rounding=ROUND_CEILING))
 
 
 def _jsonable(value: Any) -> Any:
