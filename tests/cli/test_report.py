@@ -460,8 +460,8 @@ def test_paired_differences_are_taken_seed_by_seed_within_each_cell(tmp_path: Pa
     rows = {(row["algorithm.name"], row["privacy.epsilon"]): row for row in report.rows}
     low, high = rows[("dp-dsgd", 1.0)], rows[("dp-dsgd", 8.0)]
     assert low["paired_difference"] == pytest.approx(-0.02) and low["paired_std"] == pytest.approx(0.0, abs=1e-12)
-    assert (low["paired_ahead"], low["paired_seeds"]) == (0, 2)
-    assert high["paired_difference"] == pytest.approx(0.01) and (high["paired_ahead"], high["paired_seeds"]) == (3, 3)
+    assert (low["paired_above"], low["paired_seeds"]) == (0, 2)
+    assert high["paired_difference"] == pytest.approx(0.01) and (high["paired_above"], high["paired_seeds"]) == (3, 3)
     assert high["std"] > 5 * abs(high["paired_difference"])  # the unpaired spread hides the gap
     assert rows[("dp-dsgt", 1.0)]["paired_difference"] is None  # a reference is not compared with itself
     assert main(["report", str(tmp_path), "--paired", "algorithm.name=dp-dsgt", "--within", "privacy.epsilon"]) == 0
@@ -685,3 +685,94 @@ def test_many_unmatched_paper_rows_are_named_briefly(tmp_path: Path) -> None:
     assert "row 5 (privacy.epsilon = 14); and 3 more (all in report.json, paper_unmatched)." in text
     assert "row 6 (" not in text
     assert len(json.loads((out / "report.json").read_text())["paper_unmatched"]) == 8
+
+
+def _edit_summary(folder: Path, **changes: Any) -> None:
+    summary = json.loads((folder / "summary.json").read_text())
+    summary.update(changes)
+    (folder / "summary.json").write_text(json.dumps(summary))
+
+
+def test_a_report_written_again_removes_the_figures_it_did_not_draw(tmp_path: Path) -> None:
+    """A review: the earlier report's epsilon figure stayed in --out beside a new, non-private report."""
+    fake_run(tmp_path / "runs" / "a", 0.9)
+    fake_run(tmp_path / "plain" / "b", 0.9, epsilon=math.inf, spent=None)
+    out = tmp_path / "out"
+    assert main(["report", str(tmp_path / "runs"), "--out", str(out)]) == 0
+    assert (out / "accuracy_mean_vs_epsilon.png").exists()
+    assert main(["report", str(tmp_path / "plain"), "--out", str(out)]) == 0
+    assert sorted(path.name for path in out.glob("*.png")) == ["accuracy_mean_vs_round.png"]
+
+
+def test_paired_compares_within_the_tables_columns_by_default_and_refuses_no_comparison(tmp_path: Path) -> None:
+    """A review: the default --within was every other differing field, including what each algorithm sets for
+    itself (its learning rate), so no group found a reference and the column was all dashes, without a word."""
+    for seed in (0, 1):
+        fake_run(tmp_path / f"a{seed}", 0.90 + seed / 100, seed=seed, algorithm={"name": "dp-dsgd", "lr": 0.1})
+        fake_run(tmp_path / f"b{seed}", 0.85, seed=seed, algorithm={"name": "dp-dsgt", "lr": 0.3})
+    report = build_report(find_runs([tmp_path])[0], paired="algorithm.name=dp-dsgt")
+    row = next(row for row in report.rows if row["algorithm.name"] == "dp-dsgd")
+    assert row["paired_difference"] == pytest.approx(0.055) and (row["paired_above"], row["paired_seeds"]) == (2, 2)
+    assert "(seeds above it)" in markdown(report)
+    with pytest.raises(ConfigError, match="no setting has a algorithm.name = dp-dsgt run with the same algorithm.lr"):
+        build_report(find_runs([tmp_path])[0], paired="algorithm.name=dp-dsgt", within=["algorithm.lr"])
+
+
+def test_a_row_merged_across_paper_rows_gets_no_paper_value(tmp_path: Path) -> None:
+    """A review: --ignore merged runs of two settings the paper lists apart, and the first run's paper value was
+    shown for both; the other paper row was named as matching nothing."""
+    fake_run(tmp_path / "runs" / "a", 0.90, epsilon=4.0)
+    fake_run(tmp_path / "runs" / "b", 0.80, epsilon=2.0, seed=1)
+    paper = tmp_path / "paper.toml"
+    paper.write_text('source = "p"\nrow = [\n  { value = 89.0, match = { "privacy.epsilon" = 4.0 } },\n'
+                     '  { value = 79.0, match = { "privacy.epsilon" = 2.0 } },\n]\n')
+    report = build_report(find_runs([tmp_path / "runs"])[0], ignore=["privacy.epsilon"], paper_file=paper)
+    assert report.rows[0]["paper"] is None and report.paper_unmatched == []
+    assert "No paper value in the row(s) whose runs, merged by --ignore, match different paper rows" in \
+        markdown(report)
+
+
+def test_a_metric_other_than_accuracy_needs_the_papers_unit_and_keeps_four_figures(tmp_path: Path) -> None:
+    """A review: a paper file without unit divided an RMSE by 100, and the table showed 0.9502 and 0.9527 both
+    as 0.95 (two places suit percent only)."""
+    for seed, value in enumerate((0.9502, 0.9527)):
+        run = fake_run(tmp_path / "runs" / f"r{seed}", 0.9, seed=seed)
+        _edit_summary(run, rmse_mean=value)
+    paper = tmp_path / "paper.toml"
+    paper.write_text('source = "p"\nrow = [{ value = 0.95, match = { "algorithm.name" = "dp-dsgt" } }]\n')
+    with pytest.raises(ConfigError, match='give unit = "fraction"'):
+        build_report(find_runs([tmp_path / "runs"])[0], metric="rmse_mean", paper_file=paper)
+    paper.write_text('source = "p"\nunit = "fraction"\nrow = [{ value = 0.95, match = { "algorithm.name" = '
+                     '"dp-dsgt" } }]\n')
+    text = markdown(build_report(find_runs([tmp_path / "runs"])[0], metric="rmse_mean", paper_file=paper))
+    assert "| 0.9515 ± 0.001768 |" in text and "| 0.95 | +0.00145 |" in text
+
+
+def test_non_finite_values_as_the_library_stores_them_are_refused_and_json_stays_strict(tmp_path: Path) -> None:
+    """A review: summaries store a NaN as the text "nan", which read as a missing metric (wrong message), and a
+    NaN worst agent reached the JSON as NaN, which a strict parser refuses; a null wall time counted as 0 s."""
+    bad = fake_run(tmp_path / "bad" / "a", 0.9)
+    _edit_summary(bad, accuracy_mean="nan")
+    with pytest.raises(DecentDPError, match="is not a finite number"):
+        build_report(find_runs([tmp_path / "bad"])[0])
+    _edit_summary(bad, accuracy_mean=0.9, accuracy_min="nan")
+    with pytest.raises(DecentDPError, match="is not a finite number"):
+        build_report(find_runs([tmp_path / "bad"])[0])
+    fake_run(tmp_path / "ok" / "a", 0.9)
+    _edit_summary(fake_run(tmp_path / "ok" / "b", 0.8, seed=1), wall_seconds=None)
+    out = tmp_path / "out"
+    assert main(["report", str(tmp_path / "ok"), "--out", str(out)]) == 0
+    rows = json.loads((out / "report.json").read_text(), parse_constant=lambda name: pytest.fail(name))["rows"]
+    assert rows[0]["wall_seconds"] == 1.0
+    header, line = (out / "report.csv").read_text().splitlines()
+    cells = dict(zip(header.split(","), line.split(","), strict=True))
+    assert cells["runs"].count(";") == 1 and "—" not in line
+
+
+def test_a_damaged_metrics_line_is_named_by_its_line_in_the_file(tmp_path: Path) -> None:
+    """A review: each line was parsed alone, so every damaged line was reported as "line 1"."""
+    run = fake_run(tmp_path / "a", 0.9)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text(lines[0] + "\n" + lines[1][:10] + "\n")
+    with pytest.raises(DecentDPError, match=r"metrics.jsonl: line 2: "):
+        find_runs([tmp_path])

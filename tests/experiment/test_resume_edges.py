@@ -109,7 +109,8 @@ def test_an_epsilon_shown_to_people_is_rounded_up() -> None:
 
     for value in [*np.random.default_rng(0).lognormal(0, 3, 2000), *(k / 1000 + 1e-14 for k in range(1, 99999, 7))]:
         for text in (epsilon_text(value), epsilon_text(value, significant=3)):
-            assert Decimal(text) >= Decimal(value), (value, text)   # exactly, not through a float
+            assert float(text) >= value and Decimal(text) >= Decimal(repr(float(value))), (value, text)
+    assert epsilon_text(4.2) == "4.200"   # not 4.201 from the binary value's tail
 
 
 def test_a_resume_that_sets_no_thread_count_computes_on_the_checkpoints(tmp_path: Path,

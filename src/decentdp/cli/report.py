@@ -14,10 +14,10 @@ spent) and ``metrics.jsonl`` (one row per evaluation); see :mod:`decentdp.experi
    round in a grid of panels by the fields ``--panels`` names, e.g. a paper figure's sub-plots) to ``--out``,
    or prints the table (``--json``: one JSON line with one object per group);
 5. with ``--paired FIELD=VALUE``, compares each group with its reference, the group that has ``FIELD = VALUE``
-   and the same values of every ``--within`` field (by default, of every other differing field), seed by seed:
+   and the same values of every ``--within`` field (by default, the table's other columns), seed by seed:
    the seeds of one config share their data split, graph and initial model, so the per-seed differences
    separate a method's effect from the seeds' spread (mean ± std of the differences, and in how many seeds the
-   group is ahead).
+   group's metric is above the reference's).
 
 Runs that cannot share a table are refused with a message naming the folders: runs on different
 datasets (their accuracies are on different test sets), unfinished runs (unless ``--skip-unfinished``,
@@ -164,10 +164,7 @@ def read_run(folder: Path) -> Run:
     curve: list[dict[str, Any]] = []
     metrics_file = folder / METRICS_FILE
     if metrics_file.is_file():
-        try:
-            curve = [json.loads(line) for line in metrics_file.read_text(encoding="utf-8").splitlines() if line]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise DecentDPError(f"cannot read {metrics_file}: {exc}") from None
+        curve = _read_jsonl(metrics_file)
         _check_rows(curve, metrics_file)
     fields = {**schema_defaults(), **flatten(config)}  # a field the run's library did not have yet: its default
     seed = fields.get("experiment.seed", 0)
@@ -184,6 +181,23 @@ def read_run(folder: Path) -> Run:
     return Run(folder, fields, summary, curve)
 
 
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file; a damaged line is named by its line number in the file (each line parsed
+    alone, the parser's own message said "line 1" for every one)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DecentDPError(f"cannot read {path}: {exc}") from None
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if line:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise DecentDPError(f"cannot read {path}: line {number}: {exc.msg} (column {exc.colno})") from None
+    return rows
+
+
 def _check_summary(summary: dict[str, Any], path: Path) -> None:
     """Refuse a hand-edited or corrupt ``summary.json`` field that the report reads, naming it, before anything is
     written (the table takes the epsilons' and wall time's floats and the observer's text; a wrong kind crashed
@@ -198,6 +212,20 @@ def _check_summary(summary: dict[str, Any], path: Path) -> None:
     observer = summary.get("epsilon_observer")
     if not (observer is None or isinstance(observer, str)):
         raise DecentDPError(f"{path}: epsilon_observer must be a text naming who the epsilons bound, got {observer!r}")
+
+
+def _stored_number(value: Any) -> float | None:
+    """A number as a summary stores it: a JSON number, or the text "nan", "inf" or "-inf" that the library writes
+    for a non-finite float (read as a missing metric before, so a diverged run was named as lacking the metric);
+    None for anything else."""
+    if _is_real(value):
+        return float(value)
+    return float(value) if value in ("nan", "inf", "-inf") else None
+
+
+def _finite(value: Any) -> bool:
+    number = _stored_number(value)
+    return number is not None and math.isfinite(number)
 
 
 def _is_real(value: Any) -> bool:
@@ -272,11 +300,12 @@ def check_compatible(runs: Sequence[Run], metric: str) -> None:
                             for (name, size, held), paths in datasets.items())
         raise DecentDPError(f"these runs were evaluated on different data, so their {metric} values do not "
                             f"belong in one table ({listing}); report each group separately")
-    missing = [run.path for run in runs if not _is_real(run.summary.get(metric))]
+    missing = [run.path for run in runs if _stored_number(run.summary.get(metric)) is None]
     if missing:
         raise DecentDPError(f"{_paths(missing)}: no numeric '{metric}' in {SUMMARY_FILE} (choose another --metric, "
                             "or leave these runs out)")
-    broken = [run.path for run in runs if not math.isfinite(run.summary[metric])]
+    shown = [metric, "accuracy_min"] if metric == "accuracy_mean" else [metric]   # with the worst-agent column
+    broken = [run.path for run in runs if any(key in run.summary and not _finite(run.summary[key]) for key in shown)]
     if broken:  # a NaN would make its row's mean and std NaN without a word
         raise DecentDPError(f"{_paths(broken)}: '{metric}' in {SUMMARY_FILE} is not a finite number (NaN or "
                             "infinite); rerun these runs, or leave them out")
@@ -396,7 +425,7 @@ def group_row(group: Group, fields: Sequence[str], metric: str) -> dict[str, Any
                                       for run in group.runs),
         "delta": _one_or_all(run.fields.get("privacy.delta") for run in group.runs),
         "rounds": _one_or_all(run.summary.get("rounds") for run in group.runs),
-        "wall_seconds": statistics.fmean(float(run.summary.get("wall_seconds") or 0.0) for run in group.runs),
+        "wall_seconds": _mean_of_known(run.summary.get("wall_seconds") for run in group.runs),
         "runs": [str(run.path) for run in group.runs],
     })
     observers = sorted({observer for run in group.runs if (observer := narrower_observer(run.summary))})
@@ -407,6 +436,12 @@ def group_row(group: Group, fields: Sequence[str], metric: str) -> dict[str, Any
                                          for run in group.runs):
         row["worst_agent"] = statistics.fmean(float(run.summary["accuracy_min"]) for run in group.runs)
     return row
+
+
+def _mean_of_known(values: Iterable[float | None]) -> float | None:
+    """The mean of the values a run recorded (a null wall time is unknown, not zero seconds); None if none did."""
+    known = [float(value) for value in values if value is not None]
+    return statistics.fmean(known) if known else None
 
 
 def narrower_observer(summary: Mapping[str, Any]) -> str | None:
@@ -438,16 +473,20 @@ class PaperRow:
     number: int = 0  # its place in the file (1 for the first row), which messages name
 
 
-def read_paper(path: Path) -> tuple[str, list[PaperRow]]:
+def read_paper(path: Path, metric: str = "accuracy_mean") -> tuple[str, list[PaperRow]]:
     """A paper-values file: ``source``, ``unit`` ("percent" or "fraction") and ``[[row]]`` entries, each
     ``match = {dotted field = value, ...}``, ``value`` and optionally ``std``.  Values come back as
-    fractions when the unit is percent."""
+    fractions when the unit is percent.  ``unit`` defaults to percent for an accuracy only: another metric's
+    values (an RMSE of 0.95) were divided by 100 without a word."""
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError("--paper", f"no such file: {path}") from None
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError("--paper", f"cannot read {path} as TOML: {exc}") from None
+    if "unit" not in data and not metric.startswith("accuracy"):
+        raise ConfigError("--paper", f"{path}: give unit = \"fraction\" (or \"percent\"): the metric {metric} is not "
+                                     "an accuracy, so percent cannot be assumed")
     unit = data.get("unit", "percent")
     if unit not in PAPER_UNITS:
         raise ConfigError("--paper", f"{path}: unit must be one of {', '.join(PAPER_UNITS)}, got {unit!r}")
@@ -557,11 +596,25 @@ def _kind(value: Any) -> str:
     return "string" if isinstance(value, str) else type(value).__name__
 
 
+#: What :func:`group_paper_value` answers for a group whose runs match different paper rows.
+AMBIGUOUS = object()
+
+
+def group_paper_value(paper: Sequence[PaperRow], group: Group, file: Path) -> PaperRow | None | object:
+    """The paper row of a group's runs, None where none matches, or :data:`AMBIGUOUS` where its runs (merged by
+    ``--ignore``) match different rows: the first run's row was shown for them all (a review: Fiedler 0.39's value
+    beside runs of 0.39 and 0.7)."""
+    found = {id(row): row for run in group.runs for row in [paper_value(paper, run.fields, file)]}
+    if len(found) > 1:
+        return AMBIGUOUS
+    return next(iter(found.values()))
+
+
 def unmatched_paper_rows(paper: Sequence[PaperRow], groups: Sequence[Group]) -> list[PaperRow]:
-    """The paper rows that match no group (a typo in a match value, a setting these runs lack): the report names
+    """The paper rows that match no run (a typo in a match value, a setting these runs lack): the report names
     them rather than leave the paper's value out without a word."""
-    return [row for row in paper if not any(all(group.runs[0].fields.get(name) == value
-                                                 for name, value in row.match.items()) for group in groups)]
+    return [row for row in paper if not any(all(run.fields.get(name) == value for name, value in row.match.items())
+                                            for group in groups for run in group.runs)]
 
 
 # ----------------------------------------------------------------------------- the report
@@ -610,16 +663,20 @@ def build_report(runs: Sequence[Run], metric: str = "accuracy_mean", ignore: Ite
             row["ignored_varying"] = varying
     source, unmatched = None, []
     if paper_file is not None:
-        source, paper = read_paper(paper_file)
+        source, paper = read_paper(paper_file, metric)
         check_paper_fields(paper, runs, paper_file)
         for row, group in zip(rows, groups, strict=True):
-            found = paper_value(paper, group.runs[0].fields, paper_file)
+            found = group_paper_value(paper, group, paper_file)
+            if found is AMBIGUOUS:
+                row["paper_mixed"] = True
+            found = found if isinstance(found, PaperRow) else None
             row["paper"] = None if found is None else found.value
             row["paper_std"] = None if found is None else found.std
             row["difference"] = None if found is None else row["mean"] - found.value
         unmatched = [{"row": row.number, "match": row.match} for row in unmatched_paper_rows(paper, groups)]
     if paired is not None:
-        add_paired_differences(rows, groups, fields, metric, paired, within, known)
+        add_paired_differences(rows, groups, fields, metric, paired, within or
+                               [label for label in labels if label != paired.partition("=")[0]], known)
     elif within:
         raise ConfigError("--within", "names the fields a --paired comparison keeps equal: give --paired as well")
     return Report(metric, fields, labels, shared, rows, groups, source, paired, [str(path) for path in skipped],
@@ -629,10 +686,10 @@ def build_report(runs: Sequence[Run], metric: str = "accuracy_mean", ignore: Ite
 def add_paired_differences(rows: Sequence[dict[str, Any]], groups: Sequence[Group], fields: Sequence[str],
                            metric: str, paired: str, within: Sequence[str], known: Iterable[str]) -> None:
     """Each row's per-seed difference from its reference group (``paired`` = "FIELD=VALUE", matched on the
-    ``within`` fields, by default every other differing field; a ``within`` field every run shares matches
-    trivially): ``paired_difference`` (mean), ``paired_std``, ``paired_ahead`` (seeds in which the group is above
-    its reference), ``paired_seeds``; None where a group is a reference itself, or has no reference or no seed in
-    common with it."""
+    ``within`` fields, which :func:`build_report` defaults to the table's other columns; a ``within`` field every
+    run shares matches trivially): ``paired_difference`` (mean), ``paired_std``, ``paired_above`` (seeds in which
+    the group's metric is above its reference's), ``paired_seeds``; None where a group is a reference itself, or
+    has no reference or no seed in common with it.  No comparison at all is refused: it was a table of dashes."""
     name, separator, text = paired.partition("=")
     if not separator or name not in fields:
         raise ConfigError("--paired", f"must be FIELD=VALUE with FIELD one of the fields that differ between these "
@@ -647,8 +704,7 @@ def add_paired_differences(rows: Sequence[dict[str, Any]], groups: Sequence[Grou
         raise ConfigError("--within", f"{unknown[0]} is not another config field of these runs (dotted, e.g. "
                                       f"privacy.epsilon; those that differ: "
                                       f"{', '.join(other for other in fields if other != name)})")
-    matched = [other for other in within if other in fields] if within else [other for other in fields
-                                                                             if other != name]
+    matched = [other for other in within if other in fields]
     position = fields.index(name)
     references: dict[tuple[Any, ...], Group] = {}
     for group in groups:
@@ -669,11 +725,15 @@ def add_paired_differences(rows: Sequence[dict[str, Any]], groups: Sequence[Grou
         by_seed = {run.seed: float(run.summary[metric]) for run in reference.runs} if reference is not None else {}
         differences = [float(run.summary[metric]) - by_seed[run.seed] for run in group.runs if run.seed in by_seed]
         if reference is group or not differences:
-            row.update(paired_difference=None, paired_std=None, paired_ahead=None, paired_seeds=0)
+            row.update(paired_difference=None, paired_std=None, paired_above=None, paired_seeds=0)
             continue
         mean, std = _mean_std(differences)
-        row.update(paired_difference=mean, paired_std=std, paired_ahead=sum(d > 0 for d in differences),
+        row.update(paired_difference=mean, paired_std=std, paired_above=sum(d > 0 for d in differences),
                    paired_seeds=len(differences))
+    if all(row["paired_seeds"] == 0 for row, group in zip(rows, groups, strict=True)
+           if group.key[position] != _hashable(value)):
+        raise ConfigError("--paired", f"no setting has a {name} = {text} run with the same {', '.join(matched)} "
+                                      "and a seed in common: name the fields to keep equal with --within")
 
 
 def repeated_seeds(groups: Sequence[Group]) -> list[list[Run]]:
@@ -712,6 +772,13 @@ def _scale(metric: str) -> float:
     return 100.0 if metric.startswith("accuracy") else 1.0
 
 
+def _number_text(value: float, scale: float, signed: bool = False) -> str:
+    """A statistic in the table: percent to two places; any other metric (an RMSE of 0.9502, a consensus
+    distance of 3e-5) to four significant figures, which two places would flatten to 0.95 or 0.00."""
+    sign = "+" if signed else ""
+    return f"{scale * value:{sign}.2f}" if scale == 100 else f"{value:{sign}.4g}"
+
+
 def _value_text(value: Any) -> str:
     if value is None:
         return "—"
@@ -748,7 +815,7 @@ def markdown(report: Report) -> str:
     header += ["worst agent" + unit] if has_worst else []
     header += ["ε spent", "ε target"]
     header += [f"paper{unit}", "ours − paper"] if paper else []
-    header += [f"− the {report.paired} run, paired by seed (seeds ahead)"] if report.paired else []
+    header += [f"− the {report.paired} run, paired by seed (seeds above it)"] if report.paired else []
     lines = [f"{len(report.rows)} settings from {sum(row['n'] for row in report.rows)} runs; "
              f"{report.metric} of the last evaluation, mean ± sample std over seeds.", ""]
     if report.shared:
@@ -757,10 +824,10 @@ def markdown(report: Report) -> str:
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(report.labels) + "---:|" * (len(header)
                                                                                                   - len(report.labels))]
     for row in report.rows:
-        std = "" if row["std"] is None else f" ± {scale * row['std']:.2f}"
+        std = "" if row["std"] is None else f" ± {_number_text(row['std'], scale)}"
         cells = [_value_text(row[name]) for name in report.labels]
-        cells += [str(row["n"]), f"{scale * row['mean']:.2f}{std}"]
-        cells += [f"{scale * row['worst_agent']:.2f}"] if has_worst else []
+        cells += [str(row["n"]), f"{_number_text(row['mean'], scale)}{std}"]
+        cells += [_number_text(row["worst_agent"], scale)] if has_worst else []
         narrower = f" {marks[_observer_name(row['epsilon_observer'])]}" if row.get("epsilon_observer") else ""
         by = f" ({'/'.join(map(str, _values(row['epsilon_accountant']))).upper()})" if len(accountants) > 1 else ""
         cells += [_epsilon_text(row["epsilon_spent"]) + by + narrower, _epsilon_text(row["epsilon_target"])]
@@ -768,8 +835,9 @@ def markdown(report: Report) -> str:
             if row["paper"] is None:
                 cells += ["—", "—"]
             else:
-                paper_std = "" if row["paper_std"] is None else f" ± {scale * row['paper_std']:.2f}"
-                cells += [f"{scale * row['paper']:.2f}{paper_std}", f"{scale * row['difference']:+.2f}"]
+                paper_std = "" if row["paper_std"] is None else f" ± {_number_text(row['paper_std'], scale)}"
+                cells += [f"{_number_text(row['paper'], scale)}{paper_std}",
+                          _number_text(row["difference"], scale, signed=True)]
         if report.paired:
             cells.append(_paired_text(row, scale))
         lines.append("| " + " | ".join(cells) + " |")
@@ -791,6 +859,12 @@ def markdown(report: Report) -> str:
         lines.append(f"Also differing, set by the columns above: {', '.join(implied)} (all values in the CSV).")
     if paper:
         lines.append(f"Paper values: {report.paper_source}.")
+    mixed = [row for row in report.rows if row.get("paper_mixed")]
+    if mixed:
+        listing = "; ".join(", ".join(f"{titles[name]} = {_value_text(row[name])}" for name in report.labels) or "all"
+                            for row in mixed)
+        lines.append(f"No paper value in the row(s) whose runs, merged by --ignore, match different paper rows: "
+                     f"{listing}.")
     if report.paper_unmatched:  # a typo shows here; a report over a subset of the paper's cells lists the rest briefly
         shown = report.paper_unmatched[:UNMATCHED_SHOWN]
         listing = "; ".join(f"row {entry['row']} ({_match_text(entry['match'])})" for entry in shown)
@@ -829,8 +903,9 @@ def _ignored_notes(report: Report) -> list[str]:
 def _paired_text(row: dict[str, Any], scale: float) -> str:
     if row["paired_difference"] is None:
         return "—"
-    std = "" if row["paired_std"] is None else f" ± {scale * row['paired_std']:.2f}"
-    return f"{scale * row['paired_difference']:+.2f}{std}, {row['paired_ahead']} of {row['paired_seeds']}"
+    std = "" if row["paired_std"] is None else f" ± {_number_text(row['paired_std'], scale)}"
+    return f"{_number_text(row['paired_difference'], scale, signed=True)}{std}, {row['paired_above']} of " \
+        f"{row['paired_seeds']}"
 
 
 def csv_text(report: Report) -> str:
@@ -838,7 +913,7 @@ def csv_text(report: Report) -> str:
     columns = [*report.fields, "n", "seeds", "metric", "mean", "std", "min", "max", "worst_agent", "epsilon_spent",
                "epsilon_spent_mean", "epsilon_accountant", "epsilon_observer", "epsilon_local",
                "epsilon_target", "delta", "rounds", "wall_seconds",
-               "paper", "paper_std", "difference", "paired_difference", "paired_std", "paired_ahead", "paired_seeds",
+               "paper", "paper_std", "difference", "paired_difference", "paired_std", "paired_above", "paired_seeds",
                "ignored_varying", "runs"]
     columns = [name for name in columns if any(name in row for row in report.rows)]
     buffer = io.StringIO()
@@ -848,16 +923,25 @@ def csv_text(report: Report) -> str:
         row = {**row, "ignored_varying": "; ".join(  # the --ignore fields that differ inside the row, run by run
             f"{name}={' / '.join(map(_value_text, values))}" for name, values in row.get("ignored_varying", {}).items())
             or None}
-        writer.writerow([" ".join(map(str, row[name])) if isinstance(row.get(name), list) else
-                         _value_text(row.get(name)) if row.get(name) is None or isinstance(row.get(name), tuple)
-                         else row.get(name) for name in columns])
+        writer.writerow([_csv_cell(row.get(name)) for name in columns])
     return buffer.getvalue()
 
 
+def _csv_cell(value: Any) -> Any:
+    """A CSV cell: empty where there is no value (a std over one seed, no paper value), a list (seeds, run folders)
+    joined by ";" so that a folder with a space in its name stays one item, a tuple of values as the table shows it."""
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        return ";".join(map(str, value))
+    return _value_text(value) if isinstance(value, tuple) else value
+
+
 def json_rows(report: Report) -> dict[str, Any]:
-    """The report as one JSON-ready object: ``rows`` (one per group), infinities as null (epsilon) or "inf"."""
+    """The report as one JSON-ready object: ``rows`` (one per group), infinities (and any NaN) as null, so that a
+    strict JSON parser reads it (``allow_nan=False`` where it is written)."""
     def clean(value: Any) -> Any:
-        if isinstance(value, float) and math.isinf(value):
+        if isinstance(value, float) and not math.isfinite(value):
             return None
         if isinstance(value, (tuple, list)):
             return [clean(item) for item in value]
@@ -1243,8 +1327,8 @@ def add_parser(commands: Any) -> None:
                              "schedule.kind and algorithm.alpha for a paper figure's sub-plots")
     report.add_argument("--paired", metavar="FIELD=VALUE",
                         help="compare each setting with the one that has FIELD = VALUE and otherwise the same "
-                             "--within fields, seed by seed (mean ± std of the differences, and in how many seeds "
-                             "it is ahead), e.g. algorithm.name=dpdl")
+                             "--within fields (by default the table's other columns), seed by seed (mean ± std of the "
+                             "differences, and in how many seeds its metric is above), e.g. algorithm.name=dpdl")
     report.add_argument("--within", action="append", default=[], metavar="FIELD",
                         help="with --paired, a field the compared settings share (repeatable; default: every other "
                              "field that differs), e.g. privacy.epsilon")
@@ -1270,6 +1354,16 @@ def _check_report_folder(out: Path) -> None:
                                        f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new folder")
 
 
+def remove_stale_figures(out: Path, drawn: Sequence[Path]) -> None:
+    """Remove an earlier report's ``*_vs_*.png`` that this one did not draw (another ``--metric``, ``--against`` or
+    ``--panels``, or an epsilon figure where no run is now private): left there, it read as part of the new report.
+    :func:`_check_report_folder` has made sure the folder holds nothing but a report's files."""
+    keep = {path.name for path in drawn}
+    for figure in out.glob("*_vs_*.png"):
+        if figure.name not in keep:
+            figure.unlink(missing_ok=True)
+
+
 def run(args: argparse.Namespace) -> int:
     """``decentdp report``: read, check, group; print the table or JSON; write files with ``--out``."""
     runs, skipped = find_runs(args.results, skip_unfinished=args.skip_unfinished)
@@ -1293,10 +1387,11 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--out", f"cannot create {args.out}: {exc.strerror or exc}") from None
         write_atomic(args.out / "report.md", table)
         write_atomic(args.out / "report.csv", csv_text(report))
-        write_atomic(args.out / "report.json", json.dumps(json_rows(report), indent=2) + "\n")
-        plot_report(report, args.out, args.against, args.panels)
+        write_atomic(args.out / "report.json", json.dumps(json_rows(report), indent=2, allow_nan=False) + "\n")
+        drawn = plot_report(report, args.out, args.against, args.panels)
+        remove_stale_figures(args.out, drawn)
     if args.json:
-        print(json.dumps(json_rows(report)))
+        print(json.dumps(json_rows(report), allow_nan=False))
     else:
         print(table, end="")
         if args.out is not None:

@@ -13,7 +13,7 @@ import platform
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from decimal import ROUND_CEILING, Decimal
+from decimal import ROUND_CEILING, Decimal, localcontext
 from importlib import metadata
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -121,17 +121,19 @@ def epsilon_text(value: float | None, decimals: int | None = 3, significant: int
     if significant is not None:
         if value <= 0:
             return "0"
-        decimals = max(0, significant - 1 - Decimal(value).adjusted())
+        decimals = max(0, significant - 1 - Decimal(repr(float(value))).adjusted())
         shown = _ceiling(value, decimals)
         return f"{shown:.{significant}g}" if shown < 10**significant else f"{shown:.0f}"
     return f"{_ceiling(value, decimals or 0):.{decimals or 0}f}"
 
 
 def _ceiling(value: float, decimals: int) -> float:
-    """``value`` rounded up to ``decimals`` places, from its exact binary value (``math.ceil(value * 10**d)``
-    rounds the product first: 83.94200000000001 * 1000 is 83942.0, and the text read 83.942, below the value).
-    The float returned prints back as those digits at ``decimals`` places."""
-    return float(Decimal(value).quantize(Decimal(1).scaleb(-decimals), rounding=ROUND_CEILING))
+    """``value`` rounded up to ``decimals`` places, in decimal from its shortest round-trip text (``repr``), so that
+    the text read back is never a float below ``value`` (``math.ceil(value * 10**d)`` rounds the product first:
+    83.94200000000001 * 1000 is 83942.0, and it read 83.942), while 4.2 stays 4.200 (its exact binary value,
+    4.2000000000000002, would show as 4.201).  The float returned prints back as those digits."""
+    with localcontext(prec=400):  # room for any float64's digits (up to 1.8e308) and the places
+        return float(Decimal(repr(float(value))).quantize(Decimal(1).scaleb(-decimals), rounding=ROUND_CEILING))
 
 
 def _jsonable(value: Any) -> Any:
