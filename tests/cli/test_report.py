@@ -687,12 +687,6 @@ def test_many_unmatched_paper_rows_are_named_briefly(tmp_path: Path) -> None:
     assert len(json.loads((out / "report.json").read_text())["paper_unmatched"]) == 8
 
 
-def _edit_summary(folder: Path, **changes: Any) -> None:
-    summary = json.loads((folder / "summary.json").read_text())
-    summary.update(changes)
-    (folder / "summary.json").write_text(json.dumps(summary))
-
-
 def test_a_report_written_again_removes_the_figures_it_did_not_draw(tmp_path: Path) -> None:
     """A review: the earlier report's epsilon figure stayed in --out beside a new, non-private report."""
     fake_run(tmp_path / "runs" / "a", 0.9)

@@ -8,8 +8,8 @@ Each agent perturbs what it releases with Laplace noise of per-iteration budget 
 (``sqrt(d) C`` bounds the l1 norm of one record's clipped gradient).  Li et al. claim ``epsilon``-DP
 overall from fresh data per round; on reused data the rounds compose, and TOP-DP's comparison needs
 a total budget, so ``epsilon_step = epsilon / sqrt(8 T ln(1/delta))`` (advanced composition, the
-paper-style accounting).  The ledger records the sampled Laplace events and reports our tight
-epsilon beside that claim.
+paper-style accounting).  The ledger records each release as an unsampled Laplace event (no amplification,
+as Li et al. state it) and reports our tight epsilon beside that claim.
 """
 
 from __future__ import annotations

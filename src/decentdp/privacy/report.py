@@ -32,7 +32,9 @@ PER_RECEIVER_VIEW = ("each receiver's messages composed alone, as if it knew no 
 
 #: What every ``epsilon`` budgets hold on names: the observer who sees all of an agent's messages.
 AGENT_VIEW = ("everyone together: every message of the agent, every other agent's noise and data known; each batch's "
-              "noisy copies priced as one joint release, rounds composed with Poisson amplification")
+              "noisy copies priced as one joint release, rounds composed with Poisson amplification where the "
+              "ledger's events are sampled ones (an algorithm that prices its releases unsampled, as Li18 does, "
+              "takes none; privacy.json's ledger lists each event)")
 
 #: What every ``epsilon`` budgets hold on names under cyclic participation (``data.sampling = 'cyclic'``).
 CYCLIC_AGENT_VIEW = ("everyone together: every message of the agent, every other agent's noise and data known; each "
