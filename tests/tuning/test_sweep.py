@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import tomllib
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -35,6 +39,35 @@ def write_sweep(tmp_path: Path, space: str, *, noise: str = "simulation", **swee
     path = tmp_path / "sweep.toml"
     path.write_text(tomli_w.dumps({"sweep": section}) + "\n[space]\n" + space)
     return path
+
+
+class InlinePool:
+    """A stand-in for the sweep's process pool that runs each trial in the test's own process: a tiny trial takes
+    a second or two here, where a spawned worker first spends many importing torch."""
+
+    def __init__(self, max_workers: int, mp_context: object) -> None:
+        self.max_workers = max_workers
+
+    def __enter__(self) -> InlinePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        try:  # the last argument is the sweep's process id, which the worker watches: here, the test's parent's
+            future.set_result(fn(*args[:-1], os.getppid()))
+        except Exception as error:
+            future.set_exception(error)
+        return future
+
+
+@pytest.fixture
+def inline_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trials run in the test's process (:class:`InlinePool`)."""
+    pytest.importorskip("optuna")
+    monkeypatch.setattr("decentdp.tuning.sweep.ProcessPoolExecutor", InlinePool)
 
 
 def test_hold_out_takes_records_from_every_agent_and_keeps_the_rest() -> None:
@@ -395,7 +428,7 @@ def test_private_selection_releases_a_noisy_best_and_its_epsilon_and_resumes_wit
     best = max(study.trials, key=lambda t: t.value)
     assert released["trial"] == best.number  # chosen by the noisy score, which is what the study holds
     assert all(t.value != exact[t.number] for t in study.trials)  # the exact score is never the study's value
-    assert released["noisy_accuracy"] == best.value
+    assert released["noisy_correct"] == best.value  # the noisy count the selection priced, not an accuracy
     for name in ("selection.json", "release.json"):  # every number written, not substrings: 0.5 is in 0.55
         assert not set(exact.values()) & set(_numbers(json.loads((out / name).read_text()))), name
     # the epsilon: at least one trial's (with its score), the theorem's bound, below K-fold composition for K > 2
@@ -408,11 +441,11 @@ def test_private_selection_releases_a_noisy_best_and_its_epsilon_and_resumes_wit
     assert json.loads(printed.strip().splitlines()[-1])["best"][0]["trial"] == released["trial"]
     assert "the operator's record" in selection["operator_only"]
     public = json.loads((out / "release.json").read_text())
-    assert public["released"] == {key: released[key] for key in ("params", "noisy_correct", "noisy_accuracy")}
+    assert public["released"] == {key: released[key] for key in ("params", "noisy_correct")}
     assert public["epsilon_max"] == selection["epsilon_max"] and public["delta"] == selection["delta"]
     assert not {"trials_drawn", "trials_completed", "trials", "epsilon_k_fold_composition_max"} & set(public)
     table = (out / "best.md").read_text()
-    assert "| rank | noisy accuracy" in table and released["folder"] not in table and "trial" not in table
+    assert "| rank | noisy count" in table and released["folder"] not in table and "trial" not in table
 
     # Resumed: the same K, nothing rerun, the same release.
     assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 0
@@ -500,3 +533,32 @@ def test_a_damaged_study_is_named_and_left_alone(tmp_path: Path, capsys) -> None
     err = capsys.readouterr().err
     assert "--out" in err and "study.db is damaged" in err and "Traceback" not in err
     assert (out / "study.db").read_bytes() == garbage
+
+
+def test_a_private_release_gives_the_noisy_count_and_nothing_that_reveals_the_validation_size(
+        tmp_path: Path, capsys, monkeypatch, inline_pool) -> None:
+    """A reviewer's finding: release.json gave noisy_accuracy = noisy_correct / size beside noisy_correct, hence the
+    validation set's exact size, which add-remove neighbours make private; and it gave estimates taken over the
+    trials that ran, which say how many did.  What may be published holds the noisy count, and no number that
+    divides it into the size."""
+    from decentdp.tuning.selection import TrialCount
+    from decentdp.tuning.sweep import _validation_size
+
+    monkeypatch.setattr(TrialCount, "sample", lambda self, rng: 2)
+    space = LR + '"algorithm.batch_size" = { values = [4, 64] }\n'  # no bound claimed: estimates in selection.json
+    path = write_sweep(tmp_path, space, trials=None, selection="private", private=PRIVATE)
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    selection = json.loads((out / "selection.json").read_text())
+    released = selection["released"]
+    size = _validation_size(out / "trials" / Path(released["folder"]).name)
+    public = json.loads((out / "release.json").read_text())
+    assert public["released"] == {key: released[key] for key in ("params", "noisy_correct")}
+    assert "estimate_epsilon_max" in selection and not [key for key in public if key.startswith("estimate_")]
+    assert not {"delta", "trials_rdp_equal"} & set(public)  # taken over the trials that ran, with no bound
+    published = [*_numbers(public), *(float(number) for name in ("best.md", "best.toml")
+                                      for number in re.findall(r"\d+\.\d+", (out / name).read_text()))]
+    assert not [x for x in published if x and math.isclose(released["noisy_correct"] / x, size, rel_tol=1e-6)]
+    assert "noisy count of correct validation predictions" in printed and "noisy validation accuracy" not in printed
+

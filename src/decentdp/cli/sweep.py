@@ -23,6 +23,7 @@ from decentdp.tuning.sweep import (
     load_sweep,
     public_release,
     selection_summary,
+    trial_score,
 )
 from decentdp.util.arguments import positive_int
 
@@ -87,8 +88,8 @@ def run(args: argparse.Namespace) -> int:
         raise DecentDPError(f"no trial of {out} finished; see the errors above")
     import tomli_w
 
-    score = f"noisy validation accuracy = {best[0].value:.6g}" if sweep.private is not None else \
-        f"validation {sweep.section.objective} = {best[0].value:.6g}"
+    score = f"noisy count of correct validation predictions = {trial_score(sweep, best[0]):.6g}" \
+        if sweep.private is not None else f"validation {sweep.section.objective} = {best[0].value:.6g}"
     caveat = "" if sweep.private is not None else f"\n# {NOT_PRIVATE_SELECTION}"
     write_atomic(out / "best.toml", "# The best trial of decentdp sweep " + str(args.sweep_file) + f" ({score}); "
                  f"evaluate it on the test set with decentdp run{caveat}\n"

@@ -43,7 +43,9 @@ selection (:mod:`decentdp.tuning.selection`)::
 The number of trials K is drawn once from the operating system's randomness and kept in the study; each
 trial's score is its mean over agents of correct validation predictions plus ``N(0, score_noise^2)``;
 only the best noisy score's trial is released.  ``release.json`` (with ``best.toml`` and ``best.md``) is what may
-be published: the released hyper-parameters, their noisy score and each agent's epsilon of the whole selection.
+be published: the released hyper-parameters, their noisy count (no accuracy: under add-remove neighbours the
+validation set's size is private, and the count divided by it would reveal it) and each agent's epsilon of the
+whole selection.
 Everything else in the sweep folder (``selection.json``, ``study.db``, ``trials/``, the console's lines) is the
 operator's: it holds K and every trial, which the theorem's bound assumes secret, and the trial folders keep
 exact validation scores.
@@ -788,7 +790,9 @@ class SweepRunner:
     def _noisy_score(self, trial: Any) -> float:
         """The score a private selection releases for a finished trial: its mean over agents (and seeds) of
         correct validation predictions plus ``N(0, score_noise^2)`` drawn with OS randomness (hardened), stored in the
-        trial as ``noisy_correct``; returned as a noisy accuracy (divided by the public validation size).
+        trial as ``noisy_correct`` and returned as its value.  Not divided into an accuracy: under add-remove
+        neighbours the validation set's size is private, and ``noisy / size`` would give it away exactly (a
+        reviewer's finding: ``release.json`` held both).
 
         Sensitivity 1: every agent's model is scored on the same pooled validation set
         (``data.partition.hold_out``, per-record: a record's side depends on no other record), and validation
@@ -799,18 +803,16 @@ class SweepRunner:
         from decentdp.rng import hardened_normals
 
         assert self.sweep.private is not None and self.rng is not None
-        correct, sizes = [], []
+        correct = []
         for folder in self.seed_folders(Path(trial.user_attrs["folder"])):
             accuracy = json.loads((folder / "summary.json").read_text())["accuracy_mean"]
-            size = _validation_size(folder)
-            correct.append(accuracy * size)
-            sizes.append(size)
+            correct.append(accuracy * _validation_size(folder))
         # the hardened sampler secure noise uses (a sum of Box-Muller draws), not numpy's ziggurat: a naive
         # floating-point Gaussian's gaps can reveal the value it was added to (Mironov 2012; a helper's review)
         noise = float(hardened_normals(self.rng.random(4), 1)[0])
         noisy = sum(correct) / len(correct) + self.sweep.private.score_noise * noise
         trial.set_user_attr("noisy_correct", noisy)
-        return noisy / (sum(sizes) / len(sizes))
+        return noisy
 
     def _trial_rdp(self, trial: Any) -> tuple[np.ndarray, float]:
         """A trial's RDP per agent ``(agents, orders)`` from its ledgers (``privacy.json``), and its delta.
@@ -861,8 +863,9 @@ class SweepRunner:
                          "best released)",
             "trials_drawn": self.total, "trials_completed": len(complete), **count.describe(),
             "score_noise": private.score_noise,
-            "score": "mean over agents (and seeds) of correct predictions on the pooled validation set, plus "
-                     "N(0, score_noise^2); sensitivity 1",
+            "score": "noisy_correct: the mean over agents (and seeds) of correct predictions on the pooled "
+                     "validation set, plus N(0, score_noise^2); sensitivity 1. No accuracy is given: the validation "
+                     "set's size is private under add-remove neighbours, and dividing by it would reveal it",
             "next": "running best.toml (on the test set) is a further run on the same records: its epsilon "
                     "composes with the selection's",
             "exact_scores": "the trial folders (summary.json, metrics) hold exact validation scores on this "
@@ -890,14 +893,14 @@ class SweepRunner:
                    else _UNEQUAL_TRIALS if not same else _SIMULATED_NOISE if self._simulated_noise() else None)
         if warning is not None:  # no bound (null: infinite); the trials that ran give an estimate, labelled as one
             figures = {**{key: None for key in figures}, **{f"estimate_{key}": value for key, value in figures.items()}}
-        chosen = max(complete, key=lambda t: t.value)
+        chosen = self._best(1)[0]
         return {"operator_only": OPERATOR_ONLY, **report, "delta": delta, **figures, "trials_rdp_equal": same,
                 "space_keeps_noise": not noisy_fields,
                 **({} if warning is None else {"warning": warning}),
                 "trials": [{"trial": t.number, "epsilon_max": max(rdp_epsilon(c, d) for c in curves)}
                            for t, (curves, d) in zip(complete, rdp, strict=True)],
                 "released": {"trial": chosen.number, "params": chosen.params,
-                             "noisy_correct": chosen.user_attrs["noisy_correct"], "noisy_accuracy": chosen.value,
+                             "noisy_correct": chosen.user_attrs["noisy_correct"],
                              "folder": chosen.user_attrs.get("folder")}}
 
     def _simulated_noise(self) -> bool:
@@ -907,9 +910,17 @@ class SweepRunner:
         return validate_config(self.sweep.trial_config({}, self.sweep.section.seeds[0])).privacy.noise == "simulation"
 
     def _best(self, count: int) -> list[Any]:
+        """The ``count`` best finished trials, best first: by value, or, in a private selection, by the noisy count
+        (a study begun before the count was the value holds noisy accuracies there)."""
         trials = self.study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.COMPLETE,))
         reverse = self.sweep.section.direction == "maximize"
-        return sorted(trials, key=lambda t: t.value, reverse=reverse)[:count]
+        return sorted(trials, key=lambda t: trial_score(self.sweep, t), reverse=reverse)[:count]
+
+
+def trial_score(sweep: Sweep, trial: Any) -> float:
+    """What a finished trial is ranked and shown by: its value, or, in a private selection, its noisy count of
+    correct validation predictions (what the selection priced)."""
+    return float(trial.user_attrs["noisy_correct"] if sweep.private is not None else trial.value)
 
 
 _SIMULATED_NOISE = ("privacy.noise = 'simulation': every trial draws the same noise (keyed by the seed they share), "
@@ -934,8 +945,9 @@ _NOISY_SPACE = ("the space searches {fields}, which may change the calibrated no
 
 
 def _validation_size(folder: Path) -> int:
-    """The number of validation records of a trial's run (public: decentdp assumes dataset sizes are not
-    secret), from its ``setup.json``."""
+    """The number of validation records of a trial's run, from its ``setup.json``: what turns its accuracy into a
+    count of correct predictions.  Private under add-remove neighbours, so never released, nor anything divided
+    by it."""
     setup = json.loads((folder / "setup.json").read_text())
     match = re.match(r"validation: (\d+) records", str(setup.get("evaluation_set", "")))
     if match is None:
@@ -971,14 +983,15 @@ def best_table(sweep: Sweep, best: list[Any]) -> str:
     names = list(sweep.space)
     section = sweep.section
     private = sweep.private is not None
-    score = "noisy accuracy (private selection" if private else f"{section.objective} (validation"
+    score = "noisy count of correct predictions (private selection" if private else \
+        f"{section.objective} (validation"
     lines = [("| rank |" if private else "| rank | trial |") + f" {score}, mean of {len(section.seeds)} seed(s)) | "
              + " | ".join(names) + ("" if private else " | folder") + " |",
              ("|---:|---:|" if private else "|---:|---:|---:|") + "---:|" * len(names) + ("" if private else "---|")]
     for rank, trial in enumerate(best, 1):
         cells = [f"{trial.params[name]:.4g}" if isinstance(trial.params[name], float) else str(trial.params[name])
                  for name in names]
-        lines.append(f"| {rank} |" + ("" if private else f" {trial.number} |") + f" {trial.value:.4f} | "
+        lines.append(f"| {rank} |" + ("" if private else f" {trial.number} |") + f" {trial_score(sweep, trial):.4f} | "
                      + " | ".join(cells) + ("" if private else f" | {trial.user_attrs.get('folder', '')}") + " |")
     return "\n".join(lines) + "\n"
 
@@ -998,14 +1011,20 @@ def best_config(sweep: Sweep, trial: Any) -> dict[str, Any]:
 
 def public_release(selection: dict[str, Any]) -> dict[str, Any]:
     """What a private selection may publish (``release.json``): its settings, the released hyper-parameters
-    and noisy score, and the epsilon figures that do not depend on K; not K, the trials, their numbers or
-    folders, nor the K-fold composition (all in ``selection.json``, the operator's)."""
-    private = ("trials_drawn", "trials_completed", "trials", "epsilon_k_fold_composition_max",
-               "estimate_epsilon_k_fold_composition_max", "exact_scores", "operator_only")
-    public = {key: value for key, value in selection.items() if key not in private}
+    and noisy count (what the selection priced; no accuracy, whose division by the validation set's exact size
+    would reveal it), and the epsilon figures that do not depend on which trials ran.
+
+    Not K, the trials, their numbers or folders, nor anything taken over the trials that ran, which changes with
+    how many did: the K-fold composition, whether the trials' curves agreed and, when no bound is claimed (the
+    searched fields may change the noise), the estimates and the smallest delta (all in ``selection.json``, the
+    operator's).  A claimed bound is the same whatever trials ran: every trial's curve is then one curve."""
+    operator_only = {"trials_drawn", "trials_completed", "trials", "epsilon_k_fold_composition_max", "exact_scores",
+                     "operator_only", "trials_rdp_equal", *(key for key in selection if key.startswith("estimate_"))}
+    if selection.get("epsilon_max") is None:
+        operator_only.add("delta")
+    public = {key: value for key, value in selection.items() if key not in operator_only}
     if selection.get("released") is not None:
-        public["released"] = {key: selection["released"][key] for key in ("params", "noisy_correct",
-                                                                         "noisy_accuracy")}
+        public["released"] = {key: selection["released"][key] for key in ("params", "noisy_correct")}
     return public
 
 
@@ -1017,9 +1036,8 @@ def selection_summary(selection: dict[str, Any], out: Path) -> str:
     if released is None:
         lines.append(selection["reason"])
     else:
-        lines.append(f"released: trial {released['trial']}, noisy validation accuracy "
-                     f"{released['noisy_accuracy']:.4f} (score_noise {selection['score_noise']:g} on the count of "
-                     "correct predictions)")
+        lines.append(f"released: trial {released['trial']}, noisy count of correct validation predictions "
+                     f"{released['noisy_correct']:.2f} (score_noise {selection['score_noise']:g})")
         if "estimate_epsilon_max" not in selection:
             lines.append(f"epsilon of the selection at delta {selection['delta']:g}: "
                          f"{epsilon_text(selection['epsilon_max'])} (worst agent; one trial with its score: "
