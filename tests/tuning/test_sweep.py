@@ -363,7 +363,8 @@ def test_a_private_selection_whose_trials_calibrate_different_noise_claims_no_ep
     from decentdp.tuning.selection import TrialCount
 
     monkeypatch.setattr(TrialCount, "sample", lambda self, rng: 6)  # K fixed, and the sampler's seed (OS
-    monkeypatch.setattr("decentdp.tuning.sweep.secrets.randbits", lambda bits: 0)  # randomness): it draws both
+    monkeypatch.setattr("decentdp.tuning.selection.os_seed", lambda: np.zeros(4, np.uint32))  # randomness): it
+    # draws both
     path = write_sweep(tmp_path, space, trials=None, selection="private", private=PRIVATE)
     out = tmp_path / "sweep"
     assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 0
@@ -562,3 +563,30 @@ def test_a_private_release_gives_the_noisy_count_and_nothing_that_reveals_the_va
     assert not [x for x in published if x and math.isclose(released["noisy_correct"] / x, size, rel_tol=1e-6)]
     assert "noisy count of correct validation predictions" in printed and "noisy validation accuracy" not in printed
 
+
+def test_a_private_selection_seeds_its_sampler_with_128_bits_of_os_randomness_kept_nowhere(
+        tmp_path: Path, monkeypatch) -> None:
+    """A reviewer's finding: the sampler's seed was secrets.randbits(32), so trying all 2**32 seeds found which draw
+    the released values were (hence that K reached it).  It is 128 bits from the OS now (four words, every one of
+    which moves the draws), never stored: a resumed sweep draws new ones."""
+    optuna = pytest.importorskip("optuna")
+    from decentdp.tuning import selection
+    from decentdp.tuning.sweep import SweepRunner
+
+    words = selection.os_seed()
+    assert words.dtype == np.uint32 and words.shape == (4,) and not np.array_equal(words, selection.os_seed())
+    sweep = load_sweep(write_sweep(tmp_path, LR, trials=None, selection="private", private=PRIVATE))
+    space = {"algorithm.lr": optuna.distributions.FloatDistribution(0.05, 0.5, log=True)}
+
+    def first_draw(seed: np.ndarray) -> float:
+        """The first lr a private selection's sampler proposes when the OS gives ``seed`` (the study resumed)."""
+        monkeypatch.setattr(selection, "os_seed", lambda: seed)
+        runner = SweepRunner(sweep, tmp_path / "out")
+        return runner.study.ask(space).params["algorithm.lr"]
+
+    expected = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=words)).ask(space).params
+    assert first_draw(words) == expected["algorithm.lr"]
+    last_bit = words.copy()
+    last_bit[3] ^= 1 << 31
+    assert first_draw(last_bit) != expected["algorithm.lr"]
+    assert words.tobytes() not in (tmp_path / "out" / "study.db").read_bytes()

@@ -32,10 +32,17 @@ from scipy.optimize import brentq
 from decentdp.privacy.accounting import RDP_ORDERS, rdp_epsilon
 
 
+def os_seed() -> np.ndarray:
+    """128 bits from the operating system (``secrets``), as four 32-bit words: a seed no one can find by trying
+    every value, in a form numpy's legacy ``RandomState`` (which Optuna's samplers draw from) takes whole (an
+    integer seed there must lie below 2**32, which a search over all of them recovers)."""
+    return np.frombuffer(secrets.token_bytes(16), dtype=np.uint32).copy()
+
+
 def os_generator() -> np.random.Generator:
-    """A numpy generator seeded from the operating system (``secrets``): draws that the sweep file, the
+    """A numpy generator seeded from the operating system (:func:`os_seed`): draws that the sweep file, the
     trials' seeds and the study cannot reproduce, as the selection's privacy argument requires."""
-    return np.random.default_rng(secrets.randbits(128))
+    return np.random.default_rng(os_seed())
 
 
 # ----------------------------------------------------------------------------- the number of trials

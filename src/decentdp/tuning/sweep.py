@@ -58,7 +58,6 @@ import json
 import math
 import os
 import re
-import secrets
 import shlex
 import shutil
 import sys
@@ -626,7 +625,7 @@ class SweepRunner:
     def __init__(self, sweep: Sweep, out: Path) -> None:
         import optuna
 
-        from decentdp.tuning.selection import os_generator
+        from decentdp.tuning.selection import os_generator, os_seed
 
         self.optuna = optuna
         self.sweep = sweep
@@ -659,9 +658,10 @@ class SweepRunner:
         # A resumed sweep seeds its sampler afresh (the seed and the trials so far), so that it does not
         # propose the values of its first trials again; a grid skips the points already visited.  A private
         # selection draws its trials' values from OS randomness: from the public seed, the released values would
-        # say which draw they were, hence that K reached it (a helper's review).
+        # say which draw they were, hence that K reached it (a helper's review).  128 bits of it, kept nowhere
+        # (a resume draws new ones): 32 bits were found by trying every seed (a reviewer's finding).
         seed = sweep.section.sampler_seed + len(self.study.get_trials(deepcopy=False)) if sweep.private is None \
-            else secrets.randbits(32)  # (numpy seeds below 2**32)
+            else os_seed()
         self.study.sampler = {
             "grid": lambda: _grid_sampler(optuna, {n: d.grid() for n, d in sweep.space.items()}, seed),
             "random": lambda: optuna.samplers.RandomSampler(seed=seed),
