@@ -590,3 +590,23 @@ def test_a_private_selection_seeds_its_sampler_with_128_bits_of_os_randomness_ke
     last_bit[3] ^= 1 << 31
     assert first_draw(last_bit) != expected["algorithm.lr"]
     assert words.tobytes() not in (tmp_path / "out" / "study.db").read_bytes()
+
+
+def test_a_second_sweep_on_the_same_folder_is_refused_naming_it(tmp_path: Path, capsys, inline_pool) -> None:
+    """A reviewer's finding: two sweeps on one --out told each other's trials and wrote the same trial folders.
+    The first holds the folder's lock (as a run holds its results folder's); the second is one clear error that
+    names the folder, and changes nothing there."""
+    from decentdp.tuning.sweep import SweepRunner
+
+    path = write_sweep(tmp_path, LR_VALUES)
+    out = tmp_path / "out"
+    first = SweepRunner(load_sweep(path), out)
+    before = (out / "study.db").read_bytes()
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"--out: {out} is being written by another sweep (process {os.getpid()})" in err
+    assert (out / "study.db").read_bytes() == before and not (out / "trials").exists()
+    first.close()
+    assert not (out / ".lock").exists()
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 0  # (the trials run in this process)
+    assert not (out / ".lock").exists()

@@ -17,6 +17,7 @@ from decentdp.tuning.sweep import (
     SELECTION_FILE,
     STUDY_FILE,
     TRIALS_DIR,
+    Sweep,
     SweepRunner,
     best_config,
     best_table,
@@ -66,9 +67,19 @@ def run(args: argparse.Namespace) -> int:
     out = args.out if args.out is not None else Path("results") / "sweeps" / Path(args.sweep_file).stem
     if out.exists() and not out.is_dir():
         raise ConfigError("--out", f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / STUDY_FILE).is_file():
+    from decentdp.experiment.record import LOCK_FILE
+
+    if out.is_dir() and {entry.name for entry in out.iterdir()} - {LOCK_FILE} and not (out / STUDY_FILE).is_file():
         raise ConfigError("--out", f"{out} already holds files that are not a sweep; choose an empty directory")
     runner = SweepRunner(sweep, out)
+    try:
+        return _run_and_report(args, sweep, runner, out)
+    finally:
+        runner.close()
+
+
+def _run_and_report(args: argparse.Namespace, sweep: Sweep, runner: SweepRunner, out: Path) -> int:
+    """Run the sweep's trials (``runner`` holds ``out``'s lock) and write and print its results."""
     try:
         best = runner.run(progress=not args.no_progress, log=lambda line: print(line, file=sys.stderr))
     except KeyboardInterrupt:

@@ -131,6 +131,39 @@ def _release(descriptor: int, folder: Path, created: bool) -> None:
             folder.rmdir()
 
 
+class FolderLock:
+    """An exclusive lock on a folder (``fcntl.flock`` on its ``LOCK_FILE``, holding this process's id): one writer
+    per folder, a run's results folder or a sweep's.  Released by :meth:`close` or when this object is collected;
+    a folder that ``created`` says the writer made goes too if it is still empty (:func:`_release`).
+
+    ``writer`` names what writes such folders ("run", "sweep") and ``kind`` the folder ("results folder"), for
+    the one message that refuses a second writer, naming the folder and the process that holds it."""
+
+    def __init__(self, folder: Path, created: bool, writer: str = "run", kind: str = "results folder") -> None:
+        while True:
+            try:
+                descriptor = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise ConfigError("--out", f"cannot write the {kind} {folder}: {exc.strerror}") from None
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(descriptor, 32).decode(errors="replace").strip() or "unknown"
+                os.close(descriptor)
+                raise ConfigError("--out", f"{folder} is being written by another {writer} (process {holder}); "
+                                           "wait for it to end, or choose another folder") from None
+            if _still_named(descriptor, folder / LOCK_FILE):
+                break
+            os.close(descriptor)  # locked a file its last holder had just removed: a third could lock the new one
+        os.ftruncate(descriptor, 0)
+        os.write(descriptor, str(os.getpid()).encode())
+        self._release = weakref.finalize(self, _release, descriptor, folder, created)
+
+    def close(self) -> None:
+        """Release the lock now."""
+        self._release()
+
+
 class ResultsFolder:
     """Writes one run's results folder ``path`` (and, for a secure run, its key file elsewhere), holding an
     exclusive lock on it from :meth:`open` until the run (or this object) ends: one writer per folder."""
@@ -138,34 +171,16 @@ class ResultsFolder:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.key_file: Path | None = None  # secure runs: the agents' keys, never inside ``path``
-        self._lock: weakref.finalize | None = None
+        self._lock: FolderLock | None = None
 
     def _acquire(self, created: bool) -> None:
-        """Lock the folder (``fcntl.flock`` on ``LOCK_FILE``, holding this process's id), or refuse naming the
-        process that holds it; released by :func:`_release` when this object goes."""
-        while True:
-            try:
-                descriptor = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as exc:
-                raise ConfigError("--out", f"cannot write the results folder {self.path}: {exc.strerror}") from None
-            try:
-                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.read(descriptor, 32).decode(errors="replace").strip() or "unknown"
-                os.close(descriptor)
-                raise ConfigError("--out", f"{self.path} is being written by another run (process {holder}); wait "
-                                           "for it to end, or choose another folder") from None
-            if _still_named(descriptor, self.path / LOCK_FILE):
-                break
-            os.close(descriptor)  # locked a file its last holder had just removed: a third run could lock the new
-        os.ftruncate(descriptor, 0)
-        os.write(descriptor, str(os.getpid()).encode())
-        self._lock = weakref.finalize(self, _release, descriptor, self.path, created)
+        """Lock the folder, or refuse naming the process that holds it (:class:`FolderLock`)."""
+        self._lock = FolderLock(self.path, created)
 
     def close(self) -> None:
         """Release the folder's lock now (it is also released when this object is collected)."""
         if self._lock is not None:
-            self._lock()
+            self._lock.close()
 
     def open(self, config: ExperimentConfig, resume: bool) -> dict[str, Any] | None:
         """Check the folder before anything is written; with ``resume``, the checkpoint to continue from."""

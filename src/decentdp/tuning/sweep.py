@@ -623,18 +623,38 @@ class SweepRunner:
     """The study in ``out/study.db`` and the trials' results folders under ``out/trials``."""
 
     def __init__(self, sweep: Sweep, out: Path) -> None:
+        """Open (or resume) the study in ``out``, holding ``out``'s lock until :meth:`close`: two sweeps on one
+        folder would tell each other's trials and write the same trial folders (a reviewer's finding)."""
         import optuna
 
-        from decentdp.tuning.selection import os_generator, os_seed
+        from decentdp.experiment.record import FolderLock
 
         self.optuna = optuna
         self.sweep = sweep
         self.out = out
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        created = not out.exists()
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # e.g. below a file
             raise ConfigError("--out", f"cannot create the sweep folder {out}: {exc.strerror or exc}") from None
+        self._lock = FolderLock(out, created, writer="sweep", kind="sweep folder")
+        try:
+            self._open_study()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the sweep folder's lock (also released when this object is collected)."""
+        self._lock.close()
+
+    def _open_study(self) -> None:
+        """Create or resume the study (refusing a changed definition), draw K of a private selection, seed the
+        sampler and copy the sweep file into the folder."""
+        from decentdp.tuning.selection import os_generator, os_seed
+
+        optuna, sweep, out = self.optuna, self.sweep, self.out
         storage = f"sqlite:///{(out / STUDY_FILE).resolve()}"
         from sqlalchemy.exc import SQLAlchemyError  # optuna's storage layer
 
