@@ -424,7 +424,7 @@ def test_private_selection_releases_a_noisy_best_and_its_epsilon_and_resumes_wit
     assert selection["trials_drawn"] == k >= 1 and selection["trials_completed"] == k
     assert len(study.trials) == k and selection["gamma"] == pytest.approx(1 / 3)
     released = selection["released"]
-    exact = {t.number: json.loads((Path(t.user_attrs["folder"]) / "summary.json").read_text())["accuracy_mean"]
+    exact = {t.number: json.loads((out / t.user_attrs["folder"] / "summary.json").read_text())["accuracy_mean"]
              for t in study.trials}
     best = max(study.trials, key=lambda t: t.value)
     assert released["trial"] == best.number  # chosen by the noisy score, which is what the study holds
@@ -610,3 +610,27 @@ def test_a_second_sweep_on_the_same_folder_is_refused_naming_it(tmp_path: Path, 
     assert not (out / ".lock").exists()
     assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 0  # (the trials run in this process)
     assert not (out / ".lock").exists()
+
+
+def test_trial_folders_are_kept_relative_to_the_sweep_folder(tmp_path: Path, capsys, monkeypatch, inline_pool) -> None:
+    """A reviewer's finding: trial folders were stored relative to the working directory, so a sweep resumed from
+    another one wrote outside OUT, and best.md named folders that do not exist as seen from OUT.  They are stored
+    relative to OUT; a folder stored the old way (an interrupted trial's, here) is found by its name under OUT."""
+    optuna = pytest.importorskip("optuna")
+    path = write_sweep(tmp_path, LR_VALUES, trials=1)
+    first, elsewhere = tmp_path / "first", tmp_path / "elsewhere"
+    first.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(first)
+    assert main(["sweep", str(path), "--out", "sweeps/out", "--no-progress"]) == 0
+    out = first / "sweeps" / "out"
+    study = optuna.load_study(study_name="decentdp", storage=f"sqlite:///{out / 'study.db'}")
+    stale = study.ask({"algorithm.lr": optuna.distributions.CategoricalDistribution([0.1])})
+    stale.set_user_attr("folder", f"sweeps/out/trials/trial-{stale.number:04d}")  # as the old code stored it
+    monkeypatch.chdir(elsewhere)
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress", "--trials", "2"]) == 0
+    capsys.readouterr()
+    assert not any(elsewhere.iterdir())
+    folders = re.findall(r"\| (\S+) \|$", (out / "best.md").read_text(), flags=re.MULTILINE)[1:]  # (after "folder")
+    assert sorted(folders) == ["trials/trial-0000", f"trials/trial-{stale.number:04d}"]
+    assert all((out / folder / "summary.json").is_file() for folder in folders)

@@ -114,7 +114,7 @@ def _run_and_report(args: argparse.Namespace, sweep: Sweep, runner: SweepRunner,
           f"all trials: decentdp report {out / TRIALS_DIR}")
     if args.json:
         print(json.dumps({"best": [{"trial": t.number, "value": t.value, "params": t.params,
-                                    "folder": t.user_attrs.get("folder")} for t in best],
+                                    "folder": str(runner.trial_folder(t))} for t in best],
                           "best_config": str(out / "best.toml")}))
     return 0
 

@@ -525,8 +525,13 @@ def _is_integer_field(name: str, config: Any) -> bool:
 # ----------------------------------------------------------------------------- trials
 
 
-def _trial_folder(out: Path, number: int) -> Path:
-    return out / TRIALS_DIR / f"trial-{number:04d}"
+def trial_folder_name(trial: Any) -> str:
+    """A trial's results folder relative to the sweep folder, ``trials/trial-NNNN``: what the study stores, so that
+    the sweep resumes from any working directory and ``best.md`` names folders as seen from it (a reviewer's
+    finding).  An interrupted trial queued again keeps its folder's name; studies begun before stored it relative
+    to the working directory they ran in, or absolute, always ending in that name."""
+    stored = trial.user_attrs.get("folder")
+    return f"{TRIALS_DIR}/{Path(stored).name if stored else f'trial-{trial.number:04d}'}"
 
 
 def _exit_with(parent: int) -> None:
@@ -702,6 +707,10 @@ class SweepRunner:
             self.study.set_user_attr(TRIALS_ATTR, drawn)
         return int(drawn)
 
+    def trial_folder(self, trial: Any) -> Path:
+        """A trial's results folder (:func:`trial_folder_name`, under the sweep folder)."""
+        return self.out / trial_folder_name(trial)
+
     def seed_folders(self, folder: Path) -> list[Path]:
         """A trial's results folder per seed."""
         seeds = self.sweep.section.seeds
@@ -727,8 +736,8 @@ class SweepRunner:
         stale = self.study.get_trials(deepcopy=False, states=(state.RUNNING,))
         for trial in stale:
             self.study.tell(trial.number, state=state.FAIL)
-            self.study.enqueue_trial(trial.params, user_attrs={"folder": trial.user_attrs.get(
-                "folder", str(_trial_folder(self.out, trial.number))), "interrupted": True})
+            self.study.enqueue_trial(trial.params, user_attrs={"folder": trial_folder_name(trial),
+                                                               "interrupted": True})
         return len(stale)
 
     def finished(self) -> int:
@@ -758,9 +767,8 @@ class SweepRunner:
                 while done + len(running) < total or running:
                     while done + len(running) < total and len(running) < section.workers:
                         trial = self.study.ask(self.distributions())
-                        folder = Path(trial.user_attrs.get("folder") or _trial_folder(self.out, trial.number))
-                        trial.set_user_attr("folder", str(folder))
-                        folders = [str(path) for path in self.seed_folders(folder)]
+                        trial.set_user_attr("folder", trial_folder_name(trial))
+                        folders = [str(path) for path in self.seed_folders(self.trial_folder(trial))]
                         configs = [_nested(self.sweep.trial_config(trial.params, s), tracking)
                                    for s in section.seeds]
                         running[pool.submit(run_trial, configs, folders, section.objective, os.getpid())] = trial
@@ -824,7 +832,7 @@ class SweepRunner:
 
         assert self.sweep.private is not None and self.rng is not None
         correct = []
-        for folder in self.seed_folders(Path(trial.user_attrs["folder"])):
+        for folder in self.seed_folders(self.trial_folder(trial)):
             accuracy = json.loads((folder / "summary.json").read_text())["accuracy_mean"]
             correct.append(accuracy * _validation_size(folder))
         # the hardened sampler secure noise uses (a sum of Box-Muller draws), not numpy's ziggurat: a naive
@@ -842,7 +850,7 @@ class SweepRunner:
         from decentdp.privacy.ledger import PrivacyLedger
 
         curves, deltas = [], []
-        for folder in self.seed_folders(Path(trial.user_attrs["folder"])):
+        for folder in self.seed_folders(self.trial_folder(trial)):
             try:
                 report = json.loads((folder / "privacy.json").read_text())
                 ledger = PrivacyLedger.from_state_dict(report["ledger"])
@@ -921,7 +929,7 @@ class SweepRunner:
                            for t, (curves, d) in zip(complete, rdp, strict=True)],
                 "released": {"trial": chosen.number, "params": chosen.params,
                              "noisy_correct": chosen.user_attrs["noisy_correct"],
-                             "folder": chosen.user_attrs.get("folder")}}
+                             "folder": trial_folder_name(chosen)}}
 
     def _simulated_noise(self) -> bool:
         """Whether the trials draw simulation noise (keyed by the seed they share: the same noise in every trial)."""
@@ -1012,7 +1020,7 @@ def best_table(sweep: Sweep, best: list[Any]) -> str:
         cells = [f"{trial.params[name]:.4g}" if isinstance(trial.params[name], float) else str(trial.params[name])
                  for name in names]
         lines.append(f"| {rank} |" + ("" if private else f" {trial.number} |") + f" {trial_score(sweep, trial):.4f} | "
-                     + " | ".join(cells) + ("" if private else f" | {trial.user_attrs.get('folder', '')}") + " |")
+                     + " | ".join(cells) + ("" if private else f" | {trial_folder_name(trial)}") + " |")
     return "\n".join(lines) + "\n"
 
 
