@@ -151,6 +151,10 @@ def test_a_per_record_split_holds_out_about_the_fraction_and_depends_on_the_seed
     ('"algorithm.batch_size" = { low = 4, high = 64, step = 0.5, integer = true }', {},
      "space.algorithm.batch_size: integer = true needs whole low, high and step"),
     ('"algorithm.lr" = { values = [0.1] }', {"set": {"foo.bar": 1}}, "sweep.set.foo.bar: makes the sweep's base"),
+    # the key at fault, not only the field (a reviewer's finding: a misspelled low read "space.algorithm.lr: Extra
+    # inputs are not permitted")
+    ('"algorithm.lr" = { lo = 0.1, high = 1.0 }', {}, "space.algorithm.lr.lo: Extra inputs are not permitted"),
+    ('"algorithm.lr" = { low = 0.1, high = 1.0, step = -1.0 }', {}, "space.algorithm.lr.step: Input should be"),
 ])
 def test_bad_sweep_files_name_the_field(tmp_path: Path, capsys, space: str, extra: dict, message: str) -> None:
     path = write_sweep(tmp_path, space + "\n", **extra)

@@ -327,17 +327,12 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), trials: int | No
     try:
         section = SweepSection.model_validate(raw.get("sweep", {}))
     except ValidationError as exc:
-        error = exc.errors()[0]
-        name = ".".join(str(part) for part in ("sweep", *error["loc"]))
-        raise ConfigError(name, error["msg"].removeprefix("Value error, ")) from None
+        raise _named_error(("sweep",), exc) from None
     space: dict[str, Dimension] = {}
     for name, spec in raw.get("space", {}).items():
         if not isinstance(spec, dict):
             raise ConfigError(f"space.{name}", "must be a table: { values = [...] } or { low = ..., high = ... }")
-        try:
-            space[name] = Dimension.model_validate(spec)
-        except ValidationError as exc:
-            raise ConfigError(f"space.{name}", exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+        space[name] = _dimension(name, spec)
     if not space:
         raise ConfigError("space", "the sweep searches nothing: add fields to [space], e.g. "
                                    "\"algorithm.lr\" = { low = 0.01, high = 1.0, log = true }")
@@ -429,6 +424,23 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), trials: int | No
             raise ConfigError("sweep.private", "is used only with selection = 'private'")
         _ = sweep.trials  # trials is required unless the grid bounds it
     return sweep
+
+
+def _named_error(where: tuple[str, ...], error: ValidationError) -> ConfigError:
+    """A table's first validation error as one error naming the key it is about: ``where`` (the table) and the
+    error's location in it, e.g. ``space.algorithm.lr.lo`` for a misspelled ``low`` (a reviewer's finding: the
+    [space] entries named their field only)."""
+    first = error.errors()[0]
+    return ConfigError(".".join(str(part) for part in (*where, *first["loc"])),
+                       first["msg"].removeprefix("Value error, "))
+
+
+def _dimension(name: str, spec: dict[str, Any]) -> Dimension:
+    """The searched field ``name``'s table ``spec``, checked, or one error naming the key at fault."""
+    try:
+        return Dimension.model_validate(spec)
+    except ValidationError as exc:
+        raise _named_error(("space", name), exc) from None
 
 
 def _touches(key: str, field: str) -> bool:
