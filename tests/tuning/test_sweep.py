@@ -150,6 +150,12 @@ def test_a_per_record_split_holds_out_about_the_fraction_and_depends_on_the_seed
     ('"algorithm.lr" = { values = [0.1] }', {"seeds": [0, 0]}, "sweep.seeds: seeds must be distinct"),
     ('"algorithm.batch_size" = { low = 4, high = 64, step = 0.5, integer = true }', {},
      "space.algorithm.batch_size: integer = true needs whole low, high and step"),
+    # a whole-number field implies integer = true, checked as if written (a reviewer's finding: it was set after the
+    # checks, so step 0.5 gave a traceback and 2.5..16.5 was truncated, repeating grid points, and study.db stayed)
+    ('"algorithm.batch_size" = { low = 4, high = 64, step = 0.5 }', {"method": "grid", "trials": None},
+     "space.algorithm.batch_size: takes whole numbers, so integer = true needs whole low, high and step"),
+    ('"algorithm.batch_size" = { low = 2.5, high = 16.5, step = 1.0 }', {"method": "grid", "trials": None},
+     "space.algorithm.batch_size: takes whole numbers, so integer = true needs whole low, high and step"),
     ('"algorithm.lr" = { values = [0.1] }', {"set": {"foo.bar": 1}}, "sweep.set.foo.bar: makes the sweep's base"),
     # the key at fault, not only the field (a reviewer's finding: a misspelled low read "space.algorithm.lr: Extra
     # inputs are not permitted")
