@@ -156,6 +156,11 @@ def test_a_per_record_split_holds_out_about_the_fraction_and_depends_on_the_seed
      "space.algorithm.batch_size: takes whole numbers, so integer = true needs whole low, high and step"),
     ('"algorithm.batch_size" = { low = 2.5, high = 16.5, step = 1.0 }', {"method": "grid", "trials": None},
      "space.algorithm.batch_size: takes whole numbers, so integer = true needs whole low, high and step"),
+    # a repeated value ran as separate identical trials (a reviewer's finding)
+    ('"algorithm.lr" = { values = [0.1, 0.3, 0.1] }', {"method": "grid", "trials": None},
+     "space.algorithm.lr: values holds 0.1 more than once"),
+    ('"algorithm.batch_size" = { values = [16, 16.0] }', {}, "space.algorithm.batch_size: values holds 16.0 more"),
+    ('"model.options.hidden" = { values = [[8], [8]] }', {}, "space.model.options.hidden: values holds [8] more"),
     ('"algorithm.lr" = { values = [0.1] }', {"set": {"foo.bar": 1}}, "sweep.set.foo.bar: makes the sweep's base"),
     # the key at fault, not only the field (a reviewer's finding: a misspelled low read "space.algorithm.lr: Extra
     # inputs are not permitted")

@@ -121,6 +121,10 @@ class Dimension(BaseModel):
         ranged = self.low is not None or self.high is not None
         if self.values is not None and (ranged or self.log or self.step is not None):
             raise ValueError("give either values = [...] or low/high (with log or step), not both")
+        repeated = _first_repeat(self.values or [])
+        if repeated is not None:
+            raise ValueError(f"values holds {repeated!r} more than once: each copy would run as another, identical "
+                             "trial; list each value once")
         if self.values is None:
             if self.low is None or self.high is None:
                 raise ValueError("needs values = [...], or both low and high")
@@ -156,6 +160,24 @@ class Dimension(BaseModel):
             return list(self.values)
         ends = [self.low, self.high]
         return [int(v) for v in ends] if self.integer else ends  # type: ignore[arg-type]
+
+
+def _first_repeat(values: list[Any]) -> Any:
+    """The first of ``values`` that an earlier one equals (``1`` and ``1.0`` alike, as a config reads them; lists
+    and tables by their contents), or None."""
+    def key(value: Any) -> Any:
+        if isinstance(value, list):
+            return tuple(key(item) for item in value)
+        if isinstance(value, dict):
+            return tuple(sorted((name, key(item)) for name, item in value.items()))
+        return value
+
+    seen: set[Any] = set()
+    for value in values:
+        if key(value) in seen:
+            return value
+        seen.add(key(value))
+    return None
 
 
 class PrivateSelection(BaseModel):
