@@ -649,3 +649,30 @@ def test_trial_folders_are_kept_relative_to_the_sweep_folder(tmp_path: Path, cap
     folders = re.findall(r"\| (\S+) \|$", (out / "best.md").read_text(), flags=re.MULTILINE)[1:]  # (after "folder")
     assert sorted(folders) == ["trials/trial-0000", f"trials/trial-{stale.number:04d}"]
     assert all((out / folder / "summary.json").is_file() for folder in folders)
+
+
+def test_a_wrong_data_dir_is_one_error_before_anything_runs(tmp_path: Path, capsys, inline_pool) -> None:
+    """A reviewer's finding: every trial failed on a wrong --data-dir, one traceback-free line each, and failed trials
+    are not run again, so the sweep folder was spent.  The data is loaded once first: one error, nothing written."""
+    path = write_sweep(tmp_path, LR_VALUES)
+    (tmp_path / "base.toml").write_text(tomli_w.dumps(tiny_config(data={"dataset": "mnist"})))
+    out = tmp_path / "out"
+    assert main(["sweep", str(path), "--out", str(out), "--data-dir", str(tmp_path / "nowhere")]) == 2
+    assert f"--data-dir: data directory {tmp_path / 'nowhere'} for dataset 'mnist' is not an existing directory" \
+        in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_when_no_trial_finished_the_trials_errors_are_given_again(tmp_path: Path, capsys, monkeypatch,
+                                                                   inline_pool) -> None:
+    """A reviewer's finding: resuming a sweep whose trials had all failed ended with "no trial finished; see the
+    errors above" and no errors above (failed trials are not run again).  Each stored error is given, one line."""
+    monkeypatch.setattr("decentdp.tuning.sweep.run_trial", lambda *args: {"error": "the model diverged"})
+    path = write_sweep(tmp_path, LR_VALUES)
+    out = tmp_path / "out"
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 2
+    capsys.readouterr()
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "failed trials are not run again" in err
+    assert "\n  trial 0: the model diverged\n  trial 1: the model diverged" in err

@@ -21,6 +21,7 @@ from decentdp.tuning.sweep import (
     SweepRunner,
     best_config,
     best_table,
+    check_data,
     load_sweep,
     public_release,
     selection_summary,
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     if out.is_dir() and {entry.name for entry in out.iterdir()} - {LOCK_FILE} and not (out / STUDY_FILE).is_file():
         raise ConfigError("--out", f"{out} already holds files that are not a sweep; choose an empty directory")
+    check_data(sweep)
     runner = SweepRunner(sweep, out)
     try:
         return _run_and_report(args, sweep, runner, out)
@@ -93,10 +95,12 @@ def _run_and_report(args: argparse.Namespace, sweep: Sweep, runner: SweepRunner,
         write_atomic(out / RELEASE_FILE, json.dumps(public_release(selection), indent=2) + "\n")
         print(selection_summary(selection, out))
         if selection["released"] is None:
+            if runner.failures():
+                print(f"no trial finished{_failures(runner)}", file=sys.stderr)
             return 0
         best = best[:1]  # only the selected trial is released
     if not best:
-        raise DecentDPError(f"no trial of {out} finished; see the errors above")
+        raise DecentDPError(f"no trial of {out} finished{_failures(runner)}")
     import tomli_w
 
     score = f"noisy count of correct validation predictions = {trial_score(sweep, best[0]):.6g}" \
@@ -118,3 +122,12 @@ def _run_and_report(args: argparse.Namespace, sweep: Sweep, runner: SweepRunner,
                           "best_config": str(out / "best.toml")}))
     return 0
 
+
+def _failures(runner: SweepRunner) -> str:
+    """The failed trials' errors, one line each, for the message that no trial finished (on a resume they were
+    never printed), or nothing when none failed."""
+    lines = runner.failures()
+    if not lines:
+        return ""
+    return (": failed trials are not run again (fix the cause and choose another --out); they failed with\n  "
+            + "\n  ".join(lines))

@@ -475,6 +475,21 @@ def _whole_number_dimension(name: str, spec: dict[str, Any]) -> Dimension:
         raise ConfigError(exc.field, f"takes whole numbers, so {exc.message}") from None
 
 
+def check_data(sweep: Sweep) -> None:
+    """Load the dataset the trials read (the base trial's, with ``--data-dir``), as each trial will, so that a wrong
+    data directory or missing files is one error before anything is written or run (a reviewer's finding: every
+    trial failed with it, and a failed trial is not run again)."""
+    from decentdp.config import validate_config
+    from decentdp.data.datasets import load_dataset
+    from decentdp.errors import DataError
+
+    data = validate_config(sweep.trial_config({}, sweep.section.seeds[0])).data
+    try:
+        load_dataset(data.dataset, data.data_dir, image_size=data.image_size)
+    except DataError as exc:
+        raise ConfigError("--data-dir" if sweep.data_dir is not None else "data.data_dir", str(exc)) from None
+
+
 def _touches(key: str, field: str) -> bool:
     """Whether an override of dotted ``key`` can be what a validation error on ``field`` is about: the same
     field, one inside it, or its section (``foo.bar`` on an unknown section ``foo``)."""
@@ -783,6 +798,12 @@ class SweepRunner:
             self.study.enqueue_trial(trial.params, user_attrs={"folder": trial_folder_name(trial),
                                                                "interrupted": True})
         return len(stale)
+
+    def failures(self) -> list[str]:
+        """One line per trial that failed on bad input, with its stored error (failed trials count as finished and
+        are not run again, so a resume must say why they failed)."""
+        failed = self.study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.FAIL,))
+        return [f"trial {t.number}: {t.user_attrs['error']}" for t in failed if "error" in t.user_attrs]
 
     def finished(self) -> int:
         """Trials that count towards ``trials``: completed, and failed on bad input (not interrupted ones)."""
