@@ -676,3 +676,37 @@ def test_when_no_trial_finished_the_trials_errors_are_given_again(tmp_path: Path
     err = capsys.readouterr().err
     assert "failed trials are not run again" in err
     assert "\n  trial 0: the model diverged\n  trial 1: the model diverged" in err
+
+
+class KilledPool(InlinePool):
+    """A process pool whose worker is killed from outside (by the out-of-memory killer, say) as each trial starts."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        from concurrent.futures.process import BrokenProcessPool
+
+        future: Future = Future()
+        future.set_exception(BrokenProcessPool("A process in the process pool was terminated abruptly"))
+        return future
+
+
+def test_a_trial_whose_worker_is_killed_fails_with_the_reason_and_resumes(tmp_path: Path, capsys, monkeypatch,
+                                                                           inline_pool) -> None:
+    """A reviewer's finding: a worker killed from outside ended the sweep with a BrokenProcessPool traceback.  The
+    trial is recorded as failed, saying why, and queued again: the same command runs it, in its own folder."""
+    optuna = pytest.importorskip("optuna")
+    path = write_sweep(tmp_path, LR_VALUES, trials=1)
+    out = tmp_path / "out"
+    monkeypatch.setattr("decentdp.tuning.sweep.ProcessPoolExecutor", KilledPool)
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "trial 0 failed: its worker process was killed from outside" in err
+    assert f"a worker process of the sweep in {out} was killed from outside" in err and "run the same command" in err
+    study = optuna.load_study(study_name="decentdp", storage=f"sqlite:///{out / 'study.db'}")
+    killed, queued = study.trials
+    assert killed.state == optuna.trial.TrialState.FAIL and "killed from outside" in killed.user_attrs["killed"]
+    assert queued.state == optuna.trial.TrialState.WAITING and queued.user_attrs["folder"] == "trials/trial-0000"
+    monkeypatch.setattr("decentdp.tuning.sweep.ProcessPoolExecutor", InlinePool)
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 0
+    resumed = study.trials[queued.number]
+    assert resumed.state == optuna.trial.TrialState.COMPLETE and resumed.params == killed.params
+    assert (out / "trials" / "trial-0000" / "summary.json").is_file()

@@ -66,6 +66,7 @@ import time
 import tomllib
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -91,6 +92,8 @@ TRIALS_DIR = "trials"
 SPEC_ATTR = "decentdp_sweep"
 TRIALS_ATTR = "decentdp_private_trials"  # K of a private selection, drawn once when the study is created
 _WATCHER = "decentdp-sweep-parent"
+#: Why a trial whose worker process died failed (it is queued again: it did not fail on its input).
+WORKER_KILLED = "its worker process was killed from outside (the out-of-memory killer?); queued again"
 #: Said beside every result of ``selection = "best"`` (best.md, best.toml): the choice is not private.
 NOT_PRIVATE_SELECTION = ("selection = 'best': this choice read exact validation scores, so it is not differentially "
                          "private; each trial's epsilon bounds that trial alone, not the choice (selection = "
@@ -791,13 +794,28 @@ class SweepRunner:
     def recover(self) -> int:
         """Trials a killed sweep left running: failed in the study, queued again with the same values and
         folder (they resume from their checkpoints).  Returns how many."""
-        state = self.optuna.trial.TrialState
-        stale = self.study.get_trials(deepcopy=False, states=(state.RUNNING,))
+        stale = self.study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.RUNNING,))
         for trial in stale:
-            self.study.tell(trial.number, state=state.FAIL)
-            self.study.enqueue_trial(trial.params, user_attrs={"folder": trial_folder_name(trial),
-                                                               "interrupted": True})
+            self._queue_again(trial)
         return len(stale)
+
+    def _queue_again(self, trial: Any) -> None:
+        """Fail an interrupted trial in the study and queue its values again with its folder, so that the trial
+        asked next continues it from its checkpoint (an interrupted trial does not count as finished)."""
+        self.study.tell(trial.number, state=self.optuna.trial.TrialState.FAIL)
+        self.study.enqueue_trial(trial.params, user_attrs={"folder": trial_folder_name(trial), "interrupted": True})
+
+    def _worker_killed(self, trials: list[Any], log: Callable[[str], None]) -> DecentDPError:
+        """The error that ends a sweep whose process pool broke (a worker killed from outside, e.g. by the
+        out-of-memory killer: a reviewer's BrokenProcessPool traceback); the ``trials`` that were running are
+        recorded as failed with the reason and queued again, so that the same command resumes them."""
+        for trial in trials:
+            trial.set_user_attr("killed", WORKER_KILLED)
+            self._queue_again(trial)
+            log(f"trial {trial.number} failed: {WORKER_KILLED}")
+        return DecentDPError(f"a worker process of the sweep in {self.out} was killed from outside (the out-of-memory "
+                             f"killer?) while {len(trials)} trial(s) ran; they are queued again: run the same command "
+                             "to resume them from their checkpoints (with fewer --workers if memory ran out)")
 
     def failures(self) -> list[str]:
         """One line per trial that failed on bad input, with its stored error (failed trials count as finished and
@@ -839,8 +857,8 @@ class SweepRunner:
                         running[pool.submit(run_trial, configs, folders, section.objective, os.getpid())] = trial
                     finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
                     for future in finished:
+                        result = future.result()  # (raises BrokenProcessPool with the trial still in running)
                         trial = running.pop(future)
-                        result = future.result()
                         if "error" in result:
                             trial.set_user_attr("error", result["error"])
                             self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
@@ -856,6 +874,8 @@ class SweepRunner:
                             bar.set_postfix_str(f"best {section.objective} {best[0].value:.4f} "
                                                 f"(trial {best[0].number})")
             status = "FINISHED"
+        except BrokenProcessPool:
+            raise self._worker_killed(list(running.values()), log) from None
         except KeyboardInterrupt:
             status = "KILLED"
             raise
