@@ -161,6 +161,9 @@ def test_a_per_record_split_holds_out_about_the_fraction_and_depends_on_the_seed
      "space.algorithm.lr: values holds 0.1 more than once"),
     ('"algorithm.batch_size" = { values = [16, 16.0] }', {}, "space.algorithm.batch_size: values holds 16.0 more"),
     ('"model.options.hidden" = { values = [[8], [8]] }', {}, "space.model.options.hidden: values holds [8] more"),
+    # searched and fixed: the fixed value was silently replaced (a reviewer's finding)
+    ('"algorithm.lr" = { values = [0.1, 0.2] }', {"set": {"algorithm.lr": 0.3}},
+     "space.algorithm.lr: is also fixed by sweep.set, which its searched values would override"),
     ('"algorithm.lr" = { values = [0.1] }', {"set": {"foo.bar": 1}}, "sweep.set.foo.bar: makes the sweep's base"),
     # the key at fault, not only the field (a reviewer's finding: a misspelled low read "space.algorithm.lr: Extra
     # inputs are not permitted")
@@ -710,3 +713,10 @@ def test_a_trial_whose_worker_is_killed_fails_with_the_reason_and_resumes(tmp_pa
     resumed = study.trials[queued.number]
     assert resumed.state == optuna.trial.TrialState.COMPLETE and resumed.params == killed.params
     assert (out / "trials" / "trial-0000" / "summary.json").is_file()
+
+
+def test_a_searched_field_fixed_by_set_on_the_command_line_is_refused(tmp_path: Path) -> None:
+    """--set algorithm.lr=0.3 beside a searched algorithm.lr was silently overridden by the searched values."""
+    path = write_sweep(tmp_path, LR_VALUES)
+    with pytest.raises(ConfigError, match=re.escape("space.algorithm.lr: is also fixed by --set")):
+        load_sweep(path, ["algorithm.lr=0.3"])

@@ -369,6 +369,12 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), trials: int | No
         name = ".".join(parse_override(assignment)[0])
         if name in _RESERVED:
             raise ConfigError("--set", f"{name} is set by the sweep itself ({_RESERVED[name]}); leave it out")
+    fixed = {**{name: "sweep.set" for name in section.set},
+             **{".".join(parse_override(assignment)[0]): "--set" for assignment in overrides}}
+    for name in space:
+        if name in fixed:  # (its searched values would replace the fixed one without a word: a reviewer's finding)
+            raise ConfigError(f"space.{name}", f"is also fixed by {fixed[name]}, which its searched values would "
+                                               "override; search it or fix it, not both")
     options = [part for assignment in overrides for part in ("--set", assignment)]
     if trials is not None:
         if trials < 1:
