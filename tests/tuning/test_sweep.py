@@ -720,3 +720,18 @@ def test_a_searched_field_fixed_by_set_on_the_command_line_is_refused(tmp_path: 
     path = write_sweep(tmp_path, LR_VALUES)
     with pytest.raises(ConfigError, match=re.escape("space.algorithm.lr: is also fixed by --set")):
         load_sweep(path, ["algorithm.lr=0.3"])
+
+
+def test_a_private_selection_that_writes_the_default_eta_resumes_one_that_left_it_out(tmp_path: Path) -> None:
+    """A reviewer's finding: eta = 1.0 (the default) written out on resume was refused as a different definition."""
+    pytest.importorskip("optuna")
+    from decentdp.tuning.sweep import SweepRunner
+
+    implicit = {key: value for key, value in PRIVATE.items() if key != "eta"}
+    path = write_sweep(tmp_path, LR, trials=None, selection="private", private=implicit)
+    SweepRunner(load_sweep(path), tmp_path / "out").close()
+    path = write_sweep(tmp_path, LR, trials=None, selection="private", private=PRIVATE)  # eta = 1.0 written out
+    SweepRunner(load_sweep(path), tmp_path / "out").close()
+    path = write_sweep(tmp_path, LR, trials=None, selection="private", private={**PRIVATE, "eta": 0.5})
+    with pytest.raises(ConfigError, match="different definition"):
+        SweepRunner(load_sweep(path), tmp_path / "out")

@@ -1075,8 +1075,20 @@ def _validation_size(folder: Path) -> int:
     return int(match.group(1))
 
 
+def _with_defaults(spec: dict[str, Any]) -> dict[str, Any]:
+    """A sweep's definition (:meth:`Sweep.spec`) with the private selection's default ``eta`` (1, for the negative
+    binomial) written out, so that a file that writes the default and one that leaves it out define the same sweep
+    (a reviewer's finding: eta = 1.0 written out made a resume fail as a different definition)."""
+    private = spec.get("private")
+    if isinstance(private, dict) and private.get("distribution") == "negative-binomial" and private.get("eta") is None:
+        return {**spec, "private": {**private, "eta": 1.0}}
+    return spec
+
+
 def _check_same(saved: dict[str, Any], current: dict[str, Any], out: Path) -> None:
-    """Refuse to resume a study whose trials were defined differently (nothing is changed on disk)."""
+    """Refuse to resume a study whose trials were defined differently, defaults written out or not (nothing is
+    changed on disk)."""
+    saved, current = _with_defaults(saved), _with_defaults(current)
     changed = sorted(key for key in saved.keys() | current.keys() if saved.get(key) != current.get(key))
     if not saved:
         raise ConfigError("--out", f"{out / STUDY_FILE} was not written by decentdp sweep; choose another --out")
