@@ -845,6 +845,7 @@ class SweepRunner:
             log(f"resuming {self.out}: {done} of {total} trials finished, {recovered} interrupted trial(s) "
                 "continue from their checkpoints")
         section = self.sweep.section
+        score = "noisy_correct" if self.sweep.private is not None else section.objective  # what trials are ranked by
         bar = tqdm(total=total, initial=min(done, total), desc="trials", unit="trial", disable=not progress,
                    file=sys.stderr)
         running: dict[Future[dict[str, Any]], Any] = {}
@@ -877,7 +878,7 @@ class SweepRunner:
                         bar.update(1)
                         best = self._best(1)
                         if best:
-                            bar.set_postfix_str(f"best {section.objective} {best[0].value:.4f} "
+                            bar.set_postfix_str(f"best {score} {trial_score(self.sweep, best[0]):.4f} "
                                                 f"(trial {best[0].number})")
             status = "FINISHED"
         except BrokenProcessPool:
@@ -891,8 +892,8 @@ class SweepRunner:
                 from decentdp.experiment.tracking import finish_sweep_run
 
                 best = self._best(1)
-                finish_sweep_run(tracking[0], tracking[1], {section.objective: best[0].value} if best else {},
-                                 status)
+                finish_sweep_run(tracking[0], tracking[1],
+                                 {score: trial_score(self.sweep, best[0])} if best else {}, status)
         return self._best(section.top)
 
     def _open_tracking(self) -> tuple[Any, str] | None:
