@@ -123,6 +123,27 @@ def test_a_local_start_that_binds_outside_loopback_is_shut_down_and_refused(monk
     assert outward.shut
 
 
+def test_sigterm_exits_through_python_after_ray_replaced_the_handler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A helper's review: ray.init installs a SIGTERM handler of its own, so the library's (exit through Python's
+    shutdown: Ray stopped, the results folder's lock released) was never installed, and SIGTERM aborted the run
+    with a C++ stack dump (exit -6).  The library's handler replaces the one ray.init installed."""
+    from decentdp.runtime.distributed import ray_backend
+
+    class InstallsItsOwnHandler(_HeldRay):
+        def init(self, **kwargs) -> None:  # noqa: ANN003
+            super().init(**kwargs)
+            signal.signal(signal.SIGTERM, lambda number, frame: None)  # as ray.init does
+
+    monkeypatch.setattr(ray_backend, "import_ray", lambda local: InstallsItsOwnHandler("127.0.0.1:1", ["127.0.0.1"],
+                                                                                       initialized=False))
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        ray_backend.connect("", workers=2)
+        assert signal.getsignal(signal.SIGTERM) is ray_backend._exit_through_shutdown
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_the_local_settings_replace_the_users_own(monkeypatch: pytest.MonkeyPatch) -> None:
     from decentdp.runtime.distributed import ray_backend
 

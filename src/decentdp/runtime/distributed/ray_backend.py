@@ -137,6 +137,7 @@ def connect(address: str, workers: int) -> tuple[Any, bool]:
         _check_held_instance(ray, address)  # the one engine.address names
         return ray, False
     if not address:
+        handler = signal.getsignal(signal.SIGTERM)  # (ray.init replaces it)
         with _environment(NO_OUTSIDE_HTTP):
             ray.init(address="local", num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False,
                      log_to_driver=False, configure_logging=False, _node_ip_address="127.0.0.1")
@@ -147,7 +148,7 @@ def connect(address: str, workers: int) -> tuple[Any, bool]:
                                                 "alone (ray was imported before the run set "
                                                 "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0): run it in a process that has "
                                                 "not imported ray")
-        _exit_on_sigterm()
+        _exit_on_sigterm(handler)
         return ray, True
     try:
         ray.init(address=address, log_to_driver=False, configure_logging=False)
@@ -179,12 +180,19 @@ def _check_held_instance(ray: Any, address: str) -> None:
                                             f"{gcs}: give that address, or call ray.shutdown() first")
 
 
-def _exit_on_sigterm() -> None:
-    """Make SIGTERM exit through Python's normal shutdown, which stops the Ray instance this process
-    started (by default SIGTERM ends the process at once and leaves Ray's helper processes behind)."""
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-        signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
+def _exit_on_sigterm(before_ray: Any) -> None:
+    """Make SIGTERM exit through Python's normal shutdown, which stops the Ray instance this process started
+    and releases the results folder's lock (by default SIGTERM ends the process at once and leaves Ray's helper
+    processes behind), unless the process had a handler of its own before ``ray.init`` (``before_ray``).
+    Installed after ``ray.init``, which replaces the handler: its core worker's own handler ends the process
+    with SIGABRT and a C++ stack dump."""
+    if threading.current_thread() is threading.main_thread() and before_ray in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _exit_through_shutdown)
+
+
+def _exit_through_shutdown(number: int, frame: Any) -> None:
+    """The SIGTERM handler of a process that started its own Ray instance: exit with the shell's 128 + signal."""
+    sys.exit(128 + number)
 
 
 def _without_keys(simulator: Simulator, put: Callable[[Simulator], Any]) -> Any:
