@@ -215,6 +215,34 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint(local_ray, read_at_on
     assert [ledger.history(i) for i in range(10)] == [reference.ledger.history(i) for i in range(10)]
 
 
+def test_an_error_in_one_workers_code_ends_the_run_at_once(local_ray) -> None:
+    """A helper's review: when one shard's algorithm code raised, its peer waited in a receive, failed the
+    liveness call, counted as lost, and the run replayed the same error four times over five minutes before
+    giving up with "workers were lost".  The error is raised at once, as the simulator raises it (its type and
+    message, a note naming the round), the workers stopped, and no loss announced."""
+    from decentdp.runtime.distributed.ray_backend import distribute
+
+    config = _demo("experiment.rounds=4", "engine.backend=ray", "engine.workers=2", "privacy.accountant=rdp")
+    experiment = build_experiment(config)
+    algorithm = experiment.simulator.algorithm
+
+    class FailingInTheSecondShard(type(algorithm)):  # (defined here: Ray sends the class by value)
+        def round(self, state, ctx):  # noqa: ANN001, ANN202
+            if ctx.round_index == 2 and 9 in ctx.network.agent_ids.tolist():
+                raise FloatingPointError("agent 9's update overflowed")
+            return super().round(state, ctx)
+
+    algorithm.__class__ = FailingInTheSecondShard
+    lines: list[str] = []
+    engine = distribute(experiment.simulator, config.engine, config.experiment.checkpoint_interval, lines.append)
+    with pytest.raises(FloatingPointError) as error:
+        engine.run(engine.setup(experiment.initial_state()), 0, 4, lambda done, state: True)
+    assert str(error.value) == "agent 9's update overflowed"
+    assert error.value.__notes__[0].startswith("(raised by a Ray worker in round 2; the workers were stopped")
+    assert 'raise FloatingPointError("agent 9' in error.value.__notes__[0]  # the worker's traceback
+    assert lines == [] and engine.restarts == 0 and engine.workers == []
+
+
 def _placement(workers: int) -> tuple[str, ...]:
     """Overrides that run on ``workers`` Ray workers (0: the simulator)."""
     return ("engine.backend=ray", f"engine.workers={workers}") if workers else ()

@@ -39,6 +39,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -91,6 +92,8 @@ PEER_TIMEOUT = 300.0
 START_TIMEOUT = 300.0
 #: Worker losses a run survives before it gives up.
 MAX_RESTARTS = 3
+#: Seconds Ray may take to record a worker's process as gone once a peer's exchange with it broke.
+LOSS_GRACE = 60.0
 
 
 def import_ray(local: bool) -> Any:
@@ -314,6 +317,12 @@ def _allocate(head: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(tensors)
 
 
+class PeerExchangeError(ConnectionError):
+    """A worker's exchange of rows with its peers broke (a peer's process gone, or silent for
+    :data:`PEER_TIMEOUT`): what a lost worker looks like to its peers, told apart from an error of the run's
+    own code, which no restart would cure."""
+
+
 class GlooTransport:
     """Payloads between workers as torch.distributed gloo point-to-point messages: per peer, a fixed-size
     header (each tensor's dtype and shape), then the tensors.  Chosen over Ray actor calls by
@@ -332,13 +341,17 @@ class GlooTransport:
                 for peer, payload in outgoing.items()}
         heads = {peer: torch.empty(_HEADER, dtype=torch.long) for peer in sent}
         tag = step * _HEADER  # distinct tags for the header and each tensor of one step
-        _wait([dist.isend(_header(tensors), peer, tag=tag) for peer, tensors in sent.items()] +
-              [dist.irecv(head, peer, tag=tag) for peer, head in heads.items()])
-        received = {peer: _allocate(head) for peer, head in heads.items()}
-        _wait([dist.isend(tensor.contiguous(), peer, tag=tag + 1 + k)
-               for peer, tensors in sent.items() for k, tensor in enumerate(tensors) if tensor.numel()] +
-              [dist.irecv(tensor, peer, tag=tag + 1 + k)
-               for peer, tensors in received.items() for k, tensor in enumerate(tensors) if tensor.numel()])
+        try:
+            _wait([dist.isend(_header(tensors), peer, tag=tag) for peer, tensors in sent.items()] +
+                  [dist.irecv(head, peer, tag=tag) for peer, head in heads.items()])
+            received = {peer: _allocate(head) for peer, head in heads.items()}
+            _wait([dist.isend(tensor.contiguous(), peer, tag=tag + 1 + k)
+                   for peer, tensors in sent.items() for k, tensor in enumerate(tensors) if tensor.numel()] +
+                  [dist.irecv(tensor, peer, tag=tag + 1 + k)
+                   for peer, tensors in received.items() for k, tensor in enumerate(tensors) if tensor.numel()])
+        except RuntimeError as exc:  # gloo's errors (a closed connection, a timeout) are RuntimeErrors
+            raise PeerExchangeError(f"worker {self.shard}: exchange {step} with worker(s) {sorted(sent)} "
+                                    f"failed: {exc}") from exc
         self.bytes_sent += sum(payload_bytes(tensors) for tensors in sent.values())
         return {peer: received[peer][0] if isinstance(outgoing[peer], torch.Tensor) else received[peer]
                 for peer in sent}
@@ -572,46 +585,65 @@ class RaySimulator:
     def _round(self, round_index: int) -> None:
         """Run one round on every worker (after ``round_index`` rounds: see :meth:`_surviving`)."""
         self._collect(self._surviving(round_index, lambda: [worker.round.remote(round_index)
-                                                            for worker in self.workers]))
+                                                            for worker in self.workers], f"round {round_index}"))
         self.rounds_held = round_index + 1
 
     def read(self, calls: Callable[[], list[Any]]) -> list[Any]:
         """The results of ``calls()`` that read the workers' state (rows, ledgers, the scheduler), surviving a
         worker lost since the last round as a round does."""
-        return self._surviving(self.rounds_held, calls)
+        return self._surviving(self.rounds_held, calls, f"a read of the state after {self.rounds_held} rounds")
 
-    def _surviving(self, round_index: int, calls: Callable[[], list[Any]]) -> list[Any]:
+    def _surviving(self, round_index: int, calls: Callable[[], list[Any]], doing: str) -> list[Any]:
         """The results of ``calls()`` (one call per worker, made when the workers hold the state after
         ``round_index`` rounds); on a lost worker, every worker is restarted from the last checkpoint,
-        the rounds up to ``round_index`` are replayed, and the calls made again."""
+        the rounds up to ``round_index`` are replayed, and the calls made again.  An error of the run's own
+        code (``doing``: what the calls do, for its note) stops the workers and is raised at once, as the
+        simulator raises it: a replay would raise it again."""
         recovering = False
         while True:
             try:
                 if recovering:  # a loss during the replay is caught here too, and counted as another
                     self._recover(round_index)
                 return self._wait(calls())
-            except Exception:
-                # a dead worker fails its own call, and may fail its peers' first (their messages stop)
-                if not self._worker_lost():
-                    raise
+            except Exception as error:
+                if not self._worker_lost(error):
+                    self._stop_workers()  # its peers wait in a receive for rows that will not come
+                    self._settle_abandoned()
+                    raise self._own_error(error, doing) from None
                 self._count_loss()
                 recovering = True
 
-    def _worker_lost(self) -> bool:
-        """Whether a worker process is gone (or too stuck to answer within a minute); the lost ones are kept
-        in :attr:`lost` for the announcement."""
-        calls = [worker.pid.remote() for worker in self.workers]
-        answered, _ = self.ray.wait(calls, num_returns=len(calls), timeout=60)  # one minute for all of them
-        self.lost = [index for index, call in enumerate(calls) if call not in answered or self._failed(call)]
-        return bool(self.lost)
+    def _worker_lost(self, error: Exception) -> bool:
+        """Whether ``error`` comes from a lost worker: its own call failed (``RayActorError``) or a peer's
+        exchange with it broke (:class:`PeerExchangeError`, which may come first), and Ray's actor table
+        records a worker's process as gone within :data:`LOSS_GRACE`.  The table, not a call: a worker busy in
+        a long round, or waiting in a receive for a failed peer's rows, could not answer one.  The lost
+        workers are kept in :attr:`lost` for the announcement."""
+        if not isinstance(error, (self.ray.exceptions.RayActorError, PeerExchangeError)):
+            return False
+        deadline = time.monotonic() + LOSS_GRACE
+        while True:
+            self.lost = [index for index, worker in enumerate(self.workers) if self._gone(worker)]
+            if self.lost or time.monotonic() > deadline:
+                return bool(self.lost)
+            time.sleep(0.1)
 
-    def _failed(self, call: Any) -> bool:
-        """Whether a finished call failed because its worker is gone (its error collected, so never reprinted)."""
-        try:
-            self.ray.get(call)
-        except self.ray.exceptions.RayActorError:
-            return True
-        return False
+    def _gone(self, worker: Any) -> bool:
+        """Whether Ray's control store records ``worker``'s actor as dead (its process exited or was lost).
+        Read through Ray's internal state module: the public ``ray.util.state`` asks the dashboard, which a
+        local instance does not start."""
+        return self.ray._private.state.actors(actor_id=worker._actor_id.hex())["State"] == "DEAD"
+
+    def _own_error(self, error: Exception, doing: str) -> Exception:
+        """The error a worker's code raised, as the simulator would raise it (its own type and message, noted
+        with where it was raised and the worker's traceback), not Ray's wrapper of it; any other error as is."""
+        cause = getattr(error, "cause", None)
+        if not isinstance(error, self.ray.exceptions.RayTaskError) or not isinstance(cause, Exception):
+            return error
+        traceback = str(error).split("\n", 1)[-1].rstrip()  # (Ray's message: the worker's name, its traceback)
+        cause.add_note(f"(raised by a Ray worker in {doing}; the workers were stopped.  The worker's "
+                       f"traceback:\n{traceback})")
+        return cause
 
     def _count_loss(self) -> None:
         """Count a loss of workers; past :data:`MAX_RESTARTS` the run gives up."""
@@ -638,9 +670,11 @@ class RaySimulator:
         self.rounds_held = round_index
 
     def setup(self, state: State) -> State:
-        """The algorithm's setup phase on every worker (a new run)."""
+        """The algorithm's setup phase on every worker (a new run; a worker lost in it ends the run, as no
+        checkpoint precedes it)."""
         self._launch(state)
-        self._collect(self._wait([worker.setup.remote() for worker in self.workers]))
+        self._collect(self._surviving(0, lambda: [worker.setup.remote() for worker in self.workers],
+                                      "the setup phase"))
         layouts = self._wait([worker.layout.remote() for worker in self.workers])  # entries the setup added
         self._keys, self._per_agent = list(layouts[0]), sharded_keys(layouts, self.bounds)
         self._take_snapshot(0)
@@ -651,7 +685,8 @@ class RaySimulator:
         it is what a lost worker restarts from, and the store keeps it and the results folder's only."""
         directory = self._store / f"round-{round_index:06d}-{secrets.token_hex(4)}"
         files = self._surviving(round_index, lambda: [worker.write_checkpoint.remote(str(directory), self._per_agent)
-                                                      for worker in self.workers])
+                                                      for worker in self.workers],
+                                f"the checkpoint after {round_index} rounds")
         self._snapshot = _Snapshot(round_index, directory, files)
         self._prune({directory, self._committed})
         return self._snapshot
