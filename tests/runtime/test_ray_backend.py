@@ -267,6 +267,43 @@ def test_a_run_resumes_on_another_number_of_workers(local_ray, tmp_path: Path, b
     torch.testing.assert_close(resumed.state["params"], whole.state["params"], rtol=0, atol=1e-5)
 
 
+def test_a_replicated_table_with_a_row_per_agent_survives_resumes(local_ray, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A helper's review: a resume told per-agent state entries by shape (one row per agent), so a replicated
+    public table with 10 rows, in a run of 10 agents, was split over the workers on a Ray resume.  The
+    checkpoints record the entries the shards found per-agent, and a resume splits by them: Ray -> Ray, then
+    Ray -> simulator (whose checkpoint carries the record on) -> Ray."""
+    from decentdp.experiment import loop
+
+    def build(config, data_dir=None):  # noqa: ANN001, ANN202
+        experiment = build_experiment(config, data_dir)
+        algorithm = experiment.simulator.algorithm
+
+        class WithAPublicTable(type(algorithm)):  # (defined here: Ray sends the class by value)
+            def setup(self, state, ctx):  # noqa: ANN001, ANN202
+                return {**super().setup(state, ctx), "table": torch.arange(10, dtype=torch.float32)}
+
+            def round(self, state, ctx):  # noqa: ANN001, ANN202
+                table = state["table"]
+                assert table.shape == (10,), f"the replicated table has {table.shape[0]} rows in round " \
+                                             f"{ctx.round_index}"
+                return {**super().round({k: v for k, v in state.items() if k != "table"}, ctx), "table": table}
+
+        algorithm.__class__ = WithAPublicTable
+        return experiment
+
+    monkeypatch.setattr(loop, "build_experiment", build)
+    common = ("experiment.rounds=4", "experiment.eval_every=1", "privacy.accountant=rdp")
+    folder = tmp_path / "out"
+    run_experiment(_demo(*common, *_placement(2)), folder, stop_after=1, **QUIET)
+    run_experiment(_demo(*common, *_placement(2)), folder, resume=True, stop_after=2, **QUIET)
+    run_experiment(_demo(*common), folder, resume=True, stop_after=3, **QUIET)
+    recorded = torch.load(folder / CHECKPOINT_FILE, weights_only=True)["per_agent"]  # the simulator's checkpoint
+    assert "params" in recorded and "table" not in recorded
+    resumed = run_experiment(_demo(*common, *_placement(2)), folder, resume=True, **QUIET)
+    assert torch.equal(resumed.state["table"], torch.arange(10, dtype=torch.float32))
+
+
 @pytest.mark.parametrize(("kill_after", "stop_after"), [(6, 8), (7, 7)])
 def test_the_workers_checkpoint_survives_a_kill_and_resumes_on_four(local_ray, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch,

@@ -113,7 +113,7 @@ def _run(config: ExperimentConfig, folder: ResultsFolder | None, data_dir: str |
     if config.engine.backend == "ray":  # agents sharded over Ray worker processes (the optional `ray` extra)
         from decentdp.runtime.distributed.ray_backend import distribute
         experiment.simulator = distribute(experiment.simulator, config.engine, config.experiment.checkpoint_interval,
-                                          log)
+                                          log, None if checkpoint is None else checkpoint.get("per_agent"))
 
     path = folder.path if folder is not None else None
     tracker = open_tracker(config, path, resume=checkpoint is not None)

@@ -171,6 +171,10 @@ class ResultsFolder:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.key_file: Path | None = None  # secure runs: the agents' keys, never inside ``path``
+        #: The per-agent state entries of the checkpoint resumed, where it recorded them (a sharded run found them):
+        #: carried into the simulator's own checkpoints, since one process cannot tell a replicated table with one
+        #: row per agent from per-agent rows, and a later sharded resume splits the state by them.
+        self.per_agent: list[str] | None = None
         self._lock: FolderLock | None = None
 
     def _acquire(self, created: bool) -> None:
@@ -192,6 +196,7 @@ class ResultsFolder:
             saved = read_checkpoint(checkpoint)
             if "shards" in saved:  # written by the workers of a sharded run: their rows merged (for any split)
                 saved |= _merged_shards(self.path, saved["shards"])
+            self.per_agent = saved.get("per_agent")
             # Where it runs and how often it records may change (other ray workers, fewer evaluations), not what
             # it computes.
             changed = [key for key in config_differences(validate_config(saved["config"]), config)
@@ -315,6 +320,8 @@ class ResultsFolder:
         else:
             payload |= {"state": dict(state), "scheduler": experiment.simulator.scheduler.state_dict(),
                         "ledger": experiment.ledger.state_dict()}
+            if self.per_agent is not None:
+                payload["per_agent"] = self.per_agent
         tmp = self.path / f".{CHECKPOINT_FILE}.tmp"
         try:
             write_durably(self.path / CHECKPOINT_FILE, lambda handle: torch.save(payload, handle))

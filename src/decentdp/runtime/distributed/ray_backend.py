@@ -443,7 +443,7 @@ class RaySimulator:
     """The simulator's interface (``setup``, ``run``, ``schedule``, ``scheduler``) over Ray workers."""
 
     def __init__(self, simulator: Simulator, engine: EngineSection, snapshot_every: int, ray: Any, owns_ray: bool,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, per_agent: list[str] | None = None) -> None:
         #: The run's privacy stack in this process (the replaced simulator's oracle): once the workers hold the
         #: run, its ledger is theirs merged, and the last release's clipped fraction is theirs combined.
         self.oracle = simulator.oracle
@@ -478,6 +478,8 @@ class RaySimulator:
         self._snapshot: _Snapshot | None = None
         self._keys: list[str] = []
         self._per_agent: set[str] = set()
+        #: The per-agent state entries the checkpoint this run resumes recorded (None: a new run, or not recorded).
+        self._recorded_per_agent = per_agent
         self._start_workers()
 
     # -- workers -------------------------------------------------------------------------------------------
@@ -553,7 +555,12 @@ class RaySimulator:
         number of workers) and take its ledger over."""
         oracle = self.oracle
         self._keys = list(state)
-        self._per_agent = per_agent_keys(state, oracle.n_agents)
+        # A resumed checkpoint's own record of its per-agent entries (found by the shards that ran its setup);
+        # a new run's initial state, or a checkpoint without the record (written before it was kept, or by a
+        # simulator run that never ran sharded), by shape: an entry with one row per agent (a replicated table
+        # of as many rows is split too, wrongly)
+        self._per_agent = set(self._recorded_per_agent) if self._recorded_per_agent is not None else \
+            per_agent_keys(state, oracle.n_agents)
         ledger, scheduler = oracle.ledger.state_dict(), self.scheduler.state_dict()
         rng, passes = oracle.rng, oracle.agents_per_pass
         self._wait([worker.load.remote(shard_state(state, self._per_agent, part), ledger, scheduler,
@@ -739,18 +746,19 @@ class RaySimulator:
 
 
 def distribute(simulator: Simulator, engine: EngineSection, snapshot_every: int,
-               log: Callable[[str], None] | None = None) -> RaySimulator:
+               log: Callable[[str], None] | None = None, per_agent: list[str] | None = None) -> RaySimulator:
     """The run that ``simulator`` runs in this process, sharded over ``engine.workers`` Ray workers: the
     :class:`RaySimulator` that replaces it, taking a snapshot every ``snapshot_every`` rounds (the run's
     checkpoints).  The engine settings are checked before anything is written; ``log`` receives the engine's
-    own announcements (a lost worker)."""
+    own announcements (a lost worker); ``per_agent`` are the per-agent state entries the checkpoint a resumed
+    run continues from recorded (its ``per_agent``), which its state is split by."""
     agents = simulator.oracle.n_agents
     if engine.workers > agents:
         raise ConfigError("engine.workers", f"{engine.workers} workers for {agents} agent(s): each worker holds "
                                             "at least one agent")
     ray, owns = connect(engine.address, engine.workers)
     try:
-        return RaySimulator(simulator, engine, snapshot_every, ray, owns, log=log)
+        return RaySimulator(simulator, engine, snapshot_every, ray, owns, log=log, per_agent=per_agent)
     except BaseException:
         if owns and ray.is_initialized():
             ray.shutdown()
