@@ -261,6 +261,7 @@ def test_a_run_resumes_on_another_number_of_workers(local_ray, tmp_path: Path, b
     saved = torch.load(tmp_path / "split" / CHECKPOINT_FILE, weights_only=True)
     assert ("shards" in saved) == (before > 0) and ("state" in saved) == (before == 0)  # workers wrote the rows
     resumed = run_experiment(_demo(*common, *_placement(after)), tmp_path / "split", resume=True, **QUIET)
+    assert (tmp_path / "split" / "shards").exists() == (after > 0)  # (a simulator's checkpoint names no shard files)
     assert resumed.summary["accuracy_mean"] == pytest.approx(whole.summary["accuracy_mean"], abs=1e-4)
     assert resumed.summary["epsilon_per_agent"] == whole.summary["epsilon_per_agent"]
     assert _ledger_runs(tmp_path / "split") == _ledger_runs(tmp_path / "whole")

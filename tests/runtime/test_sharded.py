@@ -34,6 +34,7 @@ from decentdp.runtime.distributed.sharded import (
     merge_ledgers,
     per_agent_keys,
     read_shard_checkpoints,
+    remove_shard_checkpoints,
     shard_bounds,
     shard_state,
     sharded_keys,
@@ -497,3 +498,19 @@ def test_augmented_copies_are_sharded_with_the_agents() -> None:
                                        lambda done, current: True)
     merged, _, _ = _run_shards(experiment, 2, rounds)
     torch.testing.assert_close(merged["params"], expected["params"], rtol=0, atol=1e-5)
+
+
+def test_removing_shard_checkpoints_touches_only_the_round_folders_written(tmp_path: Path) -> None:
+    """Once a simulator's checkpoint replaces a sharded run's manifest, its ``shards/round-*`` folders go; a file
+    someone else put there stays, and so does the folder holding it."""
+    for name in ("round-000004-0a1b2c3d", "round-000006-4e5f6a7b"):
+        (tmp_path / "shards" / name).mkdir(parents=True)
+        (tmp_path / "shards" / name / "shard-0000-of-0002.pt").write_bytes(b"rows")
+    (tmp_path / "shards" / "notes.txt").write_text("mine")
+    remove_shard_checkpoints(tmp_path)
+    assert [path.name for path in (tmp_path / "shards").iterdir()] == ["notes.txt"]
+    (tmp_path / "shards" / "notes.txt").unlink()
+    (tmp_path / "shards" / "round-000008-8c9d0e1f").mkdir()
+    remove_shard_checkpoints(tmp_path)
+    assert not (tmp_path / "shards").exists()
+    remove_shard_checkpoints(tmp_path)  # (none: nothing to do)

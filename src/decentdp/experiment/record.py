@@ -50,7 +50,12 @@ from decentdp.results.files import (
     write_toml,
 )
 from decentdp.rng import AgentKeys, SecureRandom
-from decentdp.runtime.distributed.sharded import SHARD_CHECKPOINT_FORMAT, ShardCheckpointWriter, read_shard_checkpoints
+from decentdp.runtime.distributed.sharded import (
+    SHARD_CHECKPOINT_FORMAT,
+    ShardCheckpointWriter,
+    read_shard_checkpoints,
+    remove_shard_checkpoints,
+)
 
 
 def key_directory(config: ExperimentConfig) -> Path:
@@ -333,6 +338,8 @@ class ResultsFolder:
             reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0]
             raise ConfigError("--out", f"cannot write the checkpoint of round {round_done} in {self.path} "
                                        f"({reason}); {kept}") from None
+        if "shards" not in payload:  # the state is in checkpoint.pt now: no manifest names a sharded run's files
+            remove_shard_checkpoints(self.path)
 
     def finish(self, experiment: Experiment, summary: dict[str, Any], metrics: list[dict[str, Any]],
                extras: AlgorithmPrivacy | None = None) -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -52,6 +51,8 @@ from decentdp.config import EngineSection
 from decentdp.errors import ConfigError
 from decentdp.rng import AgentKeys
 from decentdp.runtime.distributed.sharded import (
+    ROUND_FOLDER,
+    SHARD_STORE,
     Payload,
     make_shard,
     merge_ledgers,
@@ -371,11 +372,6 @@ class _Snapshot:
     files: list[dict[str, Any]]
 
 
-#: A checkpoint's folder of shard files under ``shards/``: its round, and a token, so that no write ever
-#: replaces a file that a manifest (of this run, or of the run it resumed) names.
-_ROUND_FOLDER = re.compile(r"round-\d+-[0-9a-f]+")
-
-
 class ShardedState(Mapping[str, torch.Tensor]):
     """The state after one round, held by the workers; a key's rows are fetched when first read."""
 
@@ -458,7 +454,7 @@ class RaySimulator:
         self.local = not engine.address  # every worker on this machine
         self._directory = tempfile.mkdtemp(prefix="decentdp-ray-")
         # where the workers write their checkpoints: the results folder's shards/ once the runner names it
-        self._store = Path(self._directory) / "shards"
+        self._store = Path(self._directory) / SHARD_STORE
         self._attached = False  # whether the store is the results folder's (else a temporary one)
         self._committed: Path | None = None  # the shard files the results folder's manifest names
         self._starts = 0
@@ -703,7 +699,7 @@ class RaySimulator:
         has committed a manifest (until then, the one a resumed run started from names older folders)."""
         if (not self._attached or self._committed is not None) and self._store.is_dir():
             for folder in self._store.iterdir():
-                if _ROUND_FOLDER.fullmatch(folder.name) and folder not in keep:
+                if ROUND_FOLDER.fullmatch(folder.name) and folder not in keep:
                     shutil.rmtree(folder, ignore_errors=True)
 
     def write_shards(self, results: Path, round_done: int) -> dict[str, Any]:
@@ -712,7 +708,7 @@ class RaySimulator:
         checkpoint round), and the manifest entry naming them is returned, for the runner to write
         atomically once every file is complete.  The folders of this and the previous manifest are kept
         (the previous until the new manifest replaces it), older ones removed."""
-        store = Path(results) / "shards"
+        store = Path(results) / SHARD_STORE
         snapshot = self._snapshot
         if store != self._store or snapshot is None or snapshot.round_index != round_done:
             self._store, self._attached = store, True

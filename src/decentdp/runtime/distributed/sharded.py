@@ -33,6 +33,8 @@ only float summation orders differ.  Ledgers are split and merged by :func:`spli
 
 from __future__ import annotations
 
+import re
+import shutil
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -518,6 +520,11 @@ def merge_ledgers(kind: type[PrivacyLedger], states: Sequence[dict[str, Any]]) -
 
 #: The format of a checkpoint whose rows the shards wrote (the ``shards`` entry of ``checkpoint.pt``).
 SHARD_CHECKPOINT_FORMAT = "decentdp-shards-1"
+#: The folder of a results folder where the shards write their checkpoints.
+SHARD_STORE = "shards"
+#: A checkpoint's folder of shard files in :data:`SHARD_STORE`: its round, and a token, so that no write ever
+#: replaces a file that a manifest (of this run, or of the run it resumed) names.
+ROUND_FOLDER = re.compile(r"round-\d+-[0-9a-f]+")
 
 
 @runtime_checkable
@@ -528,6 +535,20 @@ class ShardCheckpointWriter(Protocol):
         """Have every shard write its part of the checkpoint after ``round_done`` under ``results`` and
         return the manifest entry (:func:`shard_manifest`) that names the complete files."""
         ...
+
+
+def remove_shard_checkpoints(results: Path) -> None:
+    """Remove the shard files a sharded run wrote in the results folder ``results`` (the round folders of its
+    :data:`SHARD_STORE`, then the store if nothing else is left in it): once a checkpoint that holds the state
+    itself has replaced the manifest naming them, nothing names them.  Files the library did not write stay."""
+    store = results / SHARD_STORE
+    if not store.is_dir():
+        return
+    for folder in store.iterdir():
+        if folder.is_dir() and ROUND_FOLDER.fullmatch(folder.name):
+            shutil.rmtree(folder, ignore_errors=True)
+    if not any(store.iterdir()):
+        store.rmdir()
 
 
 def shard_file(index: int, shards: int) -> str:
