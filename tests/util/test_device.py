@@ -69,6 +69,23 @@ def test_the_config_checks_the_spelling_and_the_build_checks_the_machine(monkeyp
     assert error.value.field == "engine.device"
 
 
+def test_the_ray_backend_computes_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A helper's review: the Ray workers are given no GPU and exchange rows as gloo messages of CPU tensors, yet
+    engine.device = 'auto' (the default) or 'cuda' built a Ray run on CUDA, to fail deep inside the workers.
+    'cuda' with 'ray' is refused when the config is read; 'auto' builds on the CPU, with a warning where CUDA
+    is present."""
+    with pytest.raises(ConfigError, match="cannot run with engine.backend = 'ray'") as error:
+        validate_config(tiny_config(engine={"backend": "ray", "device": "cuda:0"}))
+    assert error.value.field == "engine.device"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    raw = tiny_config(engine={"backend": "ray", "workers": 2}, privacy={"epsilon": "inf"})  # (no calibration: fast)
+    experiment = build_experiment(validate_config(raw))
+    assert experiment.device == torch.device("cpu") and experiment.data.x.device.type == "cpu"
+    assert [warning for warning in experiment.warnings if "engine.backend = 'ray'" in warning] == [
+        "engine.device = 'auto' computes on the CPU with engine.backend = 'ray' (its workers are given no GPU), "
+        "although this machine has CUDA: engine.backend = 'simulator' would use it"]
+
+
 def test_a_run_is_built_on_its_device(device: torch.device) -> None:
     raw = tiny_config(engine={"device": device.type}, privacy={"epsilon": "inf"})  # (no calibration: fast)
     experiment = build_experiment(validate_config(raw))

@@ -454,6 +454,11 @@ class ExperimentConfig(_Section):
             return self
         if algo.lr_schedule != "constant" and algo.lr_final is None:
             raise _FieldError("algorithm.lr_final", f"is required by lr_schedule = '{algo.lr_schedule}'")
+        if self.engine.backend == "ray" and self.engine.device.startswith("cuda"):
+            raise _FieldError("engine.device", f"'{self.engine.device}' cannot run with engine.backend = 'ray': its "
+                                               "workers are given no GPU and exchange rows as gloo messages of CPU "
+                                               "tensors; use engine.device = 'auto' or 'cpu' (the CPU), or "
+                                               "engine.backend = 'simulator' for CUDA")
         try:
             check_model_options(self.model.name, self.model.options)
         except ConfigError as error:

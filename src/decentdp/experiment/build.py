@@ -26,7 +26,7 @@ import torch
 from decentdp.algorithms import algorithm_class
 from decentdp.algorithms.base import Algorithm, NoisePlan, PublicRun, State
 from decentdp.algorithms.components.schedules import Schedule
-from decentdp.config import FLOAT32_MAX, ExperimentConfig
+from decentdp.config import FLOAT32_MAX, EngineSection, ExperimentConfig
 from decentdp.data.augment import Augmentation
 from decentdp.data.datasets import Dataset, load_dataset
 from decentdp.data.partition import class_histograms, hold_out, partition
@@ -231,6 +231,13 @@ def config_topology(config: ExperimentConfig, seed: int) -> Topology:
                           **graph_params)
 
 
+def _run_device(engine: EngineSection) -> torch.device:
+    """``engine.device`` resolved on this machine; the CPU under ``engine.backend = "ray"``, whose workers are
+    given no GPU and exchange rows as gloo messages of CPU tensors (the config refuses CUDA with it, so this is
+    what ``auto`` means there)."""
+    return torch.device("cpu") if engine.backend == "ray" else resolve_device(engine.device)
+
+
 def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = None,
                      device: torch.device | str | None = None) -> Experiment:
     """Load data, build graph, model, privacy and algorithm; raises DecentDPError on bad input.
@@ -239,7 +246,7 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
     data is moved there once, here."""
     cfg_data, topo_cfg, algo_cfg = config.data, config.topology, config.algorithm
     seed = config.experiment.seed
-    device = resolve_device(config.engine.device) if device is None else torch.device(device)
+    device = _run_device(config.engine) if device is None else torch.device(device)
     dataset = load_dataset(cfg_data.dataset, data_dir if data_dir is not None else cfg_data.data_dir,
                            image_size=cfg_data.image_size)
     labels = dataset.y_train.numpy()
@@ -270,6 +277,9 @@ def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = Non
                 *(_privacy_warnings(config, sizes) if private else [])]
     if cfg_data.validation_fraction > 0 and private:
         warnings.append(PRIVATE_EVALUATION_NOTICE)
+    if config.engine.backend == "ray" and config.engine.device == "auto" and torch.cuda.is_available():
+        warnings.append("engine.device = 'auto' computes on the CPU with engine.backend = 'ray' (its workers are "
+                        "given no GPU), although this machine has CUDA: engine.backend = 'simulator' would use it")
     if cfg_data.partition == "pathological" and sum(sizes) + len(validation if validation is not None else ()) \
             < len(labels):
         warnings.append(f"data.partition = 'pathological' trains on {sum(sizes)} of the {len(labels)} training "
