@@ -201,6 +201,6 @@ def test_a_lock_taken_on_a_lock_file_its_holder_just_removed_is_taken_again(tmp_
     results = record.ResultsFolder(folder)
     results._acquire(created=False)
     named = (folder / record.LOCK_FILE).stat()
-    held = record.os.fstat(results._lock.peek()[2][0])
+    held = record.os.fstat(results._lock.descriptor)
     assert (named.st_ino, swaps["left"]) == (held.st_ino, 0)
     results.close()

@@ -162,6 +162,7 @@ class FolderLock:
             os.close(descriptor)  # locked a file its last holder had just removed: a third could lock the new one
         os.ftruncate(descriptor, 0)
         os.write(descriptor, str(os.getpid()).encode())
+        self.descriptor = descriptor  # (the locked file: its inode is the one LOCK_FILE names)
         self._release = weakref.finalize(self, _release, descriptor, folder, created)
 
     def close(self) -> None:
