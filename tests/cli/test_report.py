@@ -123,11 +123,12 @@ def test_a_field_an_older_run_lacks_counts_as_its_default(tmp_path: Path) -> Non
     """data.validation_split came in after runs of one setting were written: the old run (no field) and the new
     one (its default, "exact-count") are seeds of one row, while a run that sets another value is a row of its
     own.  They were two rows, which left seed-1 runs out of the consensus tables."""
-    _drop_field(fake_run(tmp_path / "old", 0.7, seed=0), "data", "validation_split")
-    fake_run(tmp_path / "new", 0.8, seed=1)
+    held_out = {"validation_fraction": 0.2}  # (the split is read only where records are held out)
+    _drop_field(fake_run(tmp_path / "old", 0.7, seed=0, data=held_out), "data", "validation_split")
+    fake_run(tmp_path / "new", 0.8, seed=1, data=held_out)
     report = build_report(find_runs([tmp_path])[0])
     assert len(report.rows) == 1 and report.rows[0]["n"] == 2
-    fake_run(tmp_path / "other", 0.9, seed=2, data={"validation_split": "per-record"})
+    fake_run(tmp_path / "other", 0.9, seed=2, data={**held_out, "validation_split": "per-record"})
     assert sorted(row["n"] for row in build_report(find_runs([tmp_path])[0]).rows) == [1, 2]
 
 
@@ -770,3 +771,24 @@ def test_a_damaged_metrics_line_is_named_by_its_line_in_the_file(tmp_path: Path)
     (run / "metrics.jsonl").write_text(lines[0] + "\n" + lines[1][:10] + "\n")
     with pytest.raises(DecentDPError, match=r"metrics.jsonl: line 2: "):
         find_runs([tmp_path])
+
+
+def test_fields_a_run_did_not_read_neither_split_rows_nor_match_paper_rows(tmp_path: Path, capsys) -> None:
+    """A knob left behind under a switch that is off (lr_final under a constant schedule, as a sweep leaves it)
+    split one setting into two rows; and a Dirichlet run, whose data.overlap_t reads as its default 1.0, took the
+    paper value of a row matching data.overlap_t = 1.  Neither field was read by those runs."""
+    fake_run(tmp_path / "runs" / "a", 0.70, seed=0)
+    fake_run(tmp_path / "runs" / "b", 0.72, seed=1, algorithm={"lr_final": 0.01})
+    fake_run(tmp_path / "runs" / "decay", 0.80, seed=0, algorithm={"lr_final": 0.01, "lr_schedule": "logspace"})
+    fake_run(tmp_path / "runs" / "dirichlet", 0.60, seed=0, data={"partition": "dirichlet", "dirichlet_alpha": 0.1})
+    fake_run(tmp_path / "runs" / "overlap", 0.50, seed=0, data={"partition": "overlap", "overlap_t": 1.0})
+    paper = tmp_path / "paper.toml"
+    paper.write_text('row = [{ value = 50.0, match = { "data.overlap_t" = 1.0 } }]\n')
+    result = report_json(capsys, str(tmp_path / "runs"), "--paper", str(paper))
+    rows = {(row["data.partition"], row["algorithm.lr_schedule"]): row for row in result["rows"]}
+    assert sorted(rows) == [("dirichlet", "constant"), ("iid", "constant"), ("iid", "logspace"),
+                            ("overlap", "constant")]
+    assert rows["iid", "constant"]["n"] == 2 and rows["iid", "constant"]["algorithm.lr_final"] is None
+    assert rows["iid", "logspace"]["algorithm.lr_final"] == pytest.approx(0.01)
+    assert rows["overlap", "constant"]["paper"] == pytest.approx(0.5)
+    assert [rows[key]["paper"] for key in rows if key[0] != "overlap"] == [None] * 3

@@ -4,8 +4,9 @@ Every finished run's folder holds its resolved ``config.toml``, ``summary.json``
 spent) and ``metrics.jsonl`` (one row per evaluation); see :mod:`decentdp.experiment.record`.  The report
 
 1. finds the runs under the given paths (a results folder, or any folder holding results folders);
-2. flattens each run's config to dotted fields (``privacy.epsilon``) and groups the runs by the fields
-   that differ between them, seeds aside (so each group is one setting over its seeds);
+2. flattens each run's config to dotted fields (``privacy.epsilon``), leaves out the fields the run did not
+   read (another mode's, or a knob whose switch is off: ``ExperimentConfig.unread_fields``), and groups the runs
+   by the fields that differ between them, seeds aside (so each group is one setting over its seeds);
 3. gives each group the mean and sample standard deviation over seeds of the final metric, the worst
    agent, the epsilon spent (the largest over agents and seeds, as the run's accountant reports it),
    and optionally the paper's value read from a small TOML file (``--paper``);
@@ -167,6 +168,8 @@ def read_run(folder: Path) -> Run:
         curve = _read_jsonl(metrics_file)
         _check_rows(curve, metrics_file)
     fields = {**schema_defaults(), **flatten(config)}  # a field the run's library did not have yet: its default
+    for name in unread_fields(config):
+        fields.pop(name, None)
     seed = fields.get("experiment.seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):  # (groups are keyed and paired by it)
         where = f"{summary_file}: config.experiment.seed" if isinstance(summary.get("config"), dict) else \
@@ -526,6 +529,21 @@ def paper_value(paper: Sequence[PaperRow], fields: dict[str, Any], file: Path) -
         raise ConfigError("--paper", f"{file}: rows {', '.join(str(row.match) for row in top)} all match one "
                                      "group; make one of them more specific")
     return top[0]
+
+
+def unread_fields(config: dict[str, Any]) -> list[str]:
+    """The fields a run's resolved ``config`` holds but its run did not read
+    (:meth:`~decentdp.config.ExperimentConfig.unread_fields`): a knob left behind under a switch that is off must
+    not split one setting into two rows, nor another mode's default match a paper row.  A config this library no
+    longer accepts (a run of an algorithm since renamed) keeps every field: it is still reported, as before."""
+    from decentdp.config import validate_config
+
+    if isinstance(config.get("personalized"), dict):  # read_run keeps only the fields such a run reads
+        return []
+    try:
+        return validate_config(config).unread_fields()
+    except ConfigError:
+        return []
 
 
 @functools.cache

@@ -530,6 +530,13 @@ class ExperimentConfig(_Section):
         self._refuse_fields_outside_their_mode([row for row in MODE_ONLY if row[0].split(".")[1] in
                                                 PERSONALIZED_READS.get(row[0].split(".")[0], ())])
 
+    def unread_fields(self) -> list[str]:
+        """The fields this run does not read: those of a mode it does not have (:data:`MODE_ONLY`) and the knobs
+        whose switch is off (:data:`QUIET_KNOBS`).  A report leaves them out, so that a knob left behind does not
+        split one setting into two rows, and a default of another mode (``data.overlap_t`` in a Dirichlet run)
+        matches no paper row."""
+        return [dotted for dotted, reads, _ in (*MODE_ONLY, *QUIET_KNOBS) if not reads(self)]
+
     def _refuse_fields_outside_their_mode(self, rows: Sequence[tuple[str, Callable[[ExperimentConfig], bool],
                                                                      str]]) -> None:
         """The first of ``rows`` (:data:`MODE_ONLY`'s) whose field this run's mode does not read, yet is set."""
@@ -574,6 +581,16 @@ MODE_ONLY: tuple[tuple[str, Callable[[ExperimentConfig], bool], str], ...] = (
     ("engine.noise_streams", lambda c: c.privacy.noise == "simulation",
      "privacy.noise = 'simulation' (secure mode draws from each agent's own key)"),
     ("privacy.key_dir", lambda c: c.privacy.noise == "secure", "privacy.noise = 'secure'"),
+)
+
+#: The knobs of one mode that a run accepts, and ignores, while their switch is off (:data:`MODE_ONLY`'s comment
+#: says why): (field, whether this run reads it, the switch in words).
+QUIET_KNOBS: tuple[tuple[str, Callable[[ExperimentConfig], bool], str], ...] = (
+    ("algorithm.lr_final", lambda c: c.algorithm.lr_schedule != "constant", "algorithm.lr_schedule != 'constant'"),
+    ("data.validation_split", lambda c: c.data.validation_fraction > 0, "data.validation_fraction > 0"),
+    ("averaging.decay", lambda c: c.averaging.kind == "ema", "averaging.kind = 'ema'"),
+    ("averaging.start", lambda c: c.averaging.kind != "none", "averaging.kind != 'none'"),
+    ("augmentation.shift", lambda c: c.augmentation.kind != "none", "augmentation.kind != 'none'"),
 )
 
 #: What a ``[personalized]`` run reads besides its own section (:mod:`decentdp.personalized.runner`): every other
