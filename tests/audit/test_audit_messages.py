@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from decentdp.audit.blocks import BlockNetwork, ChunkStore, audit_experiment, audit_spec
+from decentdp.audit.blocks import BlockNetwork, Chunk, ChunkStore, audit_experiment, audit_spec
 from decentdp.audit.messages import CANARY_LABEL, CanaryModel, canary_coordinate, run_message_audit
 from decentdp.audit.settings import AuditSection
 from decentdp.config import validate_config
@@ -132,10 +132,13 @@ def test_chunks_kept_in_a_folder_give_the_same_audit_from_separate_processes(pri
     first = run_message_audit(private, settings, store=ChunkStore(folder, range(0, 2)))
     assert first.summary["chunks"] == "2 of 4" and first.summary["models"] == 200
     assert np.array_equal(first.scores, whole.scores[:400])
-    run_message_audit(private, settings, store=ChunkStore(folder, range(2, 4)))
+    second = run_message_audit(private, settings, store=ChunkStore(folder, range(2, 4)))
     assert sorted(path.name for path in folder.glob("chunk-*.npz")) == [f"chunk-0000{i}.npz" for i in range(4)]
     read = run_message_audit(private, settings, store=ChunkStore(folder, range(0, 0)))  # trains nothing
-    assert read.summary["chunks"] == "4 of 4" and read.summary["seconds_per_model"] is None
+    assert read.summary["chunks"] == "4 of 4"
+    # the time is the chunks' own, as stored, summed: the reader's is the trainers' (it read in milliseconds)
+    assert read.summary["wall_seconds"] == second.summary["wall_seconds"] > first.summary["wall_seconds"] > 0
+    assert read.summary["seconds_per_model"] == pytest.approx(read.summary["wall_seconds"] / 800)
     assert np.array_equal(read.scores, whole.scores) and np.array_equal(read.member, whole.member)
     for key in ("epsilon_lower_bound", "epsilon_eq25", "models", "noise_multiplier", "epsilon_ledger"):
         assert read.summary[key] == whole.summary[key], key
@@ -157,14 +160,14 @@ def test_a_damaged_chunk_dir_is_one_clear_error(tmp_path: Path, damage: str) -> 
         folder.write_text("not a folder\n")
     else:
         store = ChunkStore(folder)
-        store.open(spec)
-        store.save(0, 7, np.zeros(4), np.ones(4, dtype=bool), 1.0, 2.0)
+        store.open(spec, 2)
+        store.save(0, 7, Chunk(np.zeros(4), np.ones(4, dtype=bool), 1.0, 2.0, 3.0))
         assert store.load(0, 7) is not None
         damaged = folder / ("spec.json" if damage == "spec" else "chunk-00000.npz")
         damaged.write_bytes(damaged.read_bytes()[:10])
     with pytest.raises(ConfigError) as error:
         store = ChunkStore(folder)
-        store.open(spec)
+        store.open(spec, 2)
         store.load(0, 7)
     assert error.value.field == "--chunk-dir"
     assert str(folder / {"file": "", "spec": "spec.json", "chunk": "chunk-00000.npz"}[damage]) in str(error.value)

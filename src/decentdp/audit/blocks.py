@@ -21,10 +21,13 @@ ledger history and reported beside the nominal one.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
 import os
+import re
+import socket
 import time
 import zipfile
 from collections.abc import Callable, Sequence
@@ -34,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
 
 from decentdp.algorithms.base import Network, NoisePlan, PublicGraph, PublicRun, State
 from decentdp.algorithms.components.schedules import Schedule
@@ -48,7 +53,7 @@ from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.privacy.mechanisms import GaussianMechanism, Mechanism
 from decentdp.privacy.oracle import DataOracle
 from decentdp.privacy.sampling import AgentData, CyclicSampler, PoissonSampler
-from decentdp.results.files import write_atomic
+from decentdp.results.files import write_atomic, write_durably
 from decentdp.rng import AgentRandom, Stream, round_stream_seed
 from decentdp.runtime.network import GraphSequence, SimulatedNetwork, topology_graph
 from decentdp.runtime.scheduler import Scheduler
@@ -269,6 +274,64 @@ class AuditOutcome:
     target_noise_multiplier: float  # the target agent's calibrated noise multiplier in the trainings
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """One chunk of an audit's trainings, as :class:`ChunkStore` keeps it: every block's score and world, the
+    target agent's ledger epsilon and noise multiplier, and the seconds the chunk took to build, train and score
+    (None for chunks written before chunks recorded their time)."""
+
+    scores: np.ndarray
+    member: np.ndarray
+    epsilon: float
+    noise_multiplier: float
+    seconds: float | None
+
+
+#: A chunk's file while it is written: the chunk's index, the writing host and process (``.chunk-00042.HOST.PID.npz``;
+#: files of processes before the host was named lack it).  Processes on one machine tell whose file is stale by its
+#: PID, and never touch another host's.
+_TEMPORARY = re.compile(r"^\.chunk-\d{5}\.(?:(?P<host>.+)\.)?(?P<pid>\d+)\.npz$")
+
+
+def _host() -> str:
+    """This machine's name as a temporary file's name holds it (letters, digits, ``-`` and ``_``)."""
+    return re.sub(r"[^\w-]", "-", socket.gethostname()) or "host"
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine (another user's process counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_ABSENT = object()
+
+
+def spec_differences(held: Any, current: Any, defaults: Any = _ABSENT, where: tuple[str, ...] = ()) -> list[str]:
+    """The dotted keys in which a chunk folder's ``held`` spec and this audit's ``current`` one differ, each with its
+    two values.  A key the held spec lacks matches a current value equal to the field's default (``defaults``, nested
+    as the specs are, :func:`audit_spec_defaults`): a field added since the folder was written keeps, at its default,
+    the behaviour the folder's chunks were trained with (the project's convention for new fields)."""
+    if isinstance(current, dict) and (isinstance(held, dict) or (held is _ABSENT and isinstance(defaults, dict))):
+        held = {} if held is _ABSENT else held
+        sub = defaults if isinstance(defaults, dict) else {}
+        return [difference for key in sorted({*held, *current}, key=str)
+                for difference in spec_differences(held.get(key, _ABSENT), current.get(key, _ABSENT),
+                                                   sub.get(key, _ABSENT), (*where, str(key)))]
+    name = ".".join(where)
+    if held is _ABSENT:
+        return [] if defaults is not _ABSENT and current == defaults else [
+            f"{name} (absent from the folder's spec, {json.dumps(current)} here)"]
+    if current is _ABSENT:
+        return [f"{name} ({json.dumps(held)} in the folder, not a setting here)"]
+    return [] if held == current else [f"{name} ({json.dumps(held)} in the folder, {json.dumps(current)} here)"]
+
+
 @dataclass
 class ChunkStore:
     """Where an audit keeps each chunk's scores as the chunk finishes (``chunk-00042.npz``), so that a killed
@@ -277,49 +340,84 @@ class ChunkStore:
     trains; the others are read where a process has written them and left out where none has yet, so the
     bound comes from whatever chunks exist.  ``spec.json`` holds the audit's settings: a folder written by
     another audit is refused, not mixed in.  Each chunk file also holds the spec's digest, its index and its seed,
-    so that a chunk copied in from another audit's folder, or renamed to another index, is refused too."""
+    so that a chunk copied in from another audit's folder, or renamed to another index, is refused too.  A
+    process that trains no chunk only reads: it creates neither the folder nor its ``spec.json``."""
 
     folder: Path
     only: range | None = None
-    digest: str = field(default="", init=False)  # the spec's SHA-256, set by :meth:`open`
+    digest: str = field(default="", init=False)  # the digest chunks are stamped with, set by :meth:`open`
+    _spec_text: str = field(default="", init=False, repr=False)  # spec.json's text, for a folder that has none yet
 
-    def open(self, spec: dict[str, Any]) -> None:
-        """Create the folder, or check that it belongs to the audit described by ``spec``."""
+    def open(self, spec: dict[str, Any], chunks: int, defaults: dict[str, Any] | None = None) -> None:
+        """Check that the folder belongs to the audit described by ``spec`` (``chunks`` chunks in all), or create it
+        with its ``spec.json`` if this process trains any of them.
+
+        A folder's spec that lacks a key matches this one where the key's value is its default (``defaults``, see
+        :func:`spec_differences`); a folder whose spec differs is refused, naming the keys.  Chunks written into
+        a folder are stamped with the digest of the folder's own ``spec.json``.  Temporary files that killed
+        processes of this machine left behind are removed."""
         if self.folder.exists() and not self.folder.is_dir():
             raise ConfigError("--chunk-dir", f"{self.folder} is a file, not a folder")
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError("--chunk-dir", f"cannot create {self.folder}: {exc.strerror or exc}") from None
         path = self.folder / "spec.json"
-        text = json.dumps(spec, sort_keys=True, indent=1)
-        self.digest = hashlib.sha256(text.encode()).hexdigest()
+        self._spec_text = json.dumps(spec, sort_keys=True, indent=1)
+        self.digest = hashlib.sha256(self._spec_text.encode()).hexdigest()
         if path.exists():
             try:
                 held = json.loads(path.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
                 raise ConfigError("--chunk-dir", f"cannot read {path} ({exc}); restore it, or choose another "
                                                  "folder") from None
-            if held != json.loads(text):
-                raise ConfigError("--chunk-dir", f"{self.folder} holds the chunks of another audit (its spec.json "
-                                                 "differs from this one's settings); choose another folder")
-        else:
-            write_atomic(path, text)
+            if not isinstance(held, dict):
+                raise ConfigError("--chunk-dir", f"{path} is not an audit's spec (a JSON object); restore it, or "
+                                                 "choose another folder")
+            differences = spec_differences(without_operational(held), json.loads(self._spec_text),
+                                           defaults or {})
+            if differences:
+                raise ConfigError("--chunk-dir", f"{self.folder} holds the chunks of another audit: its spec.json "
+                                                 f"differs from this one's settings in {'; '.join(differences)}; "
+                                                 "choose another folder, or audit with the folder's settings")
+            self.digest = hashlib.sha256(json.dumps(held, sort_keys=True, indent=1).encode()).hexdigest()
+        if self.only is None or any(index in self.only for index in range(chunks)):
+            self._create()  # now, so that a folder that cannot be made is found before the first chunk trains
+        if self.folder.is_dir():
+            self._remove_stale_temporaries()
+
+    def _create(self) -> None:
+        """The folder and, unless it holds one, its ``spec.json``."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            if not (self.folder / "spec.json").exists():
+                write_atomic(self.folder / "spec.json", self._spec_text)
+        except OSError as exc:
+            raise ConfigError("--chunk-dir", f"cannot create {self.folder}: {exc.strerror or exc}") from None
+
+    def _remove_stale_temporaries(self) -> None:
+        """Remove the chunk files that processes of this machine were writing when they were killed (their PID no
+        longer runs); another machine's, and a running process's, are left alone."""
+        for path in self.folder.glob(".chunk-*.npz"):
+            match = _TEMPORARY.match(path.name)
+            if match is None or match["host"] not in (None, _host()):
+                continue
+            pid = int(match["pid"])
+            if pid == os.getpid() or not _running(pid):  # (this process has written nothing yet: a reused PID's)
+                path.unlink(missing_ok=True)
 
     def _path(self, index: int) -> Path:
         return self.folder / f"chunk-{index:05d}.npz"
 
-    def load(self, index: int, seed: int) -> tuple[np.ndarray, np.ndarray, float, float] | None:
-        """Chunk ``index``'s (scores, member, target epsilon, target noise multiplier), if written; a file stamped
-        for another audit, index or seed is refused (files written before the stamps are read on spec.json's
-        word)."""
+    def load(self, index: int, seed: int) -> Chunk | None:
+        """Chunk ``index``, if written; a file stamped for another audit, index or seed is refused (files written
+        before the stamps are read on spec.json's word, and those written before chunks recorded their time have
+        ``seconds`` None)."""
         path = self._path(index)
         if not path.exists():
             return None
         try:
             with np.load(path) as saved:
                 stamp = {key: saved[key].item() for key in ("spec_digest", "index", "seed") if key in saved.files}
-                chunk = (saved["scores"], saved["member"], float(saved["epsilon"]), float(saved["noise_multiplier"]))
+                seconds = float(saved["seconds"]) if "seconds" in saved.files else math.nan
+                chunk = Chunk(saved["scores"], saved["member"], float(saved["epsilon"]),
+                              float(saved["noise_multiplier"]), None if math.isnan(seconds) else seconds)
         except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as exc:
             raise ConfigError("--chunk-dir", f"{path} is damaged ({exc}); delete it to train that chunk "
                                              "again") from None
@@ -331,14 +429,16 @@ class ChunkStore:
                                              "from another audit or index; remove it to train this chunk")
         return chunk
 
-    def save(self, index: int, seed: int, scores: np.ndarray, member: np.ndarray, epsilon: float,
-             noise: float) -> None:
-        """Write chunk ``index`` atomically (a temporary file renamed into place), stamped with the spec's digest,
-        its index and its seed."""
-        temporary = self.folder / f".chunk-{index:05d}.{os.getpid()}.npz"
-        np.savez(temporary, scores=scores, member=member, epsilon=epsilon, noise_multiplier=noise,
-                 spec_digest=self.digest, index=index, seed=seed)
-        os.replace(temporary, self._path(index))
+    def save(self, index: int, seed: int, chunk: Chunk) -> None:
+        """Write chunk ``index`` durably (a temporary file of this process, flushed to the disk and renamed into
+        place), stamped with the spec's digest, its index and its seed."""
+        self._create()
+        temporary = self.folder / f".chunk-{index:05d}.{_host()}.{os.getpid()}.npz"
+        seconds = math.nan if chunk.seconds is None else chunk.seconds
+        write_durably(self._path(index), lambda handle: np.savez(
+            handle, scores=chunk.scores, member=chunk.member, epsilon=chunk.epsilon,
+            noise_multiplier=chunk.noise_multiplier, seconds=seconds, spec_digest=self.digest, index=index,
+            seed=seed), temporary)
 
     def trains(self, index: int) -> bool:
         return self.only is None or index in self.only
@@ -355,28 +455,66 @@ def audit_blocks(models: int, chunk: int) -> list[np.ndarray]:
     return [member[start:start + 2 * chunk] for start in range(0, 2 * models, 2 * chunk)]
 
 
-#: Settings that say how or where an audit process runs, not what it trains: chunk folders may differ in them.
-_OPERATIONAL = {"engine": ("threads", "memory_limit_gb", "agents_per_pass"), "data": ("data_dir",)}
+#: Settings that say how or where an audit process runs, not what it trains, and settings no audit reads (its blocks
+#: neither evaluate nor checkpoint, and the experiment's name only labels a run): chunk folders may differ in them.
+_OPERATIONAL = {"engine": ("threads", "memory_limit_gb", "agents_per_pass"), "data": ("data_dir",),
+                "experiment": ("name", "eval_every", "checkpoint_every")}
+
+
+def without_operational(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` less the settings chunk folders may differ in (:data:`_OPERATIONAL`, tracking): applied to this
+    audit's spec and to a folder's, which may hold keys that were made operational after it was written."""
+    spec = copy.deepcopy(spec)
+    settings = spec.get("config")
+    if isinstance(settings, dict):
+        settings.pop("tracking", None)
+        for section, keys in _OPERATIONAL.items():
+            for key in keys:
+                if isinstance(settings.get(section), dict):
+                    settings[section].pop(key, None)
+    return spec
 
 
 def audit_spec(config: ExperimentConfig, audit: AuditSection, kind: str, chunks: int) -> dict[str, Any]:
     """What makes two processes' chunks parts of one audit: the config and audit settings, less how and where each
-    process runs (threads, memory, the data folder's path, tracking)."""
-    settings = config.model_dump(mode="json")
-    settings.pop("tracking", None)
-    for section, keys in _OPERATIONAL.items():
-        for key in keys:
-            settings[section].pop(key, None)
-    return {"audit": kind, "config": settings, "audit_settings": audit.model_dump(mode="json"), "chunks": chunks}
+    process runs (threads, memory, the data folder's path, tracking) and what no audit reads (the experiment's
+    name, evaluation and checkpoint intervals)."""
+    return without_operational({"audit": kind, "config": config.model_dump(mode="json"),
+                                "audit_settings": audit.model_dump(mode="json"), "chunks": chunks})
+
+
+def _field_defaults(model: BaseModel) -> dict[str, Any]:
+    """Each field's default in the JSON form ``model_dump(mode="json")`` gives, nested as the dump is (sections
+    recursively); fields without a default are left out."""
+    defaults: dict[str, Any] = {}
+    for name, info in type(model).model_fields.items():
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            defaults[name] = _field_defaults(value)
+        elif not info.is_required():
+            defaults[name] = to_jsonable_python(info.get_default(call_default_factory=True))
+    return defaults
+
+
+def audit_spec_defaults(config: ExperimentConfig, audit: AuditSection) -> dict[str, Any]:
+    """The defaults of :func:`audit_spec`'s settings, nested as the spec is (the algorithm's own settings within
+    ``config.algorithm``): a key a chunk folder's older spec lacks matches this audit's value when that value is
+    the field's default (:func:`spec_differences`)."""
+    settings = _field_defaults(config)
+    settings["algorithm"].update(_field_defaults(config.algorithm.settings))
+    return {"config": settings, "audit_settings": _field_defaults(audit)}
 
 
 def run_audit(experiment: Experiment, audit: AuditSection, kind: str,
               build: Callable[[np.ndarray, int], BlockRun], score: Callable[[BlockRun], np.ndarray],
               store: ChunkStore | None = None) -> AuditOutcome:
-    """``audit.models`` trainings per world, ``audit.chunk`` at a time: ``build(member, seed)`` makes a
-    chunk's simulation, ``score(run)`` trains it and scores each block; then the bound on the scores.  With a
-    ``store``, chunks it holds are read instead of trained, each trained chunk is written as it finishes, and
-    the bound covers the chunks there are (``summary["chunks"]``)."""
+    """``audit.models`` trainings per world, ``audit.chunk`` per world at a time (``2 * audit.chunk`` blocks
+    in one simulation): ``build(member, seed)`` makes a chunk's simulation, ``score(run)`` trains it and scores
+    each block; then the bound on the scores.  With a ``store``, chunks it holds are read instead of trained, each
+    trained chunk is written as it finishes, and the bound covers the chunks there are (``summary["chunks"]``).
+    ``wall_seconds`` is the chunks' own time, summed over every chunk the bound covers, those read from the store
+    included (None where a chunk written before chunks recorded their time is among them); reading the store and
+    computing the bound are not in it."""
     config = experiment.config
     if config.algorithm.name == "muffliato":
         raise ConfigError("algorithm.name", "muffliato sizes its gossip from the graph's spectral gap, and the graph "
@@ -385,39 +523,40 @@ def run_audit(experiment: Experiment, audit: AuditSection, kind: str,
     split_sizes(audit.models, audit.selection_fraction)
     blocks = audit_blocks(audit.models, audit.chunk)
     if store is not None:
-        store.open(audit_spec(config, audit, kind, len(blocks)))
-    start = time.perf_counter()
-    scores, members, epsilons, noises, trained = [], [], [], [], 0
+        store.open(audit_spec(config, audit, kind, len(blocks)), len(blocks), audit_spec_defaults(config, audit))
+    chunks: list[Chunk] = []
     for index, member in enumerate(blocks):
         seed = chunk_seed(config.experiment.seed, index)
-        saved = store.load(index, seed) if store is not None else None
-        if saved is None:
+        chunk = store.load(index, seed) if store is not None else None
+        if chunk is None:
             if store is not None and not store.trains(index):
                 continue
+            start = time.perf_counter()
             run = build(member, seed)
-            saved = (score(run), run.member, run.target_epsilon(), float(run.noise_multipliers[audit.target]))
-            trained += len(run.member)
+            scores = score(run)
+            chunk = Chunk(scores, run.member, run.target_epsilon(), float(run.noise_multipliers[audit.target]),
+                          time.perf_counter() - start)
             if store is not None:
-                store.save(index, seed, *saved)
-        for kept, value in zip((scores, members, epsilons, noises), saved, strict=True):
-            kept.append(value)
-    if not scores:
+                store.save(index, seed, chunk)
+        chunks.append(chunk)
+    if not chunks:
         raise ConfigError("--chunks", f"no chunk of this audit is in {store.folder if store else 'memory'} yet, "
                                       "and this process was given none to train")
-    undefined = np.isnan(np.concatenate(scores))  # (an infinite score is a sure guess: a noiseless release)
+    all_scores, member = np.concatenate([c.scores for c in chunks]), np.concatenate([c.member for c in chunks])
+    undefined = np.isnan(all_scores)  # (an infinite score is a sure guess: a noiseless release)
     if undefined.mean() > 0.5:
         raise ConfigError("audit", f"{int(undefined.sum())} of {undefined.size} models' scores are NaN (the training "
                                    "diverged): no bound can be read from them; lower algorithm.lr or check the "
                                    "config with decentdp run")
-    wall = time.perf_counter() - start
-    all_scores, member = np.concatenate(scores), np.concatenate(members)
+    times = [c.seconds for c in chunks]
+    wall = None if None in times else float(sum(times))
     models = int(member.sum())
     bound = audit_bound(all_scores[member], all_scores[~member], config.privacy.delta, audit.selection_fraction,
                         audit.confidence, audit.threshold_rule)
     summary = {"audit": kind, "algorithm": config.algorithm.name, "models": models,
-               "chunks": f"{len(scores)} of {len(blocks)}", "complete": len(scores) == len(blocks),
+               "chunks": f"{len(chunks)} of {len(blocks)}", "complete": len(chunks) == len(blocks),
                "epsilon_nominal": agent_budgets(config, experiment.topology.n_agents)[audit.target],
-               "epsilon_ledger": epsilons[0], "delta": config.privacy.delta, "rounds": config.experiment.rounds,
-               "wall_seconds": wall, "seconds_per_model": wall / trained if trained else None,
+               "epsilon_ledger": chunks[0].epsilon, "delta": config.privacy.delta, "rounds": config.experiment.rounds,
+               "wall_seconds": wall, "seconds_per_model": None if wall is None else wall / len(member),
                **bound.as_dict()}
-    return AuditOutcome(summary, all_scores, member, noises[0])
+    return AuditOutcome(summary, all_scores, member, chunks[0].noise_multiplier)

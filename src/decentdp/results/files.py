@@ -34,11 +34,12 @@ PROFILE_FILE = "profile.json"
 _PACKAGES = ("decentdp", "torch", "numpy", "scipy", "networkx", "dp-accounting", "pydantic", "scikit-learn")
 
 
-def write_durably(path: Path, write: Callable[[BinaryIO], object]) -> None:
+def write_durably(path: Path, write: Callable[[BinaryIO], object], temporary: Path | None = None) -> None:
     """Write ``path`` through ``write(handle)`` so that readers, and the disk after a crash or power loss, hold the
-    old file or the whole new one, never a part: into ``.NAME.tmp`` beside it, flushed to the disk, renamed over
-    ``path``, and the directory's entry flushed too."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    old file or the whole new one, never a part: into ``temporary`` (by default ``.NAME.tmp`` beside it; writers
+    that may race on one path give each process its own), flushed to the disk, renamed over ``path``, and the
+    directory's entry flushed too."""
+    tmp = temporary or path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as handle:
         write(handle)
         handle.flush()
