@@ -37,8 +37,8 @@ def test_audit_messages_json_and_results_folder(tmp_path: Path, capsys: pytest.C
     out = tmp_path / "results"
     assert main(["audit", "messages", str(_config(tmp_path)), "--models", "150", "--json", "--out", str(out)]) == 0
     summary = _last_json(capsys.readouterr().out)
-    assert {"epsilon_lower_bound", "epsilon_nominal", "models", "wall_seconds"} <= set(summary)
-    assert summary["models"] == 150 and summary["epsilon_nominal"] == 1.0
+    assert {"epsilon_lower_bound", "epsilon_nominal", "models", "wall_seconds", "bound_exceeds"} <= set(summary)
+    assert summary["models"] == 150 and summary["epsilon_nominal"] == 1.0 and summary["bound_exceeds"] == []
     assert 0.0 <= summary["epsilon_lower_bound"] <= 1.0
     assert json.loads((out / "audit.json").read_text())["models"] == 150
     with (out / "scores.csv").open() as file:
@@ -181,4 +181,108 @@ def test_a_bound_above_the_nominal_epsilon_warns_with_its_false_alarm_rate(capsy
     _verdict({"epsilon_nominal": 1.0, "epsilon_lower_bound": 1.2, "confidence": 0.95})
     assert "WARNING" in (text := capsys.readouterr().out) and "at most 5% of audits" in text
     _verdict({"epsilon_nominal": 1.0, "epsilon_lower_bound": 0.8, "confidence": 0.95})
+    assert capsys.readouterr().out == ""
+
+
+def _strict_json(text: str) -> dict:
+    """``text`` parsed as strict JSON: NaN and Infinity, which Python writes by default, are refused."""
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_bad_out_folder_is_refused_before_the_audit_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--out afile/sub` (afile a file) was found only once the audit had finished, and its result was lost in a
+    traceback; the folder is now created, or refused naming --out, before anything trains."""
+    (tmp_path / "afile").write_text("")
+    assert main(["audit", "messages", str(_config(tmp_path)), "--out", str(tmp_path / "afile" / "sub")]) == 2
+    captured = capsys.readouterr()
+    assert "--out" in captured.err and "afile" in captured.err and "Traceback" not in captured.err
+    assert "audit messages" not in captured.out  # nothing ran
+
+
+@pytest.mark.parametrize("json_line", [True, False])
+def test_results_that_cannot_be_written_keep_the_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch, json_line: bool) -> None:
+    """A results folder that fails at the end (a full disk) is one clear error naming --out, and the summary is
+    not lost: the --json line is printed before the folder is written, and without --json the error holds it."""
+    import decentdp.cli.audit as cli
+
+    def full_disk(path: Path, rows: list) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cli, "_csv", full_disk)
+    args = ["audit", "messages", str(_config(tmp_path)), "--models", "150", "--out", str(tmp_path / "out")]
+    assert main([*args, "--json"] if json_line else args) == 2
+    captured = capsys.readouterr()
+    assert "--out" in captured.err and "No space left on device" in captured.err and "Traceback" not in captured.err
+    if json_line:
+        assert _last_json(captured.out)["models"] == 150
+    else:
+        assert '"epsilon_lower_bound"' in captured.err and '"models": 150' in captured.err
+
+
+def test_non_finite_losses_give_strict_json_and_means_over_the_finite_ones(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An audit accepts up to half NaN scores (diverged trainings), and the mean loss on z was then NaN, written as
+    the invalid JSON token NaN in the --json line and audit.json; the means are now over the finite losses, the
+    others are counted, and whatever is not finite is null."""
+    import decentdp.audit.mia as mia
+
+    honest = mia.classification_loss
+
+    def quarter_diverged(logits, labels):  # noqa: ANN001, ANN202
+        loss = honest(logits, labels).clone()
+        loss[::4] = float("nan")
+        return loss
+
+    monkeypatch.setattr(mia, "classification_loss", quarter_diverged)
+    config = _config(tmp_path, topology={"agents": 3}, model={"name": "mlp", "options": {"hidden": 16}},
+                     audit={"per_digit": 20})
+    out = tmp_path / "out"
+    assert main(["audit", "mia", str(config), "--models", "60", "--set", "audit.chunk=30", "--json", "--out",
+                 str(out)]) == 0
+    summary = _strict_json(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["loss_non_finite"] == 30  # every 4th of each chunk's 60 models
+    assert 0 < summary["loss_member_mean"] < 100 and 0 < summary["loss_non_member_mean"] < 100
+    assert _strict_json((out / "audit.json").read_text()) == summary
+
+
+def test_a_read_that_trains_nothing_leaves_no_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--chunks 0:0 --chunk-dir typo-dir` wrote typo-dir/spec.json, so the folder then refused the audit it was
+    meant for if its settings differed."""
+    assert main(["audit", "messages", str(_config(tmp_path)), "--chunk-dir", str(tmp_path / "typo-dir"),
+                 "--chunks", "0:0"]) == 2
+    assert "--chunks" in capsys.readouterr().err
+    assert not (tmp_path / "typo-dir").exists()
+
+
+def test_the_banner_says_how_many_blocks_a_chunk_simulates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A chunk holds audit.chunk trainings of each world, 2 x audit.chunk blocks: the banner and the field's
+    description said audit.chunk blocks."""
+    from decentdp.audit.blocks import audit_blocks
+    from decentdp.audit.settings import AuditSection
+
+    assert [len(blocks) for blocks in audit_blocks(150, 75)] == [150, 150]
+    assert "2 x chunk blocks" in (AuditSection.model_fields["chunk"].description or "")
+    assert main(["audit", "messages", str(_config(tmp_path)), "--models", "150", "--set", "audit.chunk=75"]) == 0
+    assert "150 blocks (75 per world) at a time" in capsys.readouterr().out
+
+
+def test_a_bound_above_the_ledgers_epsilon_warns_too(capsys: pytest.CaptureFixture[str]) -> None:
+    """The ledger's epsilon (what the accountant reports as spent) is a claim as much as the budget is, and for some
+    algorithms far below it (Li18: 0.147 at budget 1): a bound above it was not flagged.  The warning names which
+    claim is exceeded, and the summary's bound_exceeds lists them."""
+    from decentdp.cli.audit import _verdict
+
+    exceeded = _verdict({"epsilon_nominal": 1.0, "epsilon_ledger": 0.147, "epsilon_lower_bound": 0.5,
+                         "confidence": 0.95})
+    text = capsys.readouterr().out
+    assert exceeded == ["epsilon_ledger"]
+    assert "WARNING" in text and "ledger" in text and "0.147" in text and "nominal" not in text
+    assert _verdict({"epsilon_nominal": 1.0, "epsilon_ledger": 1.0, "epsilon_lower_bound": 1.2,
+                     "confidence": 0.95}) == ["epsilon_nominal", "epsilon_ledger"]
+    assert "nominal" in capsys.readouterr().out
+    assert _verdict({"epsilon_nominal": 1.0, "epsilon_ledger": 0.9, "epsilon_lower_bound": 0.5,
+                     "confidence": 0.95}) == []
     assert capsys.readouterr().out == ""

@@ -10,8 +10,10 @@ threshold chosen on the first runs and Clopper-Pearson intervals on the rest giv
 eq. 25 (:mod:`decentdp.audit.bounds`).
 
 The paper trained 5,000 models on each dataset on 4 GPUs; here they are blocks of one simulation
-(:mod:`decentdp.audit.blocks`), ``chunk`` blocks at a time.  Central baselines (algorithms that
-pool data) train one agent on the union of D (and z).
+(:mod:`decentdp.audit.blocks`), ``chunk`` trainings of each world (``2 chunk`` blocks) at a time.  Central
+baselines (algorithms that pool data) train one agent on the union of D (and z).  The summary's mean losses on z
+are over the models whose loss is finite (``run_audit`` accepts up to half NaN scores, a diverged training's);
+``loss_non_finite`` counts the others.
 """
 
 from __future__ import annotations
@@ -76,7 +78,14 @@ def run_membership_audit(experiment: Experiment, audit: AuditSection, store: Chu
         return -loss.squeeze(1).double().cpu().numpy()                        # higher: more likely a member
 
     outcome = run_audit(experiment, audit, "mia", build, score, store)
-    member, scores = outcome.member, outcome.scores
-    outcome.summary.update(loss_member_mean=float(-scores[member].mean()),
-                           loss_non_member_mean=float(-scores[~member].mean()))
+    member, losses = outcome.member, -outcome.scores
+    finite = np.isfinite(losses)
+    outcome.summary.update(loss_member_mean=_mean(losses[member & finite]),
+                           loss_non_member_mean=_mean(losses[~member & finite]),
+                           loss_non_finite=int((~finite).sum()))
     return outcome
+
+
+def _mean(values: np.ndarray) -> float | None:
+    """The mean of ``values``, None when there are none (every model of a world diverged)."""
+    return float(values.mean()) if values.size else None

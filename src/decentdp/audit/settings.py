@@ -34,7 +34,9 @@ class AuditSection(BaseModel):
     threshold_rule: Literal["empirical", "gaussian"] = Field(
         "empirical", description="how the selection runs choose the threshold: observed rates, or the tails of "
                                  "normals fitted to each world's scores (Gaussian scores: the message audit at q = 1)")
-    chunk: int = Field(2000, ge=1, description="blocks (trainings) simulated at once; bounds memory")
+    chunk: int = Field(2000, ge=1, description="trainings of each world per chunk: 2 x chunk blocks (trainings) "
+                                               "are simulated at once, half with the record and half without; "
+                                               "bounds memory")
     # -- membership inference (Bayrooti et al., App. D) -------------------------------------------------
     digits: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1,
                               description="classes of D, one per agent (the target holds the first)")

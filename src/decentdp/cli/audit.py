@@ -1,8 +1,10 @@
 """``decentdp audit mia|messages|one-run CONFIG`` and ``decentdp attack inversion CONFIG``.
 
-Each command prints a readable summary and, with ``--json``, ends with one JSON line; with ``--out``
-it writes a results folder (``audit.json`` or ``inversion.json``, ``scores.csv``, and for the attack
-``reconstructions.png``), refusing a non-empty one before anything runs.
+Each command prints a readable summary and, with ``--json``, ends with one JSON line (strict JSON: no NaN or
+Infinity, null instead); with ``--out`` it writes a results folder (``audit.json`` or ``inversion.json``,
+``scores.csv``, and for the attack ``reconstructions.png``), refusing a non-empty one, or one that cannot be
+created, before anything runs.  The JSON line is printed before the folder is written, so a folder that fails
+at the end loses no result.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import math
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from decentdp.errors import ConfigError
+from decentdp.results.files import check_creatable
 from decentdp.util.arguments import add_threads_option, with_threads
 
 _AUDIT_DESCRIPTION = """\
@@ -76,12 +80,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _out_folder(out: str | None) -> Path | None:
-    """``--out``, checked before anything runs: a new or empty directory."""
+    """``--out``, checked and created before anything runs (an audit may take hours): a new or empty directory."""
     if out is None:
         return None
     path = Path(out)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise ConfigError("--out", f"{path} exists and is not an empty directory; choose a new folder")
+    check_creatable(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("--out", f"cannot create {path}: {exc.strerror or exc}") from None
     return path
 
 
@@ -109,9 +118,25 @@ def _csv(path: Path, rows: list[dict[str, Any]]) -> None:
     _publish(file.name, path)
 
 
-def _jsonable(summary: dict[str, Any]) -> dict[str, Any]:
-    """Infinite values as null (one encoding of "no finite epsilon", as in run summaries)."""
-    return {key: None if isinstance(value, float) and math.isinf(value) else value for key, value in summary.items()}
+def _jsonable(value: Any) -> Any:
+    """``value`` (a summary) with every non-finite float as null, nested values included: infinite is one encoding
+    of "no finite epsilon", as in run summaries, and NaN (an undefined number) has none in JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(item) for item in value]
+    return value
+
+
+def _json(summary: dict[str, Any], indent: int | None = None) -> str:
+    """``summary`` as strict JSON (what every JSON parser reads: no NaN or Infinity)."""
+    return json.dumps(_jsonable(summary), indent=indent, allow_nan=False)
+
+
+#: What a command leaves to write into ``--out`` once its summary is printed.
+Writer = Callable[[Path], None]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,20 +144,29 @@ def run(args: argparse.Namespace) -> int:
     from decentdp.audit.settings import load_audit_config
     from decentdp.util.threads import apply_threads
 
-    out = _out_folder(args.out)
     overrides = list(args.overrides)
     if getattr(args, "models", None) is not None:
         overrides.append(f"audit.models={args.models}")
     config, audit = load_audit_config(args.config, with_threads(overrides, args.threads))
+    out = _out_folder(args.out)  # once the config is valid (a typo leaves no folder), before anything trains
     print(apply_threads(config.engine.threads).describe(), file=sys.stderr)  # as decentdp run does
     if args.command == "attack":
-        summary = _attack(config, audit, args.data_dir, out)
+        summary, write = _attack(config, audit, args.data_dir)
     elif args.audit_kind == "one-run":
-        summary = _one_run(config, audit, args.data_dir, out)
+        summary, write = _one_run(config, audit, args.data_dir)
     else:
-        summary = _audit(args.audit_kind, config, audit, args.data_dir, out, _chunk_store(args.chunk_dir, args.chunks))
+        summary, write = _audit(args.audit_kind, config, audit, args.data_dir,
+                                _chunk_store(args.chunk_dir, args.chunks))
     if args.json:
-        print(json.dumps(_jsonable(summary)))
+        print(_json(summary), flush=True)  # first: a results folder that cannot be written loses nothing
+    if out is not None:
+        try:
+            write(out)
+        except OSError as exc:
+            kept = ("the JSON line above holds the summary" if args.json
+                    else f"the summary, written nowhere else: {_json(summary)}")
+            raise ConfigError("--out", f"cannot write the results into {out} ({exc.strerror or exc}); {kept}"
+                              ) from None
     return 0
 
 
@@ -158,26 +192,30 @@ def _chunk_store(folder: str | None, chunks: str | None) -> Any:
     return ChunkStore(Path(folder), only)
 
 
-def _audit(kind: str, config: Any, audit: Any, data_dir: str | None, out: Path | None, store: Any = None
-           ) -> dict[str, Any]:
+def _audit(kind: str, config: Any, audit: Any, data_dir: str | None, store: Any = None
+           ) -> tuple[dict[str, Any], Writer]:
     from decentdp.audit.blocks import audit_experiment
     from decentdp.audit.messages import run_message_audit
     from decentdp.audit.mia import run_membership_audit
 
     experiment = audit_experiment(config, data_dir=data_dir)
     print(f"audit {kind}: {config.algorithm.name}, {audit.models} trainings per world in blocks of "
-          f"{experiment.topology.n_agents} agent(s), {audit.chunk} blocks at a time")
+          f"{experiment.topology.n_agents} agent(s), {2 * audit.chunk} blocks ({audit.chunk} per world) at a time")
     outcome = (run_membership_audit(experiment, audit, store) if kind == "mia"
                else run_message_audit(experiment, audit, store=store))
     summary = outcome.summary
+    wall = summary["wall_seconds"]
     print(f"epsilon lower bound {summary['epsilon_lower_bound']:.3f} (eq. 25 alone: {summary['epsilon_eq25']:.3f}) "
-          f"at {100 * summary['confidence']:g}% confidence; nominal epsilon {summary['epsilon_nominal']:g}; "
-          f"{summary['wall_seconds']:.1f} s")
-    _verdict(summary)
+          f"at {100 * summary['confidence']:g}% confidence; nominal epsilon {summary['epsilon_nominal']:g}, the "
+          f"ledger's {summary['epsilon_ledger']:.4g}; "
+          + (f"{wall:.1f} s of training" if wall is not None
+             else "training time unknown (chunks written before chunks recorded their time)"))
+    summary["bound_exceeds"] = _verdict(summary)
     if not summary["complete"]:
         print(f"interim bound over {summary['chunks']} chunks: its confidence holds for one evaluation, so report "
               "the bound of the finished audit, not the largest of several interim ones")
-    if out is not None:
+
+    def write(out: Path) -> None:
         selection = summary["selection_runs"]
         member_seen = non_member_seen = 0
         rows = []
@@ -186,10 +224,11 @@ def _audit(kind: str, config: Any, audit: Any, data_dir: str | None, out: Path |
             rows.append({"score": score, "member": int(member), "part": "select" if seen < selection else "evaluate"})
             member_seen, non_member_seen = member_seen + member, non_member_seen + (not member)
         _save(out, summary, rows)
-    return summary
+
+    return summary, write
 
 
-def _one_run(config: Any, audit: Any, data_dir: str | None, out: Path | None) -> dict[str, Any]:
+def _one_run(config: Any, audit: Any, data_dir: str | None) -> tuple[dict[str, Any], Writer]:
     from decentdp.audit.blocks import audit_experiment
     from decentdp.audit.one_run import run_one_run_audit
 
@@ -201,36 +240,50 @@ def _one_run(config: Any, audit: Any, data_dir: str | None, out: Path | None) ->
     print(f"epsilon lower bound {summary['epsilon_lower_bound']:.3f} at {100 * summary['confidence']:g}% "
           f"confidence: {summary['correct']} of {summary['guesses']} guesses right ({summary['guesses_per_side']} "
           f"in, as many out; the best of {len(summary['guess_grid'])} numbers of guesses); nominal epsilon "
-          f"{summary['epsilon_nominal']:g}; {summary['wall_seconds']:.1f} s")
-    _verdict(summary)
-    if out is not None:
+          f"{summary['epsilon_nominal']:g}, the ledger's {summary['epsilon_ledger']:.4g}; "
+          f"{summary['wall_seconds']:.1f} s")
+    summary["bound_exceeds"] = _verdict(summary)
+
+    def write(out: Path) -> None:
         columns = zip(outcome.coordinates, outcome.included, outcome.scores, outcome.guesses, strict=True)
         _save(out, summary, [{"canary": k, "coordinate": int(j), "included": int(member), "score": float(score),
                               "guess": int(guess)} for k, (j, member, score, guess) in enumerate(columns)])
-    return summary
+
+    return summary, write
 
 
-def _verdict(summary: dict[str, Any]) -> None:
-    """What an audit's bound says about the nominal epsilon: nothing to refute, or a warning when it is beaten."""
+#: The epsilons an audit's bound is checked against: the target's budget, and what its ledger says was spent (for
+#: some algorithms far less than the budget); a lower bound above either refutes it.
+_CLAIMS = {"epsilon_nominal": "the nominal epsilon (the target's budget)",
+           "epsilon_ledger": "the ledger's epsilon (what the accountant reports as spent)"}
+
+
+def _verdict(summary: dict[str, Any]) -> list[str]:
+    """What an audit's bound says about the epsilons claimed for the target (:data:`_CLAIMS`): nothing to refute,
+    or a warning naming each one the bound exceeds; returns their keys (the summary's ``bound_exceeds``)."""
     nominal = summary["epsilon_nominal"]
     if math.isinf(nominal):
         print("the config is non-private: there is no guarantee to refute (the bound is unbounded above); "
               "the bound measures the attack's power")
-    elif summary["epsilon_lower_bound"] > nominal:
+        return []
+    bound = summary["epsilon_lower_bound"]
+    exceeded = [key for key in _CLAIMS if summary.get(key) is not None and bound > summary[key]]
+    if exceeded:
         failure = 100 * (1 - summary["confidence"])
-        print(f"WARNING: the bound exceeds the nominal epsilon: the noise or its accounting is probably wrong (a "
+        claims = " and ".join(f"{_CLAIMS[key]}, {summary[key]:.4g}" for key in exceeded)
+        print(f"WARNING: the bound {bound:.3f} exceeds {claims}: the noise or its accounting is probably wrong (a "
               f"correct mechanism whose epsilon is exactly tight crosses it in at most {failure:g}% of audits)")
+    return exceeded
 
 
 def _save(out: Path, summary: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     """An audit's results folder: ``audit.json`` (the summary) and ``scores.csv`` (``rows``)."""
-    out.mkdir(parents=True, exist_ok=True)
-    _write(out / "audit.json", json.dumps(_jsonable(summary), indent=2) + "\n")
+    _write(out / "audit.json", _json(summary, indent=2) + "\n")
     _csv(out / "scores.csv", rows)
-    print(f"wrote {out}/audit.json and scores.csv")
+    print(f"wrote {out}/audit.json and scores.csv", file=sys.stderr)
 
 
-def _attack(config: Any, audit: Any, data_dir: str | None, out: Path | None) -> dict[str, Any]:
+def _attack(config: Any, audit: Any, data_dir: str | None) -> tuple[dict[str, Any], Writer]:
     from decentdp.audit.inversion import run_inversion, save_figure
 
     outcome = run_inversion(config, audit, data_dir)
@@ -238,11 +291,12 @@ def _attack(config: Any, audit: Any, data_dir: str | None, out: Path | None) -> 
     print(f"{audit.attack} on a {audit.release} of {config.model.name} ({config.data.dataset}): SSIM "
           f"{summary['ssim_nonprivate']:.3f} without DP, {summary['ssim_private']:.3f} at epsilon "
           f"{audit.epsilons[0]:g}; PSNR {summary['psnr_nonprivate']:.1f} / {summary['psnr_private']:.1f} dB")
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        _write(out / "inversion.json", json.dumps(_jsonable(summary), indent=2) + "\n")
+
+    def write(out: Path) -> None:
+        _write(out / "inversion.json", _json(summary, indent=2) + "\n")
         _csv(out / "scores.csv", outcome.rows)
         save_figure(outcome.figure, out / "reconstructions.png",
                     f"{audit.attack} on {audit.release}s of {config.model.name}, {config.data.dataset}")
-        print(f"wrote {out}/inversion.json, scores.csv and reconstructions.png")
-    return summary
+        print(f"wrote {out}/inversion.json, scores.csv and reconstructions.png", file=sys.stderr)
+
+    return summary, write
