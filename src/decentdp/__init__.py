@@ -8,6 +8,9 @@ The public API, three calls from a config file to results (a notebook needs noth
     result = decentdp.run(config)                # trains; result.summary, .metrics, .state (out_dir= writes a folder)
     built = decentdp.assemble(config)            # or: every component (data, privacy stack, simulator), unrun
 
+``run`` and ``assemble`` validate the config again as a whole, so a config changed after loading
+(``config.schedule.kind = "pairing"``) is checked as a loaded one is; both also take a config file's path.
+
 They are imported on first use, so that ``import decentdp`` stays light and the thread settings below come
 before anything loads torch.
 """

@@ -11,6 +11,7 @@ from decentdp.config.schema import (
     ExperimentConfig,
     TrackingSection,
     apply_overrides,
+    checked_config,
     config_differences,
     flat_fields,
     load_config,
@@ -20,5 +21,6 @@ from decentdp.config.schema import (
 )
 
 __all__ = ["FLOAT32_MAX", "GRAPH_REQUIRES", "PLACEMENT_FIELDS", "RECORDING_FIELDS", "EngineSection", "ExperimentConfig",
-           "PersonalizedSection", "TrackingSection", "apply_overrides", "config_differences", "flat_fields",
+           "PersonalizedSection", "TrackingSection", "apply_overrides", "checked_config",
+           "config_differences", "flat_fields",
            "load_config", "overridden_algorithm_keys", "parse_override", "validate_config"]

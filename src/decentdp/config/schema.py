@@ -761,6 +761,10 @@ def apply_overrides(raw: dict[str, Any], assignments: list[str]) -> dict[str, An
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
     """Read, override and validate a TOML experiment file."""
+    if isinstance(overrides, str) or not isinstance(overrides, list | tuple | None):
+        raise TypeError(f"overrides must be a list of 'section.key=value' strings (--set syntax), e.g. "
+                        f"overrides=['experiment.rounds=50'], got {overrides!r}")
+    overrides = list(overrides or [])
     file = Path(path)
     if file.is_dir():
         raise ConfigError("CONFIG", f"{file} is a directory, not a TOML config file (a results folder holds its "
@@ -773,7 +777,27 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
         raise ConfigError("CONFIG", f"cannot read {file} as UTF-8 TOML: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("CONFIG", f"{file} is not valid TOML: {exc}") from None
-    return validate_config(apply_overrides(raw, overrides or []), overridden_algorithm_keys(overrides or []))
+    return validate_config(apply_overrides(raw, overrides), overridden_algorithm_keys(overrides))
+
+
+def checked_config(config: ExperimentConfig | str | Path) -> ExperimentConfig:
+    """The config a run or an assembly starts from, checked again as a whole: a path is loaded
+    (:func:`load_config`), and a config object validated anew.
+
+    A section re-checks an assigned field on its own (``validate_assignment``), but the checks across sections
+    (:meth:`ExperimentConfig._cross_field`: a schedule the algorithm supports, ``lr_final`` under a decaying
+    schedule, one budget per agent) run only when the whole config is validated, so a config changed after
+    loading (``config.schedule.kind = "pairing"``) is validated again here from its dump.  Its ``[algorithm]``
+    extras then hold the algorithm's own settings only, so the keys ``--set`` gave need no context; the keys a
+    file gave that were dropped (:attr:`AlgorithmSection.ignored_notices`) are carried over, to be said."""
+    if isinstance(config, str | Path):
+        return load_config(config)
+    if not isinstance(config, ExperimentConfig):
+        raise TypeError(f"expected an ExperimentConfig (decentdp.load_config) or the path of a TOML config, got "
+                        f"{type(config).__name__}")
+    checked = validate_config(config.model_dump())
+    checked.algorithm._ignored.update(config.algorithm._ignored)
+    return checked
 
 
 def overridden_algorithm_keys(assignments: list[str]) -> frozenset[str]:

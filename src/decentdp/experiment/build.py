@@ -26,7 +26,7 @@ import torch
 from decentdp.algorithms import algorithm_class
 from decentdp.algorithms.base import Algorithm, NoisePlan, PublicRun, State
 from decentdp.algorithms.components.schedules import Schedule
-from decentdp.config import FLOAT32_MAX, EngineSection, ExperimentConfig
+from decentdp.config import FLOAT32_MAX, EngineSection, ExperimentConfig, checked_config
 from decentdp.data.augment import Augmentation
 from decentdp.data.datasets import Dataset, load_dataset
 from decentdp.data.partition import class_histograms, hold_out, partition
@@ -238,12 +238,18 @@ def _run_device(engine: EngineSection) -> torch.device:
     return torch.device("cpu") if engine.backend == "ray" else resolve_device(engine.device)
 
 
-def build_experiment(config: ExperimentConfig, data_dir: str | Path | None = None,
+def build_experiment(config: ExperimentConfig | str | Path, data_dir: str | Path | None = None,
                      device: torch.device | str | None = None) -> Experiment:
     """Load data, build graph, model, privacy and algorithm; raises DecentDPError on bad input.
 
-    Everything is built on ``device`` (default: ``engine.device``, resolved on this machine); the
-    data is moved there once, here."""
+    ``config`` is validated again as a whole (:func:`~decentdp.config.checked_config`: a config changed after
+    loading, or a path, which is loaded).  Everything is built on ``device`` (default: ``engine.device``, resolved
+    on this machine); the data is moved there once, here.  A ``[personalized]`` config is refused: its runner
+    (:func:`decentdp.run`) builds no network experiment."""
+    config = checked_config(config)
+    if config.personalized is not None:
+        raise ConfigError("personalized", "a [personalized] run has its own runner (per-agent models, no network "
+                                          "experiment to assemble): run it with decentdp.run (or `decentdp run`)")
     cfg_data, topo_cfg, algo_cfg = config.data, config.topology, config.algorithm
     seed = config.experiment.seed
     device = _run_device(config.engine) if device is None else torch.device(device)

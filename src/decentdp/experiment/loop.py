@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from decentdp.algorithms.base import RunFacts, State
-from decentdp.config import ExperimentConfig
+from decentdp.config import ExperimentConfig, checked_config
 from decentdp.errors import ConfigError
 from decentdp.experiment.build import Experiment, build_experiment
 from decentdp.experiment.record import ResultsFolder, summary
@@ -66,12 +66,14 @@ def _check_device(experiment: Experiment, checkpoint: dict[str, Any]) -> None:
                                            f"engine.device={saved.type}")
 
 
-def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, *,
+def run_experiment(config: ExperimentConfig | str | Path, out_dir: str | Path | None = None, *,
                    data_dir: str | Path | None = None, resume: bool = False, stop_after: int | None = None,
                    progress: bool = True, log: Callable[[str], None] | None = None,
                    profile: bool = False, diagnostics: bool = False) -> RunResult:
     """Build and run an experiment, writing its results folder (if ``out_dir`` is given).
 
+    ``config`` is validated again as a whole first (:func:`~decentdp.config.checked_config`), so a config changed
+    after loading gets every check a loaded one does; a path is loaded.
     ``stop_after`` ends the run after that many rounds (as if killed right after a checkpoint),
     leaving a resumable folder; ``resume`` continues a run from its folder's checkpoint.
     ``diagnostics`` adds operator statistics computed from the raw private data (not differentially
@@ -80,6 +82,7 @@ def run_experiment(config: ExperimentConfig, out_dir: str | Path | None = None, 
     ``profile`` times every phase of the rounds and records torch's busiest operators over a few
     rounds (see :mod:`decentdp.util.profiling`); the report is logged and saved as ``profile.json``.
     """
+    config = checked_config(config)  # changed after loading, or a path: validated again as a whole
     retain_freed_memory()
     # A count the user set holds from the start (the build's reductions run on it too); otherwise the round's
     # work and the free cores decide it once the model is built (below, in _run).
