@@ -28,10 +28,13 @@ from decentdp.cli.main import _build_parser, main
 from decentdp.config import load_config, validate_config
 from decentdp.data.datasets import DATASETS
 from decentdp.data.partition import PARTITIONS
+from decentdp.experiment.build import build_experiment
 from decentdp.models import MODELS
 from decentdp.privacy.accounting import ACCOUNTANTS
 from decentdp.runtime.scheduler import SCHEDULES
 from decentdp.topology import GRAPH_KINDS, MIXING_KINDS
+
+from conftest import tiny_config as tiny_config_raw
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -751,6 +754,36 @@ def test_run_dry_run_invalid_config_exits_2(tiny_config: Path, capsys: pytest.Ca
     assert captured.out == ""
 
 
+def test_run_dry_run_says_what_a_run_would_warn_of_the_config(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A hand-written key that is another algorithm's default is dropped, and fields a pooled run does not read are
+    accepted: a run says both when it starts, and --dry-run on stderr (stdout stays the resolved TOML)."""
+    path = tmp_path / "pooled.toml"
+    path.write_text("[algorithm]\nname = 'central-dpsgd'\ncorrelation = 3.0\n[topology]\ngraph = 'erdos-renyi'\n"
+                    "agents = 7\np = 0.5\nredraw_every = 2\n[data]\npartition = 'dirichlet'\n"
+                    "[privacy]\nepsilon = 1.0\n", encoding="utf-8")
+    assert main(["run", str(path), "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    assert tomllib.loads(captured.out)["algorithm"]["name"] == "central-dpsgd"
+    lines = captured.err.splitlines()
+    assert any(line.startswith("warning: algorithm.correlation = 3.0 is not a setting of 'central-dpsgd'")
+               for line in lines), captured.err
+    unread = next(line for line in lines if "change nothing" in line)
+    for field in ("topology.graph = 'erdos-renyi'", "topology.agents = 7", "topology.p = 0.5",
+                  "topology.redraw_every = 2", "data.partition = 'dirichlet'"):
+        assert field in unread
+    assert "topology.mixing" not in unread and "data.dirichlet_alpha" not in unread  # (at their defaults)
+    assert load_config(path).notices == [line.removeprefix("warning: ") for line in lines]
+
+
+def test_fields_a_run_does_not_read_are_said_where_its_agents_never_communicate() -> None:
+    local = validate_config(tiny_config_raw(algorithm={"name": "local"},
+                                            topology={"graph": "ring", "agents": 5, "mixing": "average"}))
+    assert local.notices == ["topology.graph = 'ring', topology.mixing = 'average' change nothing: 'local' trains "
+                             "each agent alone and sends no message (no graph)"]
+    assert validate_config(tiny_config_raw(topology={"graph": "ring", "agents": 5})).notices == []
+
+
 def test_run_threads_is_engine_threads(tiny_config: Path, monkeypatch: pytest.MonkeyPatch,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", str(tiny_config), "--threads", "3", "--dry-run"]) == 0
@@ -805,18 +838,24 @@ def test_init_names_the_experiment_after_the_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("algorithm", algorithm_names())
-def test_init_algorithm_templates_pass_dry_run(algorithm: str, tmp_path: Path,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_init_algorithm_templates_pass_dry_run_and_build(algorithm: str, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Each template passes --dry-run and builds as a run would (data, calibration), which --dry-run does not: the
+    no-noise template once wrote epsilon = 4.0, which every run refused."""
     out = tmp_path / "sub" / f"{algorithm}.toml"  # missing folders are created
     assert main(["init", str(out), "--template", algorithm]) == 0
     config = load_config(out)
     assert config.algorithm.name == algorithm
     demo = load_config(REPO / "experiments" / "demo.toml")
+    if not algorithm_class(algorithm).adds_noise:  # its template says the run is not private
+        assert config.privacy.epsilon == math.inf
+        demo.privacy.epsilon = math.inf
     assert (config.data, config.topology, config.privacy, config.model) == (demo.data, demo.topology,
                                                                            demo.privacy, demo.model)
     capsys.readouterr()
     assert main(["run", str(out), "--dry-run"]) == 0
     assert tomllib.loads(capsys.readouterr().out) == config.to_toml_dict()
+    assert build_experiment(config).algorithm.name == algorithm
 
 
 def test_init_refuses_to_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

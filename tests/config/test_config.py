@@ -213,6 +213,33 @@ def test_invalid_raw_dicts(raw: dict[str, Any], field: str, fragment: str) -> No
     assert fragment in info.value.message
 
 
+_REDRAWN = {"graph": "erdos-renyi", "p": 0.9, "redraw_every": 2}
+
+
+@pytest.mark.parametrize(("raw", "field", "fragment"), [
+    (tiny_config(algorithm={"name": "no-noise"}), "privacy.epsilon", "adds no noise"),
+    (tiny_config(algorithm={"name": "decor"}, topology=_REDRAWN), "topology.redraw_every", "one fixed graph"),
+    (tiny_config(algorithm={"name": "mafalda-sgd"}, topology=_REDRAWN), "topology.redraw_every", "one fixed graph"),
+    (tiny_config(algorithm={"name": "decor"}, privacy={"agent_epsilons": [1.0, 1.0, 1.0, "inf"]}),
+     "privacy.agent_epsilons", "finite budget for every agent"),
+    (tiny_config(algorithm={"name": "top-dp"}, privacy={"agent_epsilons": [1.0, 1.0, 1.0, "inf"]}),
+     "privacy.agent_epsilons", "finite budget for every agent"),
+    (tiny_config(algorithm={"name": "mafalda-sgd"}, privacy={"noise": "secure"}), "privacy.noise",
+     "simulation mode only"),
+    (tiny_config(algorithm={"name": "dp-dinno", "primal_steps": 2}, data={"sampling": "cyclic"}), "data.sampling",
+     "makes 2 per round"),
+])
+def test_what_an_algorithm_cannot_price_is_refused_with_the_config(raw: dict[str, Any], field: str,
+                                                                   fragment: str) -> None:
+    """Refused when the config is read (so --dry-run says it too), not once the run's data has loaded; each refusal
+    is the algorithm class's declaration, and the same settings without privacy are accepted."""
+    with pytest.raises(ConfigError) as info:
+        validate_config(raw)
+    assert (info.value.field, fragment in info.value.message) == (field, True), info.value.message
+    if field != "data.sampling":
+        assert not validate_config({**raw, "privacy": {"epsilon": "inf"}}).privacy.private
+
+
 def test_every_invalid_field_is_reported_first_one_as_field() -> None:
     raw = {"privacy": {"epsilon": -1, "delta": 2}, "algorithm": {"name": "fedavg"}, "topology": {"agents": 0}}
     with pytest.raises(ConfigError) as info:

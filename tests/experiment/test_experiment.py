@@ -200,6 +200,19 @@ def test_summaries_describe_the_run_that_made_them(tmp_path: Path) -> None:
     assert validate_config(summary["config"]) == validate_config(raw)
 
 
+def test_a_pooled_run_claims_no_partition_and_says_what_it_did_not_read(tmp_path: Path) -> None:
+    """central-dpsgd pools every record into one agent: its summary names no partition that did not happen, and its
+    start says the partition and graph it was given change nothing."""
+    raw = tiny_config(algorithm={"name": "central-dpsgd"}, data={"partition": "dirichlet"},
+                      experiment={"rounds": 2})
+    lines: list[str] = []
+    summary = run_experiment(validate_config(raw), tmp_path / "out", progress=False, log=lines.append).summary
+    assert (summary["partition"], summary["graph"]) == ("pooled", "complete")
+    assert any(line.startswith("warning: topology.graph = 'ring', topology.agents = 4, data.partition = 'dirichlet' "
+                               "change nothing")
+               for line in lines), lines
+
+
 def test_resume_names_the_changed_fields_and_a_finished_run_explains_why_it_cannot_grow(tmp_path: Path) -> None:
     config = validate_config(tiny_config())
     run_experiment(config, tmp_path / "out", **_quiet())

@@ -181,7 +181,8 @@ def test_bad_inputs_name_their_field() -> None:
     with pytest.raises(ConfigError, match="topology.graph"):
         Decor(DecorSettings().build(), 3.0).calibrate(_plan([[1], [0], []]))
     with pytest.raises(ConfigError, match="topology.redraw_every"):
-        Decor(DecorSettings().build(), 3.0).calibrate(_plan([[1], [0]], redrawn=True))
+        validate_config(tiny_config(algorithm={"name": "decor"}, topology={"graph": "erdos-renyi", "p": 0.9,
+                                                                           "redraw_every": 2}))
     with pytest.raises(ConfigError, match="privacy.colluding"):
         validate_config(tiny_config(privacy={"colluding": [[]]}))
 

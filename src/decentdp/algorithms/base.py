@@ -368,6 +368,10 @@ class Algorithm(ABC):
     Settings: ClassVar[type[AlgorithmSettings]] = AlgorithmSettings
     #: True when all agents' data are pooled into one agent (central training baselines).
     pools_data: ClassVar[bool] = False
+    #: Whether its agents send messages at all.  One that never does (local training, and the pooled baselines that
+    #: build on it) reads no ``[topology]`` field but ``agents``, and a run that sets one is told it changes nothing
+    #: (:meth:`~decentdp.config.schema.ExperimentConfig.unread_by_the_algorithm`).
+    communicates: ClassVar[bool] = True
     #: Whether its rounds weight messages with the topology's mixing matrix (``topology.mixing``).  The others
     #: weight their neighbours in their own update rule, and a run that names a mixing is told it changes nothing
     #: (``tests/algorithms/test_every_setting_is_read.py`` checks the flag against runs under two mixings).
@@ -397,6 +401,19 @@ class Algorithm(ABC):
     sampling_note: ClassVar[str] = ("cyclic runs charge an agent once per pass over its batches, which covers one "
                                     "release a round with the run's fixed mechanism; this algorithm has not been "
                                     "shown to release only that way")
+    #: Whether its releases carry noise.  One that adds none (``no-noise``, a non-private reference) is refused
+    #: any finite budget: its run must say it is not private, ``privacy.epsilon = 'inf'``.
+    adds_noise: ClassVar[bool] = True
+    #: Why a private run of it needs one fixed graph (``topology.redraw_every = 0``), or ``None`` where a graph
+    #: redrawn during the run serves.
+    fixed_graph_reason: ClassVar[str | None] = None
+    #: Why a private run of it needs a finite budget for every agent (no ``'inf'`` entry in
+    #: ``privacy.agent_epsilons``), or ``None`` where a non-private agent may run beside private ones.
+    finite_budgets_reason: ClassVar[str | None] = None
+    #: The ``privacy.noise`` modes a private run of it can draw its noise in.
+    noise_modes: ClassVar[tuple[str, ...]] = ("simulation", "secure")
+    #: Why the noise modes it lacks are refused (said with the refusal).
+    noise_mode_note: ClassVar[str] = ""
 
     @classmethod
     def from_settings(cls, settings: Any) -> Algorithm:
@@ -406,7 +423,8 @@ class Algorithm(ABC):
     def calibrate(self, plan: NoisePlan) -> Calibrated | None:
         """The algorithm's own noise calibration for a private run, or ``None`` for the run's default (a
         Gaussian mechanism calibrated for ``releases_per_round`` sampled releases per round).  Raise
-        :class:`~decentdp.errors.ConfigError` for a plan it cannot serve (called before anything is written)."""
+        :class:`~decentdp.errors.ConfigError` for a plan it cannot serve (called before anything is written, but after
+        the data loads: what the config alone decides is refused at config time, by the class's flags above)."""
         return None
 
     @property

@@ -87,6 +87,11 @@ class Decor(OptimizerAlgorithm):
     Settings = DecorSettings
     samplings: ClassVar[tuple[str, ...]] = ("poisson",)
     sampling_note: ClassVar[str] = "its own calibration plans for Poisson-sampled rounds"
+    fixed_graph_reason: ClassVar[str | None] = ("its neighbours agree on one key per edge of a fixed graph; a "
+                                                "redrawn graph would need new keys every round")
+    finite_budgets_reason: ClassVar[str | None] = ("it calibrates every agent's own noise against its neighbours' "
+                                                   "edge noise, and an agent with an infinite budget leaves its "
+                                                   "edges unpriced")
 
     def __init__(self, optimizer: Optimizer, correlation: float, local_epsilon: float | None = None) -> None:
         super().__init__(optimizer)
@@ -99,19 +104,12 @@ class Decor(OptimizerAlgorithm):
 
     def calibrate(self, plan: NoisePlan) -> Calibrated:
         """Each agent's own ``sigma_i`` (:meth:`noise_for`): its worst observer view stays within its budget over
-        the run's rounds; the ledger charges that view's event."""
-        if plan.redrawn:
-            raise ConfigError("topology.redraw_every", "decor's neighbours agree on one key per edge of a fixed "
-                                                       "graph; a redrawn graph would need new keys every round")
+        the run's rounds; the ledger charges that view's event.  A fixed graph and finite budgets are the config's
+        to check (:attr:`fixed_graph_reason`, :attr:`finite_budgets_reason`)."""
         lonely = [agent for agent, neighbours in enumerate(plan.neighbours) if not neighbours]
         if lonely:
             raise ConfigError("topology.graph", f"agent(s) {lonely} have no neighbour: decor's correlated noise "
                                                 "cancels between neighbours, and an isolated agent's would not")
-        if not np.isfinite(plan.budgets).all():
-            raise ConfigError("privacy.agent_epsilons", "decor calibrates every agent's own noise against its "
-                                                        "neighbours' edge noise, and an agent with an infinite "
-                                                        "budget leaves its edges unpriced: give every agent a "
-                                                        "finite budget")
         n = len(plan.budgets)
         edges = graph_edges(np.array([(agent, other) for agent, neighbours in enumerate(plan.neighbours)
                                       for other in neighbours]))

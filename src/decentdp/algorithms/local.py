@@ -18,6 +18,7 @@ class LocalTraining(OptimizerAlgorithm):
 
     samplings: ClassVar[tuple[str, ...]] = ("poisson", "cyclic")  # one release a round, the run's mechanism
     reads_mixing: ClassVar[bool] = False  # no messages
+    communicates: ClassVar[bool] = False
 
     name: ClassVar[str] = "local"
 

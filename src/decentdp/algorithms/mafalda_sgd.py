@@ -105,6 +105,10 @@ class MafaldaSGD(SettingsAlgorithm):
     sampling_note: ClassVar[str] = ("its correlated noise is priced over the whole run, where no amplification by "
                                     "Poisson sampling is proven; use data.sampling = 'cyclic' (b fixed batches, the "
                                     "participation its factorization is optimised for)")
+    fixed_graph_reason: ClassVar[str | None] = "its factorization is optimised for one fixed graph"
+    noise_modes: ClassVar[tuple[str, ...]] = ("simulation",)
+    noise_mode_note: ClassVar[str] = ("it draws its correlated noise in simulation mode only (secure mode's hardened "
+                                      "float64 draws are not combined yet)")
 
     def __init__(self, settings: MafaldaSettings) -> None:
         super().__init__(settings)
@@ -117,20 +121,13 @@ class MafaldaSGD(SettingsAlgorithm):
     def calibrate(self, plan: NoisePlan) -> Calibrated:
         """The factorization for the run's graph, rounds and participation, and each agent's ``sigma_u`` so that its
         whole-run Gaussian (multiplier ``sigma_u / sens(C)``) meets its budget; the ledger charges it before round 0."""
-        if plan.period is None:
-            raise ConfigError("data.sampling", f"mafalda-sgd needs 'cyclic' participation ({self.sampling_note})")
-        if plan.redrawn:
-            raise ConfigError("topology.redraw_every", "mafalda-sgd's factorization is optimised for one fixed graph; "
-                                                       "set it to 0")
         lonely = [agent for agent, neighbours in enumerate(plan.neighbours) if not neighbours]
         if lonely:
             raise ConfigError("topology.graph", f"agent(s) {lonely} have no neighbour: mafalda-sgd's factorization is "
                                                 "optimised for the averaging with neighbours; choose a connected graph")
-        if plan.noise != "simulation":
-            raise ConfigError("privacy.noise", "mafalda-sgd draws its correlated noise in simulation mode only (secure "
-                                               "mode's hardened float64 draws are not combined yet)")
-        if plan.public is None:
-            raise ValueError("mafalda-sgd calibrates on the run's public graph (NoisePlan.public)")
+        if plan.public is None or plan.period is None:  # (the config admits cyclic sampling only: `samplings`)
+            raise ValueError("mafalda-sgd calibrates on the run's public graph and cyclic batches (NoisePlan.public, "
+                             "NoisePlan.period)")
         w = dense_mixing(plan.public.network(0))
         iterations = self.settings.optimizer_iterations if self.settings.factorization == "optimal" else 0
         factorization = run_factorization(w, plan.rounds, plan.period, max_iterations=iterations,

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from decentdp.algorithms.base import Calibrated, NoisePlan
 from decentdp.algorithms.components.select_mix import SelectMix
 from decentdp.algorithms.registry import register
-from decentdp.errors import ConfigError
 
 
 @register
@@ -18,7 +16,4 @@ class NoNoiseSelectMix(SelectMix):
     """Eq. 3 with exact mean gradients."""
 
     name: ClassVar[str] = "no-noise"
-
-    def calibrate(self, plan: NoisePlan) -> Calibrated:
-        raise ConfigError("privacy.epsilon", "algorithm 'no-noise' adds no noise: set privacy.epsilon = 'inf' "
-                                             "(a deliberately non-private run)")
+    adds_noise: ClassVar[bool] = False  # the config refuses a finite budget

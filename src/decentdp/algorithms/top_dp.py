@@ -89,6 +89,8 @@ class TopDPBase(SelectMix):
     so that a shard of a sharded run plans exactly as the simulator does."""
 
     Settings = TopDPSettings
+    finite_budgets_reason: ClassVar[str | None] = ("it reuses each neighbour's noise in proportion to its sigma, and "
+                                                   "an agent with an infinite budget adds none")
 
     def __init__(self, alpha: float, topology_aware: bool = True, decay_gamma: float = 0.9,
                  decay_period: int = 1000) -> None:

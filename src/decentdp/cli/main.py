@@ -82,8 +82,9 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", help="results folder (default: results/<name>-<timestamp>)")
     run.add_argument("--resume", action="store_true", help="continue the run whose checkpoint is in --out")
     run.add_argument("--dry-run", action="store_true",
-                     help="validate the config and overrides, print the resolved config as TOML and exit; "
-                          "loads no data, trains nothing, writes nothing")
+                     help="validate the config and overrides, print the resolved config as TOML (and to stderr "
+                          "the warnings a run would give about the config) and exit; loads no data, trains "
+                          "nothing, writes nothing")
     run.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
     run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     run.add_argument("--diagnostics", action="store_true",
@@ -167,6 +168,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.dry_run:
         import tomli_w
 
+        for notice in config.notices:  # what a run would say of the config at its start (stdout stays TOML)
+            print(f"warning: {notice}", file=sys.stderr)
         sys.stdout.write(tomli_w.dumps(config.to_toml_dict()))
         return 0
 
@@ -560,6 +563,9 @@ def _template(name: str, out: Path) -> tuple[str, dict[str, Any]]:
         raw["algorithm"]["name"] = name
         raw["experiment"]["name"] = f"demo-{name}"
         about = f"The quick-start demo with algorithm '{name}': {_algorithm_summary(algorithm_class(name))}"
+        if not algorithm_class(name).adds_noise:  # a run of it must say it is not private
+            raw["privacy"]["epsilon"] = "inf"
+            about += "\nIt adds no noise, so its run is deliberately non-private: privacy.epsilon = 'inf'."
     config = validate_config(raw)
     try:  # experiment.name names the results folder: take OUT's file name when it is a valid name
         config = validate_config({**raw, "experiment": {**raw["experiment"], "name": out.stem}})

@@ -27,7 +27,7 @@ from pydantic import (
 )
 
 from decentdp.algorithms import algorithm_class, algorithm_names
-from decentdp.algorithms.base import AlgorithmSettings
+from decentdp.algorithms.base import Algorithm, AlgorithmSettings
 from decentdp.config.personalized import PersonalizedSection
 from decentdp.errors import ConfigError
 from decentdp.models import check_model_options
@@ -472,6 +472,14 @@ class ExperimentConfig(_Section):
             note = f": {chosen.sampling_note}" if chosen.sampling_note else ""
             raise _FieldError("data.sampling", f"'{self.sampling_kind}' is not supported by algorithm '{algo.name}' "
                                                f"(supported: {', '.join(chosen.samplings)}){note}")
+        if self.sampling_kind == "cyclic":
+            built = chosen.from_settings(algo.settings)  # (its release counts may follow its settings)
+            if built.releases_per_round != 1 or built.setup_releases:
+                raise _FieldError("data.sampling", f"'cyclic' charges each agent once per pass over its batches, one "
+                                                   f"release per round; algorithm '{algo.name}' makes "
+                                                   f"{built.releases_per_round} per round and {built.setup_releases} "
+                                                   "before round 0 with these settings: use 'poisson'")
+        self._refuse_what_the_algorithm_cannot_price(chosen)
         if self.schedule.offline_probability and not algorithm_class(algo.name).follows_plan:
             raise _FieldError("schedule.offline_probability", f"algorithm '{algo.name}' does not let agents go "
                                                                "offline (its rounds involve every agent)")
@@ -509,6 +517,27 @@ class ExperimentConfig(_Section):
             raise _FieldError(f"topology.{needed}", f"is required by graph = '{topo.graph}'")
         return self
 
+    def _refuse_what_the_algorithm_cannot_price(self, chosen: type[Algorithm]) -> None:
+        """The privacy settings the algorithm's class declares it cannot serve (:attr:`Algorithm.adds_noise`,
+        ``fixed_graph_reason``, ``finite_budgets_reason``, ``noise_modes``), refused here rather than when the run
+        calibrates, after its data loads (``--dry-run`` checks them too)."""
+        privacy, name = self.privacy, self.algorithm.name
+        if not privacy.private:
+            return
+        if not chosen.adds_noise:
+            raise _FieldError("privacy.epsilon" if privacy.agent_epsilons is None else "privacy.agent_epsilons",
+                              f"algorithm '{name}' adds no noise: set privacy.epsilon = 'inf' (a deliberately "
+                              "non-private run)")
+        if chosen.fixed_graph_reason is not None and self.topology.redraw_every:
+            raise _FieldError("topology.redraw_every", f"algorithm '{name}' needs one fixed graph "
+                                                       f"({chosen.fixed_graph_reason}): set it to 0")
+        if chosen.finite_budgets_reason is not None and not all(math.isfinite(b) for b in privacy.budgets):
+            raise _FieldError("privacy.agent_epsilons", f"algorithm '{name}' needs a finite budget for every agent "
+                                                        f"({chosen.finite_budgets_reason}): give each agent one")
+        if privacy.noise not in chosen.noise_modes:
+            raise _FieldError("privacy.noise", f"'{privacy.noise}' is not supported by algorithm '{name}' (supported: "
+                                               f"{', '.join(chosen.noise_modes)}): {chosen.noise_mode_note}")
+
     def _personalized_reads_every_field_set(self) -> None:
         """A personalized run refuses any field outside :data:`PERSONALIZED_READS` that differs from its default."""
         for section in type(self).model_fields:
@@ -529,6 +558,40 @@ class ExperimentConfig(_Section):
                                                       f"({_PERSONALIZED_READS_IN_WORDS}); remove it")
         self._refuse_fields_outside_their_mode([row for row in MODE_ONLY if row[0].split(".")[1] in
                                                 PERSONALIZED_READS.get(row[0].split(".")[0], ())])
+
+    @property
+    def notices(self) -> list[str]:
+        """What a run says of this config when it starts, known from the config alone (``decentdp run --dry-run``
+        prints them too): the ``[algorithm]`` keys dropped as another algorithm's defaults
+        (:attr:`AlgorithmSection.ignored_notices`) and the fields set that the algorithm does not read
+        (:meth:`unread_by_the_algorithm`)."""
+        return [*self.algorithm.ignored_notices, *self.unread_by_the_algorithm()]
+
+    def unread_by_the_algorithm(self) -> list[str]:
+        """One line naming the fields set away from their defaults that the algorithm does not read, if any: every
+        ``[topology]`` field and the partition where it pools all agents' data into one (``pools_data``), every
+        ``[topology]`` field but ``agents`` where its agents never communicate (``communicates``), and
+        ``topology.mixing`` where it weights its neighbours itself (``reads_mixing``).  They are accepted (a
+        baseline shares its config with the runs it is compared with), and said."""
+        chosen, name = algorithm_class(self.algorithm.name), self.algorithm.name
+        topology = [f"topology.{key}" for key in TopologySection.model_fields]
+        if chosen.pools_data:
+            unread = [*topology, "data.partition", "data.overlap_t", "data.dirichlet_alpha", "data.size_skew"]
+            why = f"'{name}' trains one model on all agents' data pooled (no graph, no partition)"
+        elif not chosen.communicates:
+            unread = [dotted for dotted in topology if dotted != "topology.agents"]
+            why = f"'{name}' trains each agent alone and sends no message (no graph)"
+        elif not chosen.reads_mixing:
+            unread = ["topology.mixing"]
+            why = f"'{name}' weights its neighbours in its own update rule, not with a mixing matrix"
+        else:
+            return []
+        set_here = [dotted for dotted in unread if _differs_from_default(self, dotted)]
+        if not set_here:
+            return []
+        named = ", ".join(f"{dotted} = {getattr(getattr(self, dotted.split('.')[0]), dotted.split('.')[1])!r}"
+                          for dotted in set_here)
+        return [f"{named} {'changes' if len(set_here) == 1 else 'change'} nothing: {why}"]
 
     def unread_fields(self) -> list[str]:
         """The fields this run does not read: those of a mode it does not have (:data:`MODE_ONLY`) and the knobs

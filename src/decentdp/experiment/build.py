@@ -117,8 +117,8 @@ def planned_releases(config: ExperimentConfig, algorithm: Algorithm, period: int
 
 def cyclic_period(config: ExperimentConfig, algorithm: Algorithm, sizes: list[int]) -> int | None:
     """``b`` of a cyclic run (``data.batches``, else the smallest agent's records over ``algorithm.batch_size``, at
-    least 1 and at most the rounds), checked against the rounds, the agents' data and the algorithm; ``None`` for
-    Poisson sampling."""
+    least 1 and at most the rounds), checked against the rounds and the agents' data (the config checks the
+    algorithm: one release a round, none before round 0); ``None`` for Poisson sampling."""
     if config.sampling_kind != "cyclic":
         return None
     smallest, rounds = min(sizes), config.experiment.rounds
@@ -129,11 +129,7 @@ def cyclic_period(config: ExperimentConfig, algorithm: Algorithm, sizes: list[in
     if period > smallest:
         raise ConfigError("data.batches", f"is {period}, but the smallest agent holds {smallest} records: each of its "
                                           f"batches would be empty or nearly so; use at most {smallest}")
-    if algorithm.releases_per_round != 1 or algorithm.setup_releases:
-        raise ConfigError("data.sampling", f"'cyclic' charges each agent once per pass over its batches, one release "
-                                           f"per round; algorithm '{config.algorithm.name}' makes "
-                                           f"{algorithm.releases_per_round} per round and {algorithm.setup_releases} "
-                                           "before round 0: use 'poisson'")
+    assert algorithm.releases_per_round == 1 and not algorithm.setup_releases, "refused by the config's checks"
     return period
 
 
@@ -279,7 +275,7 @@ def build_experiment(config: ExperimentConfig | str | Path, data_dir: str | Path
 
     sizes = [len(p) for p in parts]
     mixing_notes = _mixing_notes(config, algorithm, topology)
-    warnings = [*mixing_notes, *config.algorithm.ignored_notices,
+    warnings = [*(topology.warnings if algorithm.reads_mixing else []), *config.notices,
                 *(_privacy_warnings(config, sizes) if private else [])]
     if cfg_data.validation_fraction > 0 and private:
         warnings.append(PRIVATE_EVALUATION_NOTICE)
@@ -389,15 +385,10 @@ def build_experiment(config: ExperimentConfig | str | Path, data_dir: str | Path
 
 
 def _mixing_notes(config: ExperimentConfig, algorithm: Algorithm, topology: Topology) -> list[str]:
-    """What the run should say about its mixing matrix: the topology's checks of it where the algorithm mixes
-    with it, else (for a mixing the config moved from its default) that it changes nothing."""
-    if algorithm.reads_mixing:
-        return list(topology.warnings)
-    mixing = config.topology.mixing
-    if mixing == type(config.topology).model_fields["mixing"].default:
-        return []
-    return [f"topology.mixing = {mixing!r} changes nothing: '{config.algorithm.name}' weights its neighbours in its "
-            "own update rule, not with a mixing matrix"]
+    """What the run says about its mixing matrix: the topology's checks of it where the algorithm mixes with it,
+    else that a mixing the config moved from its default changes nothing (with the other fields the algorithm does
+    not read: :meth:`~decentdp.config.schema.ExperimentConfig.unread_by_the_algorithm`)."""
+    return list(topology.warnings) if algorithm.reads_mixing else config.unread_by_the_algorithm()
 
 
 def _privacy_warnings(config: ExperimentConfig, sizes: list[int]) -> list[str]:

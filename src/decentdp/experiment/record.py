@@ -409,7 +409,7 @@ def summary(experiment: Experiment, metrics: list[dict[str, Any]], wall: float, 
         # The settings that define a row of a table, so that no table needs to join other files:
         "seed": config.experiment.seed,
         "graph": "complete" if config.pools_data else config.topology.graph,
-        "partition": config.data.partition,
+        "partition": "pooled" if config.pools_data else config.data.partition,  # (one agent holds every record)
         "model": config.model.name,
         "lr": config.algorithm.lr,
         "lr_schedule": config.algorithm.lr_schedule,

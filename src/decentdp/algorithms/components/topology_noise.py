@@ -157,10 +157,6 @@ def calibrate_top_dp(plan: NoisePlan, alpha: float, gamma: float, period: int, s
     if min(plan.degrees) < 1:
         agent = plan.degrees.index(min(plan.degrees))
         raise ConfigError("topology.graph", f"agent {agent} has no neighbour: TOP-DP needs at least one per agent")
-    if not all(math.isfinite(budget) for budget in plan.budgets):
-        raise ConfigError("privacy.agent_epsilons", "TOP-DP reuses each neighbour's noise in proportion to its "
-                                                    "sigma, and an agent with an infinite budget adds none: give "
-                                                    "every agent a finite budget")
     # RDP prices a decayed sequence in microseconds (PLD composes one distribution per decay step, seconds
     # each); its sigma is safe for every accountant, since tight and PLD are never above RDP.
     accountant = "rdp" if plan.relation == "add-remove" else plan.accountant
