@@ -200,6 +200,11 @@ BUDGET = {"privacy": {"epsilon": 1.0}}
     ({"engine": {"threads": 100_000}, "privacy": {"epsilon": 1.0}}, "engine.threads", "less than or equal to 1024"),
     ({"model": {"name": "mlp", "hidden": 3}}, "model.hidden", "allowed keys: name, options"),
     # model options are checked when the config is read (the builder runs on the meta device), not at build time
+    # an algorithm's noise scales multiply float32 tensors
+    ({**BUDGET, "algorithm": {"name": "decor", "correlation": 1e39}}, "algorithm.correlation", "largest float32"),
+    ({**BUDGET, "algorithm": {"name": "zip-dl", "zero_sum_noise": 1e300}}, "algorithm.zero_sum_noise",
+     "largest float32"),
+    ({**BUDGET, "algorithm": {"name": "dp-dinno", "rho": 1e39}}, "algorithm.rho", "largest float32"),
     ({**BUDGET, "model": {"options": {"nonsense": 1}}}, "model.options.nonsense", "has no option 'nonsense'"),
     ({**BUDGET, "model": {"options": {"hidden": -3}}}, "model.options.hidden", "positive integer"),
     ({**BUDGET, "model": {"options": {"hidden": [8, 0]}}}, "model.options.hidden", "positive integer"),

@@ -21,6 +21,7 @@ from decentdp.algorithms.base import NoisePlan
 from decentdp.algorithms.decor import PAIRWISE_VIEW, SECURE_EDGE_NOTICE, Decor, DecorSettings
 from decentdp.config import validate_config
 from decentdp.errors import ConfigError
+from decentdp.experiment.build import build_experiment
 from decentdp.experiment.loop import run_experiment
 from decentdp.privacy.accounting import calibrate_noise_multiplier
 from decentdp.privacy.correlated import CorrelatedGaussianMechanism, effective_multipliers, graph_edges
@@ -185,6 +186,13 @@ def test_bad_inputs_name_their_field() -> None:
                                                                            "redraw_every": 2}))
     with pytest.raises(ConfigError, match="privacy.colluding"):
         validate_config(tiny_config(privacy={"colluding": [[]]}))
+
+
+def test_a_correlation_past_what_a_run_can_price_is_refused_before_the_first_round() -> None:
+    """It once trained every round, then failed in privacy_results naming the accountant's noise_multiplier, with
+    no summary or privacy.json written."""
+    with pytest.raises(ConfigError, match=r"algorithm\.correlation: 1e\+30 .* lower it"):
+        build_experiment(validate_config(tiny_config(algorithm={"name": "decor", "correlation": 1e30})))
 
 
 def test_secure_decor_run_spends_its_pairwise_budget_and_writes_no_edge_key(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -26,11 +26,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict
 
 from decentdp.privacy.oracle import SETUP_ROUND, DataOracle
 from decentdp.privacy.report import AlgorithmPrivacy
@@ -351,6 +351,21 @@ class RunFacts:
     sample_rates: np.ndarray | None = None     # q_i (None: price every release unsampled, q = 1)
     colluding: list[list[int]] = field(default_factory=list)  # privacy.colluding
     accountant: str = "tight"                  # privacy.accountant
+
+
+#: The largest float32: parameters, steps and noise scales are float32 tensors, so a value above it overflows.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _within_float32(value: float | None) -> float | None:
+    if value is not None and value > FLOAT32_MAX:
+        raise ValueError(f"{value:g} is above the largest float32 ({FLOAT32_MAX:.4g}), the type of the tensors it "
+                         "scales")
+    return value
+
+
+#: A float that multiplies float32 tensors (a config's learning rate and clip, an algorithm's noise scales).
+Float32 = Annotated[float, AfterValidator(_within_float32)]
 
 
 class AlgorithmSettings(BaseModel):

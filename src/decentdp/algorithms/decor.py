@@ -38,11 +38,21 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from decentdp.algorithms.base import Calibrated, NoisePlan, RoundContext, RunFacts, State, prefixed, unprefixed
+from decentdp.algorithms.base import (
+    FLOAT32_MAX,
+    Calibrated,
+    Float32,
+    NoisePlan,
+    RoundContext,
+    RunFacts,
+    State,
+    prefixed,
+    unprefixed,
+)
 from decentdp.algorithms.components.optim import Optimizer, OptimizerAlgorithm, OptimizerSettings
 from decentdp.algorithms.registry import register
 from decentdp.errors import ConfigError
-from decentdp.privacy.accounting import calibrate_noise_multiplier, epsilon_spent
+from decentdp.privacy.accounting import MAX_NOISE_MULTIPLIER, calibrate_noise_multiplier, epsilon_spent
 from decentdp.privacy.correlated import (
     CorrelatedGaussianMechanism,
     effective_multipliers,
@@ -69,7 +79,7 @@ SECURE_EDGE_NOTICE = ("secure mode: each agent's own noise is released exactly o
 class DecorSettings(OptimizerSettings):
     """DECOR's settings: the local optimizer's, and the correlated noise's size."""
 
-    correlation: float = Field(3.0, ge=0.0, description="rho: std of each edge's shared noise over the agents' "
+    correlation: Float32 = Field(3.0, ge=0.0, description="rho: std of each edge's shared noise over the agents' "
                                                         "own noise std (the paper's sigma_cor / sigma_cdp at equal "
                                                         "batches)")
     local_epsilon: float | None = Field(None, gt=0.0, description="cap on each agent's local epsilon (all its "
@@ -126,6 +136,7 @@ class Decor(OptimizerAlgorithm):
             sigmas = round_up_to_float32(torch.from_numpy(np.maximum(sigmas, floor))).double().numpy()
         events = self.worst_multipliers(sigmas, batches, edges, observers)  # (lowered by a margin: not above the truth)
         edge_scale = self.edge_scale(sigmas, batches)
+        self._refuse_unpriceable_edge_noise(sigmas, batches, edges, edge_scale, observers, plan.clip)
         eavesdropper = effective_multipliers(1.0 / batches, sigmas, edges, edge_scale, [[]])[:, 0]
         mechanism = CorrelatedGaussianMechanism(torch.from_numpy(sigmas).float(), plan.clip, edges, edge_scale,
                                                 torch.from_numpy(batches), torch.from_numpy(events), PAIRWISE_VIEW)
@@ -138,6 +149,20 @@ class Decor(OptimizerAlgorithm):
                    "observers": len(observers)}
         return Calibrated(mechanism, sigmas.tolist(), paper, details, PAIRWISE_VIEW,
                           [SECURE_EDGE_NOTICE] if plan.noise == "secure" else [])
+
+    def _refuse_unpriceable_edge_noise(self, sigmas: np.ndarray, batches: np.ndarray, edges: np.ndarray,
+                                       edge_scale: float, observers: list[list[int]], clip: float) -> None:
+        """Refuse, before any round, a correlation whose edge noise the run could not draw in float32 or whose views
+        (each observer's, and the eavesdropper's that :meth:`privacy_results` prices) lie past the accountants'
+        largest multiplier: found only after the last round otherwise, with no summary written."""
+        priced = effective_multipliers(1.0 / batches, sigmas, edges, edge_scale, [*observers, []])
+        largest = float(np.nanmax(priced)) if np.isfinite(priced).any() else 0.0
+        if edge_scale * clip > FLOAT32_MAX or largest > MAX_NOISE_MULTIPLIER:
+            raise ConfigError("algorithm.correlation", f"{self.correlation:g} makes the edge noise's std "
+                                                       f"{edge_scale * clip:.3g} and an observer's noise multiplier "
+                                                       f"{largest:.3g}, past what a run can price (the "
+                                                       f"accountants take multipliers up to "
+                                                       f"{MAX_NOISE_MULTIPLIER:g}, the noise float32): lower it")
 
     def edge_scale(self, sigmas: np.ndarray, batches: np.ndarray) -> float:
         """tau: each edge's noise std on the update, in units of C (``rho`` times the mean own std on it)."""

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from decentdp.algorithms.base import RoundContext, State, prefixed, unprefixed
+from decentdp.algorithms.base import Float32, RoundContext, State, prefixed, unprefixed
 from decentdp.algorithms.components.optim import Adam, Optimizer, OptimizerAlgorithm, OptimizerSettings
 from decentdp.algorithms.components.schedules import Schedule
 from decentdp.algorithms.registry import register
@@ -87,7 +87,7 @@ def disagreement_growth(a: np.ndarray, momentum: float, nesterov: bool) -> float
 class DiNNOSettings(OptimizerSettings):
     """DiNNO's penalty schedule and inexact primal solver."""
 
-    rho: float = Field(0.5, gt=0.0, description="penalty rho_0")
+    rho: Float32 = Field(0.5, gt=0.0, description="penalty rho_0")
     rho_growth: float = Field(1.0, ge=1.0, description="rho in round k (from 0) is rho * rho_growth^(k+1)")
     primal_steps: int = Field(1, ge=1, description="T noisy primal steps per round")
     reset_optimizer_each_round: bool = Field(False, description="re-create the optimizer every round, as the "

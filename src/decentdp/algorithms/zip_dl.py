@@ -37,7 +37,16 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from decentdp.algorithms.base import Network, RoundContext, RunFacts, State, once_per_graph, prefixed, unprefixed
+from decentdp.algorithms.base import (
+    Float32,
+    Network,
+    RoundContext,
+    RunFacts,
+    State,
+    once_per_graph,
+    prefixed,
+    unprefixed,
+)
 from decentdp.algorithms.components.optim import SGD, Optimizer, OptimizerAlgorithm, OptimizerSettings
 from decentdp.algorithms.registry import register
 from decentdp.privacy.observer_pricing import Builder, ViewRecipe, pairwise_results, priced_view
@@ -48,7 +57,7 @@ from decentdp.privacy.report import AlgorithmPrivacy
 class ZipDLSettings(OptimizerSettings):
     """Zip-DL's settings: the local optimizer's, and the zero-sum noise's size."""
 
-    zero_sum_noise: float = Field(1.0, ge=0.0, description="sigma_z: std of the i.i.d. draws projected to a zero "
+    zero_sum_noise: Float32 = Field(1.0, ge=0.0, description="sigma_z: std of the i.i.d. draws projected to a zero "
                                                            "sum, in units of eta C / L_i (the step's own noise "
                                                            "unit, so that it compares with sigma)")
 

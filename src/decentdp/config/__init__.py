@@ -1,9 +1,9 @@
 """Experiment configuration: TOML files validated by a pydantic schema (:mod:`decentdp.config.schema`), with
 Bellet et al.'s ``[personalized]`` section beside it (:mod:`decentdp.config.personalized`)."""
 
+from decentdp.algorithms.base import FLOAT32_MAX
 from decentdp.config.personalized import PersonalizedSection
 from decentdp.config.schema import (
-    FLOAT32_MAX,
     GRAPH_REQUIRES,
     PLACEMENT_FIELDS,
     RECORDING_FIELDS,

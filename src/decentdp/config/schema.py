@@ -12,10 +12,9 @@ import math
 import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -27,25 +26,11 @@ from pydantic import (
 )
 
 from decentdp.algorithms import algorithm_class, algorithm_names
-from decentdp.algorithms.base import Algorithm, AlgorithmSettings
+from decentdp.algorithms.base import Algorithm, AlgorithmSettings, Float32
 from decentdp.config.personalized import PersonalizedSection
 from decentdp.errors import ConfigError
 from decentdp.models import check_model_options
 from decentdp.topology import PARAM_USERS
-
-#: The largest float32: parameters, steps and noise scales are float32 tensors, so a value above it overflows.
-FLOAT32_MAX = 3.4028234663852886e38
-
-
-def _within_float32(value: float | None) -> float | None:
-    if value is not None and value > FLOAT32_MAX:
-        raise ValueError(f"{value:g} is above the largest float32 ({FLOAT32_MAX:.4g}), the type of the tensors it "
-                         "scales")
-    return value
-
-
-#: A float that multiplies float32 tensors.
-Float32 = Annotated[float, AfterValidator(_within_float32)]
 
 DatasetName = Literal["digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "a9a"]
 PartitionName = Literal["iid", "overlap", "dirichlet", "unequal", "pathological"]

@@ -49,7 +49,8 @@ Relation = Literal["add-remove", "replace-one"]
 RELATIONS: tuple[str, ...] = ("add-remove", "replace-one")
 DEFAULT_RELATION: Relation = "add-remove"
 
-_MAX_NOISE_MULTIPLIER = 1e6
+#: The largest noise multiplier the accountants price (above it epsilon is 0 to every printed digit).
+MAX_NOISE_MULTIPLIER = 1e6
 #: Below this sigma a PLD's support explodes (minutes and gigabytes); such mechanisms give
 #: epsilons in the hundreds anyway, where RDP's looser bound is just as informative.
 PLD_MIN_NOISE_MULTIPLIER = 0.1
@@ -364,8 +365,8 @@ def epsilon_spent(
 ) -> float:
     """Epsilon of ``steps * releases_per_step`` sampled Gaussian releases with the given sigma."""
     check_sampling(sample_rate, steps, releases_per_step)
-    if not 0 <= noise_multiplier <= _MAX_NOISE_MULTIPLIER:
-        raise ConfigError("noise_multiplier", f"must lie in [0, {_MAX_NOISE_MULTIPLIER:g}], got {noise_multiplier!r}")
+    if not 0 <= noise_multiplier <= MAX_NOISE_MULTIPLIER:
+        raise ConfigError("noise_multiplier", f"must lie in [0, {MAX_NOISE_MULTIPLIER:g}], got {noise_multiplier!r}")
     event = gaussian_event(float(noise_multiplier), float(sample_rate))
     return epsilon_of_history(((event, int(steps * releases_per_step)),), float(delta), accountant, relation)
 
@@ -418,9 +419,9 @@ def calibrate_scale(event_of: Callable[[float], dp_accounting.DpEvent], count: i
         low, high = 0.0, 1.0
         while not fits(high):
             low, high = high, high * 2
-            if high > _MAX_NOISE_MULTIPLIER:
+            if high > MAX_NOISE_MULTIPLIER:
                 raise PrivacyError(
-                    f"no noise multiplier up to {_MAX_NOISE_MULTIPLIER:g} reaches epsilon={target_epsilon} at "
+                    f"no noise multiplier up to {MAX_NOISE_MULTIPLIER:g} reaches epsilon={target_epsilon} at "
                     f"delta={delta} with {describe or f'{count} releases'}; raise epsilon or delta"
                 )
         return low, high
