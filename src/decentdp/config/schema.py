@@ -1,8 +1,10 @@
 """Experiment configuration: a TOML file validated by a pydantic schema.
 
 Every field has a type, a range and a default; unknown keys are errors.  Validation failures are
-turned into one :class:`~decentdp.errors.ConfigError` whose message names every offending field
-(``section.key``) with the allowed values, so the CLI can print it without a traceback.
+turned into one :class:`~decentdp.errors.ConfigError` whose message names every field whose own type, range
+or section check fails (``section.key``) with the allowed values, so the CLI can print it without a traceback.
+The checks across sections (:meth:`ExperimentConfig._cross_field`) run once every section is valid, and
+report the first field they refuse: fixing it may make the next one's message moot.
 """
 
 from __future__ import annotations
