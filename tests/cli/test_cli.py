@@ -16,10 +16,10 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from decentdp.algorithms import algorithm_class, algorithm_names, registry
 from decentdp.algorithms.base import AlgorithmSettings
@@ -782,6 +782,24 @@ def test_fields_a_run_does_not_read_are_said_where_its_agents_never_communicate(
     assert local.notices == ["topology.graph = 'ring', topology.mixing = 'average' change nothing: 'local' trains "
                              "each agent alone and sends no message (no graph)"]
     assert validate_config(tiny_config_raw(topology={"graph": "ring", "agents": 5})).notices == []
+
+
+def test_list_fields_names_every_schema_field(capsys: pytest.CaptureFixture[str]) -> None:
+    """`decentdp list fields` is the config reference (README.md points to it): every field of every section, the
+    optional [personalized] included, with its type, default and description."""
+    from decentdp.config import ExperimentConfig
+
+    expected = {f"{section}.{key}" for section, field in ExperimentConfig.model_fields.items()
+                for kind in (field.annotation, *get_args(field.annotation)) if isinstance(kind, type)
+                and issubclass(kind, BaseModel) for key in kind.model_fields}
+    assert main(["list", "fields", "--json"]) == 0
+    entries = {entry["name"]: entry for entry in json.loads(capsys.readouterr().out)["fields"]}
+    assert set(entries) == expected and any(name.startswith("personalized.") for name in entries)
+    assert entries["engine.noise_streams"]["default"] == "auto" and entries["topology.rows"]["type"] == "int | None"
+    assert main(["list", "fields"]) == 0
+    text = capsys.readouterr().out
+    assert all(f"  {name} " in text for name in expected)
+    assert 'data.validation_fraction         float (>= 0.0, <= 0.5); default 0.0  hold out' in text
 
 
 def test_run_threads_is_engine_threads(tiny_config: Path, monkeypatch: pytest.MonkeyPatch,

@@ -464,6 +464,26 @@ def _list_optimizers() -> list[Entry]:
     return [{"name": optimizer, "algorithms": names} for optimizer, names in users.items()]
 
 
+def _section_model(annotation: Any) -> Any:
+    """The section model of an ``ExperimentConfig`` field (an optional section's, ``X | None``, included)."""
+    from pydantic import BaseModel
+
+    return next(kind for kind in (annotation, *get_args(annotation))
+                if isinstance(kind, type) and issubclass(kind, BaseModel))
+
+
+def _list_fields() -> list[Entry]:
+    """Every field of every config section, optional ones (``[personalized]``) included, as ``section.key`` with its
+    type, default, constraints and description (``[algorithm]``'s own settings: ``decentdp list algorithms``)."""
+    from decentdp.config import ExperimentConfig
+
+    entries = []
+    for section, field in ExperimentConfig.model_fields.items():
+        for key, setting in _section_model(field.annotation).model_fields.items():
+            entries.append({**_setting_entry(key, setting), "name": f"{section}.{key}"})
+    return entries
+
+
 # category -> (config key it fills, how to list it)
 _CATEGORIES: dict[str, tuple[str, Callable[[], list[Entry]]]] = {
     "algorithms": ("algorithm.name", _list_algorithms),
@@ -476,6 +496,7 @@ _CATEGORIES: dict[str, tuple[str, Callable[[], list[Entry]]]] = {
     "lr-schedules": ("algorithm.lr_schedule", lambda: _names(_schema_choices("algorithm", "lr_schedule"))),
     "accountants": ("privacy.accountant", lambda: _names(_schema_choices("privacy", "accountant"))),
     "optimizers": ("algorithm.optimizer", _list_optimizers),
+    "fields": ("section.key", _list_fields),
 }
 
 
@@ -507,6 +528,11 @@ def _print_category(name: str, key: str, entries: list[Entry]) -> None:
                 default = "required" if setting["required"] else f"default {_toml_value(setting['default'])}"
                 about = f"  {setting['description']}" if setting["description"] else ""
                 print(f"  {'':<{width}}  {setting['name']:<{key_width}}{kind}; {default}{about}")
+        elif name == "fields":
+            kind = entry["type"] + (f" ({', '.join(entry['constraints'])})" if entry["constraints"] else "")
+            default = "required" if entry["required"] else f"default {_toml_value(entry['default'])}"
+            about = f"  {entry['description']}" if entry["description"] else ""
+            print(f"{label}{kind}; {default}{about}")
         elif name == "graphs":
             print(f"{label}needs topology.{', topology.'.join(entry['needs'])}" if entry["needs"] else label.rstrip())
         elif name == "models":

@@ -235,8 +235,12 @@ class EngineSection(_Section):
     agents_per_pass: int | None = Field(None, ge=1, description="agents whose gradients are computed at once; "
                                                                 "default: as many as fit in memory")
     threads: int | None = Field(None, ge=1, le=1024, description="compute threads (at most 1024: far more start "
-                                                                 "no library's thread pool); default: the cores "
-                                                                 "this process may use (its CPU affinity)")
+                                                                 "no library's thread pool); default: chosen at the "
+                                                                 "start of a run (decentdp.util.threads): "
+                                                                 "MKL_NUM_THREADS or OMP_NUM_THREADS if set, one "
+                                                                 "thread for a round of small kernels, else the "
+                                                                 "cores this process may use (affinity, CPU quota) "
+                                                                 "less those other processes keep busy")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
                         description="where the run computes: 'auto' (CUDA when present, else the CPU), 'cpu', "
                                     "'cuda' or 'cuda:K'")
