@@ -84,8 +84,39 @@ def test_the_other_datasets_idx_files_are_refused_and_the_own_folder_comes_first
     fashion = load_dataset("fashion-mnist", tmp_path / "top")  # its folder, not MNIST's files beside it
     assert abs(float(fashion.x_train.mean())) < 1e-3  # Fashion's own statistics centre it (MNIST's: -0.44)
     (tmp_path / "top" / "fashion-mnist").rename(tmp_path / "elsewhere")
-    with pytest.raises(DataError, match="these are mnist's official images, not fashion-mnist's"):
+    with pytest.raises(DataError, match="these are mnist's official images, not fashion-mnist's") as info:
         load_dataset("fashion-mnist", tmp_path / "top")
+    # MNIST's files may sit in the data directory by right: the advice is Fashion-MNIST's own folder
+    assert f"mnist's IDX files belong in {tmp_path / 'top' / 'mnist'}; put fashion-mnist's four IDX files in " \
+           f"{tmp_path / 'top' / 'fashion-mnist'}" in str(info.value)
+    (tmp_path / "elsewhere").rename(tmp_path / "top" / "mnist")  # and in MNIST's folder, replacing them is
+    with pytest.raises(DataError, match="mnist/train-images-idx3-ubyte: these are fashion-mnist's official images, "
+                                        "not mnist's; replace the file with mnist's"):
+        load_dataset("mnist", tmp_path / "top")
+
+
+def test_a_damaged_copy_of_the_official_files_is_refused_naming_the_file(tmp_path: Path) -> None:
+    """Plain IDX files carry no checksum (a reviewer: one flipped label loaded silently): arrays of the official
+    size are compared with the official content, labels as the uint8 the official files hold (so an npz copy
+    with int64 labels passes)."""
+    if not (SHARED_DATA / "mnist.npz").is_file():
+        pytest.skip(f"{SHARED_DATA / 'mnist.npz'} not present (set DECENTDP_DATA_DIR to run this test)")
+    with np.load(SHARED_DATA / "mnist.npz") as npz:
+        official = dict(npz)
+    write_idx(tmp_path, official, gz=False)
+    assert torch.equal(load_dataset("mnist", tmp_path).y_test, torch.from_numpy(official["y_test"].astype(np.int64)))
+    (tmp_path / "mnist").mkdir()
+    np.savez(tmp_path / "mnist" / "mnist.npz", **official | {"y_train": official["y_train"].astype(np.int64)})
+    assert len(load_dataset("mnist", tmp_path).y_train) == 60000
+    (tmp_path / "mnist" / "mnist.npz").unlink()
+    for key, stem in (("y_train", "train-labels-idx1-ubyte"), ("x_test", "t10k-images-idx3-ubyte")):
+        damaged = dict(official)
+        damaged[key] = official[key].copy()
+        damaged[key].reshape(-1)[200] = (int(damaged[key].reshape(-1)[200]) + 1) % 10  # a label or pixel moved
+        write_idx(tmp_path, damaged, gz=False)
+        with pytest.raises(DataError, match=rf"{stem}: has the size of mnist's official release but not its "
+                                            r"content: a damaged copy\? re-download it"):
+            load_dataset("mnist", tmp_path)
 
 
 def test_real_mnist_resized_to_32() -> None:
@@ -278,6 +309,32 @@ def test_a_damaged_cifar_tarball_is_one_message_naming_the_file(tmp_path: Path) 
             assert "cifar-10-python.tar.gz" in str(error) and "\n" not in str(error)
 
 
+def test_arrays_of_the_official_size_must_be_official(tmp_path: Path) -> None:
+    """Images of the official release's size that are neither release's content are refused (here blank ones,
+    without the real files); the tiny sets of the other tests show that other sizes load as they are."""
+    arrays = {"x_train": np.zeros((60000, 28, 28), np.uint8), "y_train": np.zeros(60000, np.uint8),
+              "x_test": np.zeros((3, 28, 28), np.uint8), "y_test": np.zeros(3, np.uint8)}
+    write_idx(tmp_path / "fashion-mnist", arrays, gz=False)
+    with pytest.raises(DataError, match="fashion-mnist/train-images-idx3-ubyte: has the size of fashion-mnist's "
+                                        "official release but not its content"):
+        load_dataset("fashion-mnist", tmp_path)
+
+
+def test_a_folder_with_some_of_the_idx_files_is_refused_not_skipped(tmp_path: Path) -> None:
+    """Three of Fashion-MNIST's four files in data_dir/fashion-mnist made the loader skip that folder and train on
+    the (MNIST) files in data_dir under the name fashion-mnist (a reviewer); now the folder is named with its
+    present and missing files."""
+    write_idx(tmp_path, tiny_mnist(0), gz=True)
+    write_idx(tmp_path / "fashion-mnist", tiny_mnist(1), gz=True)
+    (tmp_path / "fashion-mnist" / "t10k-labels-idx1-ubyte.gz").unlink()
+    with pytest.raises(DataError) as info:
+        load_dataset("fashion-mnist", tmp_path)
+    assert str(info.value) == (
+        f"{tmp_path / 'fashion-mnist'}: holds train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, "
+        "t10k-images-idx3-ubyte.gz but not t10k-labels-idx1-ubyte[.gz] of fashion-mnist's four IDX files; add the "
+        f"missing file(s), from {datasets._SOURCES['fashion-mnist']}")
+
+
 def test_mnist_missing_files(tmp_path: Path) -> None:
     write_idx(tmp_path, tiny_mnist(), gz=False)
     (tmp_path / "t10k-labels-idx1-ubyte").unlink()
@@ -286,6 +343,26 @@ def test_mnist_missing_files(tmp_path: Path) -> None:
     message = str(info.value)
     assert "'mnist'" in message and str(tmp_path) in message
     assert "mnist.npz" in message and "t10k-labels-idx1-ubyte" in message
+    # the missing file is named as missing, and the present ones as possibly the other dataset's
+    assert "holds train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte but not " \
+           "t10k-labels-idx1-ubyte[.gz]" in message and "may be either's" in message
+    assert f"put mnist's four files in {tmp_path / 'mnist'}" in message
+
+
+@pytest.mark.parametrize(("content", "said"), [(b"", "the file is empty"),
+                                               (gzip.compress(b""), "the file decompresses to nothing")],
+                         ids=["empty", "empty-stream"])
+def test_an_empty_idx_file_is_called_empty(tmp_path: Path, content: bytes, said: str) -> None:
+    """A 0-byte file was 'bad IDX magic number None ... (a gzip file without the .gz suffix?)'."""
+    write_idx(tmp_path, tiny_mnist(), gz=True)
+    (tmp_path / "t10k-labels-idx1-ubyte.gz").write_bytes(content)
+    with pytest.raises(DataError, match=f"t10k-labels-idx1-ubyte.gz: {said}") as info:
+        load_dataset("mnist", tmp_path)
+    assert "magic" not in str(info.value)
+    (tmp_path / "t10k-labels-idx1-ubyte.gz").unlink()
+    (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(b"")
+    with pytest.raises(DataError, match="t10k-labels-idx1-ubyte: the file is empty"):
+        load_dataset("mnist", tmp_path)
 
 
 def test_missing_data_dir_argument() -> None:

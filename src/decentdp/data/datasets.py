@@ -50,15 +50,24 @@ _SOURCES = {
     "a9a": A9A_SOURCE,
 }
 
-# SHA-256 of the official releases' images (``np.ascontiguousarray(x).tobytes()``, uint8 (n, 28, 28)): the IDX
-# files of MNIST and Fashion-MNIST share their names, so a file of one found where the other was asked for is
-# told apart by its content.
-_OFFICIAL_IMAGES = {
+# SHA-256 of the official releases' arrays (of ``np.ascontiguousarray(a)``: images uint8 ``(n, 28, 28)``, labels
+# uint8 ``(n,)``, as the official files decode).  The IDX files of MNIST and Fashion-MNIST share their names, so a
+# file of one found where the other was asked for is told apart by its content; and an array of an official
+# release's shape is compared with that release's content, since plain IDX files carry no checksum of their own
+# (a .gz or .npz file's CRC catches damage in transit, not a damaged copy that was compressed again).
+_OFFICIAL_ARRAYS = {
     "mnist": {"x_train": "741c988805d008ac6e4c904b69001ba184c24b2c540a4ef403f4c71b676cf757",
-              "x_test": "6d87418db22cc8025d05968bec9bd5c3932904b23485740db143a061a2c9d161"},
+              "y_train": "1feba77c54802fa5339a11837ea4b2866434b83314ec45192930f1df69120c13",
+              "x_test": "6d87418db22cc8025d05968bec9bd5c3932904b23485740db143a061a2c9d161",
+              "y_test": "ddeff807876a9661a1110d45c266c86239a3a1b7d37da0c3716a7a683c852ff5"},
     "fashion-mnist": {"x_train": "2e487a6c89124f78f2d7521542223cafe96f7123c3ca13d447772ac6ecbb3012",
-                      "x_test": "c867c93ff95360594e8ec3287995350b824dd110b11595c0e13d5423f621867a"},
+                      "y_train": "657fbd221bfc9f4198cc14b5619cc33ec57c58dd0e47af4d99d6650759e869a7",
+                      "x_test": "c867c93ff95360594e8ec3287995350b824dd110b11595c0e13d5423f621867a",
+                      "y_test": "3d0e6c6ea990b53b6f8f500a41cac93881d981b315f84578b7d915342ade01e9"},
 }
+# The shape of each array in both official releases: only an array of this shape is compared with them, so
+# subsets and one's own files of other sizes load as they are.
+_OFFICIAL_SHAPES = {"x_train": (60000, 28, 28), "y_train": (60000,), "x_test": (10000, 28, 28), "y_test": (10000,)}
 
 # IDX files of (Fashion-)MNIST: split -> (images file, labels file).
 _IDX_FILES = {
@@ -153,8 +162,11 @@ def load_dataset(name: str, data_dir: str | Path | None = None, *, image_size: i
     * ``mnist`` / ``fashion-mnist``: ``mnist.npz`` / ``fashion-mnist.npz`` (keys ``x_train``, ``y_train``,
       ``x_test``, ``y_test``) or the four IDX files (``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
       ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``, each optionally ``.gz``), in ``data_dir/mnist``
-      (resp. ``data_dir/fashion-mnist``) or else in ``data_dir``; the other dataset's official images are
-      refused.  An npz file's images are uint8 ``(n, H, W)``, the
+      (resp. ``data_dir/fashion-mnist``) or else in ``data_dir``; a folder holding some but not all four is
+      refused, naming the missing ones.  An array of an official release's size (60,000 / 10,000 images of
+      28x28, and their labels) must be that release's content (SHA-256): the other dataset's official images
+      and damaged copies are refused, other sizes are read as they are.  An npz file's images are uint8
+      ``(n, H, W)``, the
       same size in both splits, neither split empty; its labels one whole class index per image, ``(n,)`` or
       ``(n, 1)``, of an integer or float type (one-hot rows and fractional labels are refused, naming the array).
     * ``cifar10`` / ``cifar100``: the official python versions, either extracted (``cifar-10-batches-py/``,
@@ -282,39 +294,43 @@ def _load_mnist_like(name: str, data_dir: Path) -> Dataset:
     """Read (Fashion-)MNIST from an npz file or the four IDX files, whichever is found first.
 
     Looks in ``data_dir/<name>`` then ``data_dir`` (the IDX files of both datasets share their names, so the
-    dataset's own folder comes first); within a directory the npz file wins.  Shapes and dtypes are checked
-    (an npz file's from its headers, before its arrays are read), then that the images are not the other
-    dataset's official ones, then the labels' values, all before the images are converted to float32, and
-    every error names the file and array.
+    dataset's own folder comes first); within a directory the npz file wins.  A directory holding some but not
+    all of the four IDX files is an error naming the present and the missing ones, never skipped for the files
+    of another directory (a reviewer: three of Fashion-MNIST's four files in ``data_dir/fashion-mnist`` made it
+    train on the MNIST files in ``data_dir``).  Shapes and dtypes are checked (an npz file's from its headers,
+    before its arrays are read), then the labels' values, then each array of an official release's shape
+    against that release (:func:`_check_official_content`), all before the images are converted to float32,
+    and every error names the file and array.
     """
     stats = _MNIST_STATS if name == "mnist" else _FASHION_STATS
-    looked_for: list[str] = []
     for directory in (data_dir / name, data_dir):
         npz = directory / f"{name}.npz"
-        looked_for.append(str(npz))
+        shared_dir = None  # data_dir when the IDX files are read from it (it may hold the other dataset's by right)
         if npz.is_file():
             sources = {key: f"{npz}, array {key}" for key in _NPZ_KEYS}
             arrays = _read_npz(npz, sources)
             break
-        idx_paths = _find_idx_files(directory)
-        looked_for.append(f"{directory}/{{{_IDX_NAMES}}}[.gz]")
+        idx_paths = _find_idx_files(name, directory, data_dir)
         if idx_paths is not None:
             arrays, sources = {}, {}
             for split, (images, labels) in idx_paths.items():
                 arrays[f"x_{split}"] = _read_idx(images, _IDX_MAGIC_IMAGES)
                 arrays[f"y_{split}"] = _read_idx(labels, _IDX_MAGIC_LABELS)
                 sources[f"x_{split}"], sources[f"y_{split}"] = str(images), str(labels)
+            shared_dir = directory if directory == data_dir else None
             _check_layout({key: (array.shape, array.dtype) for key, array in arrays.items()}, sources)
             break
     else:
         raise DataError(
-            f"dataset {name!r} not found in data directory {data_dir}; looked for: {'; '.join(looked_for)}. "
-            f"Get it from {_SOURCES[name]}"
+            f"dataset {name!r} not found in data directory {data_dir}: looked for {data_dir / name / f'{name}.npz'} or "
+            f"the four IDX files in {data_dir / name}, then {data_dir / f'{name}.npz'} or the four IDX files in "
+            f"{data_dir} (the IDX files: {_IDX_NAMES}, each plain or .gz). Get it from {_SOURCES[name]}"
         )
 
-    _refuse_the_other_dataset(name, arrays, sources)
     y_train = _labels(arrays["y_train"], 10, sources["y_train"])
     y_test = _labels(arrays["y_test"], 10, sources["y_test"])
+    _check_official_content(name, {"x_train": arrays["x_train"], "y_train": y_train, "x_test": arrays["x_test"],
+                                   "y_test": y_test}, sources, shared_dir)
     return Dataset(
         name=name,
         x_train=_normalize(arrays["x_train"][:, None], stats),
@@ -325,15 +341,38 @@ def _load_mnist_like(name: str, data_dir: Path) -> Dataset:
     )
 
 
-def _refuse_the_other_dataset(name: str, arrays: dict[str, np.ndarray], sources: dict[str, str]) -> None:
-    """Refuse images that are the other dataset's official release (a helper's review: with MNIST's IDX files
-    in ``data_dir``, ``fashion-mnist`` trained on MNIST without a word).  Other images (subsets, one's own
-    files) are read as they are."""
+def _check_official_content(name: str, arrays: dict[str, np.ndarray | torch.Tensor], sources: dict[str, str],
+                            shared_dir: Path | None) -> None:
+    """Compare each array of an official release's shape (:data:`_OFFICIAL_SHAPES`) with the official content,
+    hashing it once: the other dataset's official images are refused (a helper's review: with MNIST's IDX files in
+    ``data_dir``, ``fashion-mnist`` trained on MNIST without a word), and so is an array of the official size whose
+    content is neither release's (a reviewer: a flipped label of a plain IDX file, which has no checksum, loaded
+    silently).  Labels (already checked to lie in 0..9) are compared as the uint8 the official files hold, so an
+    npz file's int64 or float copy of them passes.  Arrays of other shapes (subsets, one's own files) are read as
+    they are.  Each array is hashed once, without a copy: about 0.08 s for the four official arrays on one core.
+
+    ``shared_dir`` is ``data_dir`` when the IDX files were read from it (None when they came from ``<name>``'s own
+    folder or from an npz file named for ``name``): that folder may hold the other dataset's files by right, so
+    the advice is then to give ``name`` its own folder, not to replace the files."""
     other = "fashion-mnist" if name == "mnist" else "mnist"
-    for key, official in _OFFICIAL_IMAGES[other].items():
-        if hashlib.sha256(np.ascontiguousarray(arrays[key]).tobytes()).hexdigest() == official:
-            raise DataError(f"{sources[key]}: these are {other}'s official images, not {name}'s; put {name}'s "
-                            f"files in {name}.npz or a folder named {name} in the data directory")
+    for key, shape in _OFFICIAL_SHAPES.items():
+        array = np.asarray(arrays[key])
+        if key.startswith("y"):
+            array = array.reshape(-1).astype(np.uint8)
+        if array.shape != shape:
+            continue
+        digest = hashlib.sha256(np.ascontiguousarray(array)).hexdigest()
+        if digest == _OFFICIAL_ARRAYS[name][key]:
+            continue
+        if digest == _OFFICIAL_ARRAYS[other][key] and key.startswith("x"):
+            if shared_dir is not None:
+                advice = (f"{other}'s IDX files belong in {shared_dir / other}; put {name}'s four IDX files in "
+                          f"{shared_dir / name}, where they are read first (or {name}.npz in {shared_dir})")
+            else:
+                advice = f"replace the file with {name}'s, from {_SOURCES[name]}"
+            raise DataError(f"{sources[key]}: these are {other}'s official images, not {name}'s; {advice}")
+        raise DataError(f"{sources[key]}: has the size of {name}'s official release but not its content: a damaged "
+                        f"copy? re-download it from {_SOURCES[name]}")
 
 
 _NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
@@ -408,18 +447,35 @@ def _npz_layout(path: Path) -> dict[str, _Layout]:
     return layout
 
 
-def _find_idx_files(directory: Path) -> dict[str, tuple[Path, Path]] | None:
-    """The four IDX files in ``directory`` (plain preferred over ``.gz``), or None if any is absent."""
-    found: dict[str, tuple[Path, Path]] = {}
-    for split, names in _IDX_FILES.items():
-        paths = []
-        for stem in names:
-            path = next((p for p in (directory / stem, directory / f"{stem}.gz") if p.is_file()), None)
-            if path is None:
-                return None
-            paths.append(path)
-        found[split] = (paths[0], paths[1])
-    return found
+def _find_idx_files(name: str, directory: Path, data_dir: Path) -> dict[str, tuple[Path, Path]] | None:
+    """The four IDX files in ``directory`` (plain preferred over ``.gz``), or None if it holds none of them.
+
+    Some but not all of them is a :class:`DataError` naming the present and the missing files, rather than a
+    reason to look elsewhere: the files of another directory would be another copy (or, in ``data_dir``, the
+    other dataset's).  A partial set in ``data_dir`` itself is only looked at when ``data_dir/<name>`` holds
+    nothing, so nothing is left to fall back on; since both datasets' files have the same names, the message
+    says whose they may be and where ``name``'s belong.
+    """
+    found: dict[str, Path] = {}
+    missing: list[str] = []
+    for stem in (stem for pair in _IDX_FILES.values() for stem in pair):
+        path = next((p for p in (directory / stem, directory / f"{stem}.gz") if p.is_file()), None)
+        if path is None:
+            missing.append(f"{stem}[.gz]")
+        else:
+            found[stem] = path
+    if not found:
+        return None
+    if missing:
+        present = ", ".join(path.name for path in found.values())
+        if directory == data_dir:
+            raise DataError(f"dataset {name!r}: nothing of it in {data_dir / name}, and {data_dir} holds {present} "
+                            f"but not {', '.join(missing)} of the four IDX files (MNIST and Fashion-MNIST share "
+                            f"their names, so these may be either's); put {name}'s four files in {data_dir / name} "
+                            f"(or {name}.npz in {data_dir}), from {_SOURCES[name]}")
+        raise DataError(f"{directory}: holds {present} but not {', '.join(missing)} of {name}'s four IDX files; add "
+                        f"the missing file(s), from {_SOURCES[name]}")
+    return {split: (found[images], found[labels]) for split, (images, labels) in _IDX_FILES.items()}
 
 
 def _read_idx(path: Path, magic: int) -> np.ndarray:
@@ -434,10 +490,14 @@ def _read_idx(path: Path, magic: int) -> np.ndarray:
             raw = f.read()
     except (OSError, EOFError, zlib.error) as exc:  # (zlib.error: a damaged gzip stream)
         raise DataError(f"{path}: cannot read IDX file ({exc})") from exc
-    if len(raw) < 4 or int.from_bytes(raw[:4], "big") != magic:
-        found = int.from_bytes(raw[:4], "big") if len(raw) >= 4 else None
+    if not raw:  # (not "bad magic number None", as an empty file was told)
+        what = "decompresses to nothing" if path.suffix == ".gz" and path.stat().st_size else "is empty"
+        raise DataError(f"{path}: the file {what} (an interrupted download or copy?); get it again")
+    if len(raw) < 4:
+        raise DataError(f"{path}: {len(raw)} byte(s), too short for an IDX header")
+    if int.from_bytes(raw[:4], "big") != magic:
         raise DataError(
-            f"{path}: bad IDX magic number {found if found is None else hex(found)}, expected {hex(magic)} "
+            f"{path}: bad IDX magic number {hex(int.from_bytes(raw[:4], 'big'))}, expected {hex(magic)} "
             "(wrong file, or a gzip file without the .gz suffix?)"
         )
     ndim = magic & 0xFF
