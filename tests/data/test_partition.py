@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from decentdp.data.partition import PARTITIONS, class_histograms, overlap_matrix, partition
+from decentdp.data.partition import PARTITIONS, class_histograms, hold_out, overlap_matrix, partition
 from decentdp.errors import ConfigError
 
 SCHEME_PARAMS = {
@@ -203,6 +205,52 @@ def test_overlap_agent_without_class_rejected() -> None:
     with pytest.raises(ConfigError, match="lower t or use fewer agents") as info:
         partition(make_labels(500, 5), 10, "overlap", seed=0, t=1.0)
     assert info.value.field == "data.overlap_t"
+
+
+def test_overlap_shares_under_one_record_name_the_agents_not_t() -> None:
+    """At t = 0 with more agents than records per class each agent's share of a class is under one record, and
+    cutting the classes into whole records left some agent none: the hint said "lower t" at t = 0 (a reviewer);
+    the field to change is the number of agents."""
+    with pytest.raises(ConfigError, match="under one record of 5 of the 5 classes.*use fewer agents") as info:
+        partition(make_labels(500, 5), 300, "overlap", seed=0, t=0.0)
+    assert info.value.field == "topology.agents" and "lower t" not in info.value.message
+
+
+@pytest.mark.parametrize("size_skew", [1000.0, 1e4])
+def test_an_overflowing_size_skew_names_size_skew_without_warnings(size_skew: float) -> None:
+    """Lognormal weights e^(sigma z) past 1e308 are inf: the sizes came out NaN, numpy warned, and the error blamed
+    data.partition for an agent with no record (a reviewer).  Every seed either splits every record or names
+    data.size_skew; no RuntimeWarning escapes."""
+    labels = np.arange(1000) % 10
+    refused = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for seed in range(20):
+            try:
+                parts = partition(labels, 3, "unequal", seed=seed, size_skew=size_skew)
+            except ConfigError as error:
+                assert error.field == "data.size_skew" and "use a smaller size_skew" in error.message
+                refused += 1
+                continue
+            assert sorted(np.concatenate(parts).tolist()) == list(range(1000))
+    assert refused
+
+
+def test_a_dirichlet_alpha_numpy_cannot_sample_asks_for_a_smaller_one() -> None:
+    """Near 1e308 numpy's Dirichlet sampler returns all-zero proportions; the error said "use a larger alpha"."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ConfigError, match="use a smaller alpha") as info:
+            partition(np.arange(1000) % 10, 3, "dirichlet", seed=0, alpha=1e308)
+    assert info.value.field == "data.dirichlet_alpha" and "larger" not in info.value.message
+
+
+@pytest.mark.parametrize(("fraction", "records", "held"), [(0.29, 100, 29), (0.57, 100, 57), (0.1, 30, 3),
+                                                           (0.2, 7, 1), (0.5, 9, 4)])
+def test_the_exact_count_split_holds_out_the_documented_floor(fraction: float, records: int, held: int) -> None:
+    """The docs promise floor(fraction * |D_i|) records; int(0.29 * 100) is 28 in floating point."""
+    kept, validation = hold_out([np.arange(records)], fraction, seed=0)
+    assert len(validation) == held and len(kept[0]) == records - held
 
 
 @pytest.mark.parametrize(("labels", "n_agents", "empty"), [

@@ -30,6 +30,7 @@ from pydantic import (
 from decentdp.algorithms import algorithm_class, algorithm_names
 from decentdp.algorithms.base import Algorithm, AlgorithmSettings, Float32
 from decentdp.config.personalized import PersonalizedSection
+from decentdp.data.partition import DIRICHLET_ALPHA_MAX, SIZE_SKEW_MAX
 from decentdp.errors import ConfigError
 from decentdp.models import check_model_options
 from decentdp.topology import PARAM_USERS
@@ -67,8 +68,14 @@ class DataSection(_Section):
     data_dir: str | None = None
     partition: PartitionName = "iid"
     overlap_t: float = Field(1.0, ge=0.0, le=1.0, description="A(t) of equation (8)")
-    dirichlet_alpha: float = Field(0.5, gt=0.0)
-    size_skew: float = Field(1.0, gt=0.0)
+    dirichlet_alpha: float = Field(0.5, gt=0.0, le=DIRICHLET_ALPHA_MAX, description=(
+        "concentration of each class's Dirichlet proportions over the agents: small is strongly non-IID; at most "
+        f"{DIRICHLET_ALPHA_MAX:g}, where every class is already cut into equal chunks to about 0.1 % (larger values "
+        "change nothing, and near 1e308 numpy's sampler returns no proportions)"))
+    size_skew: float = Field(1.0, gt=0.0, le=SIZE_SKEW_MAX, description=(
+        "sigma of the lognormal agent sizes: near 0 equal sizes; at most "
+        f"{SIZE_SKEW_MAX:g}, where the largest agent already holds 99 % of the records in a typical draw (larger "
+        "values change little, and the weights e^(sigma z) overflow past sigma |z| = 709)"))
     image_size: int | None = Field(None, ge=4, description="resize images to this side once at load")
     validation_fraction: float = Field(0.0, ge=0.0, le=0.5, description="hold out this fraction of each agent's "
                                        "training records and evaluate on them instead of the test set (for "

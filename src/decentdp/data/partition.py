@@ -24,6 +24,10 @@ Schemes
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+from typing import NoReturn
+
 import numpy as np
 
 from decentdp.errors import ConfigError
@@ -33,6 +37,15 @@ PARTITIONS: tuple[str, ...] = ("iid", "overlap", "dirichlet", "unequal", "pathol
 
 # How many Dirichlet draws to try before concluding that min_size is out of reach for this alpha.
 _DIRICHLET_TRIES = 100
+#: Largest ``data.dirichlet_alpha`` the config accepts: at 1e6 the proportions ``Dir(alpha 1_N)`` deviate from 1/N
+#: by about 0.1 % (relative standard deviation ``sqrt((N - 1) / (N alpha + 1))``), so each class is already cut
+#: into equal chunks to within a record for classes of up to about a thousand records per agent; larger values
+#: change nothing but, near 1e308, make numpy's sampler return all-zero proportions.
+DIRICHLET_ALPHA_MAX = 1e6
+#: Largest ``data.size_skew`` the config accepts: at sigma = 20 the largest of 10 or 100 agents holds 99 % or more
+#: of the records in a typical draw (the median; min_size aside), so larger values change little, and the weights
+#: ``e^(sigma z)`` overflow to infinity once ``sigma |z|`` passes 709 (at sigma = 20 that would take |z| > 35).
+SIZE_SKEW_MAX = 20.0
 
 
 def overlap_matrix(n_agents: int, n_classes: int, t: float) -> np.ndarray:
@@ -109,13 +122,17 @@ def partition(
     alpha : float, optional
         ``dirichlet`` only: concentration ``> 0``. For each class, agent proportions are drawn from
         ``Dir(alpha * 1_N)``; the whole draw is repeated (with seeds derived from ``seed``, at most
-        100 times) until every agent has at least ``min_size`` samples.
+        100 times) until every agent has at least ``min_size`` samples.  The config caps it at
+        :data:`DIRICHLET_ALPHA_MAX`; a value so large that numpy's sampler returns all-zero proportions (near
+        1e308) is refused here.
     size_skew : float, optional
         ``unequal`` only: ``sigma > 0`` of the lognormal size law. Agent weights are
         ``w_i ~ LogNormal(0, sigma^2)`` i.i.d.; each agent gets ``min_size`` samples plus a share of the
         remaining ``n - N * min_size`` proportional to ``w_i``. Samples are assigned uniformly at random, so
         labels stay IID. ``sigma -> 0`` approaches equal sizes; with ``sigma = 1`` and 10 agents the largest
-        agent typically holds about 20 times as many samples as the smallest.
+        agent typically holds about 20 times as many samples as the smallest.  The config caps it at
+        :data:`SIZE_SKEW_MAX`; a value so large that the weights overflow to infinity (or all underflow to 0)
+        is refused here, naming ``data.size_skew``.
     min_size : int, default 1
         Fewest samples any agent may receive, checked for every scheme (an agent with no data cannot draw
         a batch).
@@ -129,7 +146,9 @@ def partition(
     Raises
     ------
     ConfigError
-        ``data.partition`` for an unknown scheme or an agent left with fewer than ``min_size`` samples,
+        ``data.partition`` for an unknown scheme or an agent left with fewer than ``min_size`` samples (for
+        ``overlap``: ``data.overlap_t`` when :math:`A(t)` itself gives it too few, ``topology.agents`` when its
+        shares are under one record of each class and rounding took them),
         ``data.overlap_t`` / ``data.dirichlet_alpha`` / ``data.size_skew`` for a missing or invalid
         parameter of the chosen scheme, ``data.labels`` for labels that are not non-negative integers,
         ``min_size``, ``experiment.seed`` or ``topology.agents`` for invalid values (including more agents
@@ -157,7 +176,8 @@ def partition(
         if t is None:
             raise ConfigError("data.overlap_t", "the 'overlap' partition needs t in [0, 1]")
         n_classes = int(labels.max()) + 1
-        parts = _split_by_class(labels, overlap_matrix(n_agents, n_classes, t), rng)
+        fractions = overlap_matrix(n_agents, n_classes, t)
+        parts = _split_by_class(labels, fractions, rng)
     elif scheme == "dirichlet":
         parts = _dirichlet(labels, n_agents, alpha, seed, min_size)
     elif scheme == "pathological":
@@ -168,14 +188,34 @@ def partition(
     parts = [np.sort(p).astype(np.int64, copy=False) for p in parts]
     sizes = np.array([len(p) for p in parts])
     if sizes.min() < min_size:
-        hint = (" (with t near 1 an agent owning no class gets almost nothing: lower t or use fewer agents)"
-                if scheme == "overlap" else "")
-        raise ConfigError(
-            "data.overlap_t" if scheme == "overlap" else "data.partition",
-            f"agent {int(sizes.argmin())} would get {int(sizes.min())} samples, fewer than "
-            f"min_size={min_size}{hint}",
-        )
+        agent = int(sizes.argmin())
+        if scheme == "overlap":
+            _refuse_overlap_shortfall(labels, fractions, agent, int(sizes.min()), min_size)
+        raise ConfigError("data.partition", f"agent {agent} would get {int(sizes.min())} samples, fewer than "
+                                            f"min_size={min_size}")
     return parts
+
+
+def _refuse_overlap_shortfall(labels: np.ndarray, fractions: np.ndarray, agent: int, size: int,
+                              min_size: int) -> NoReturn:
+    """Raise the :class:`ConfigError` that says why the overlap split left ``agent`` with ``size < min_size``
+    records, naming the field to change.  Either :math:`A(t)` itself gives it too little (it owns no class and
+    ``t`` is near 1: lower ``t``), or it gives it enough in expectation but as shares of under one record of each
+    class, which the per-class rounding to whole records took from it (the hint said "lower t" even at ``t = 0``,
+    where only fewer agents help)."""
+    n_agents, n_classes = fractions.shape
+    counts = np.bincount(labels, minlength=n_classes)
+    expected = float(fractions[agent] @ counts)
+    shortfall = f"agent {agent} would get {size} samples, fewer than min_size={min_size}"
+    if expected < min_size:
+        owns = "owning no class" if agent >= n_classes else "owning only small classes"
+        raise ConfigError("data.overlap_t", f"{shortfall}: A(t) gives it {expected:.3g} records in expectation, "
+                                            f"{owns}; lower t or use fewer agents")
+    under_one = int(np.count_nonzero(fractions[agent] * counts < 1))
+    raise ConfigError("topology.agents", f"{shortfall}: A(t) gives it {expected:.3g} records in expectation, but as "
+                                         f"shares of under one record of {under_one} of the {n_classes} classes, and "
+                                         "cutting each class into whole records left it too few; use fewer agents "
+                                         "(or the 'iid' partition)")
 
 
 #: How a validation split is drawn (``data.validation_split``): see :func:`hold_out`.
@@ -187,7 +227,9 @@ def hold_out(parts: list[np.ndarray], fraction: float, seed: int,
              split: str = "exact-count") -> tuple[list[np.ndarray], np.ndarray]:
     """Carve a validation set out of the agents' training records, for tuning without the test set.
 
-    ``split = "exact-count"``: each agent gives up exactly ``floor(fraction * |D_i|)`` of its own records,
+    ``split = "exact-count"``: each agent gives up exactly ``floor(fraction * |D_i|)`` of its own records, the
+    product taken exactly on the decimal ``fraction`` as written (0.29 of 100 records is 29, where float arithmetic
+    makes it 28.999999999999996),
     chosen by a random permutation of its records from a stream of ``seed`` separate from the partition's, so
     every agent keeps its class mix in expectation.  Adding or removing one record redraws the whole
     permutation, moving other records between the two sides: right for tuning, not for a private selection.
@@ -217,7 +259,7 @@ def hold_out(parts: list[np.ndarray], fraction: float, seed: int,
             kept.append(np.sort(part[~out]))
             continue
         order = rng.permutation(len(part))
-        cut = int(fraction * len(part))
+        cut = math.floor(Fraction(str(float(fraction))) * len(part))  # (the float product gives 28 for 0.29 * 100)
         held.append(part[order[:cut]])
         kept.append(np.sort(part[order[cut:]]))
     emptied = [agent for agent, (part, left) in enumerate(zip(parts, kept, strict=True)) if len(part) and not len(left)]
@@ -257,13 +299,27 @@ def class_histograms(labels: np.ndarray, parts: list[np.ndarray], n_classes: int
     return hist
 
 
+class _UnusableWeights(ValueError):
+    """Weights that :func:`_largest_remainder` cannot share a total by; the caller says which setting made them."""
+
+
 def _largest_remainder(total: int, weights: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """Integer sizes proportional to ``weights`` that sum exactly to ``total``.
 
     Each size is the floor of its exact share; the units left over go to the largest fractional parts,
     ties broken at random so no agent is favoured systematically across classes. Fractional parts are
     rounded before comparing so that floating-point noise (e.g. ``1 - 2/3`` vs ``1/3``) is not a tie-breaker.
+
+    Raises :class:`_UnusableWeights` for weights that are not finite and non-negative with a positive sum
+    whose product with ``total`` is finite (lognormal weights overflowed to inf made NaN sizes, and all-zero
+    Dirichlet proportions 0/0, which surfaced as an agent with no record, blaming the wrong setting).
     """
+    with np.errstate(all="ignore"):  # (the sum of huge finite weights may overflow: that is what is checked)
+        weight_sum = weights.sum()
+        usable = bool(np.isfinite(weights).all() and (weights >= 0).all() and weight_sum > 0
+                      and np.isfinite(total * weight_sum))
+    if not usable:
+        raise _UnusableWeights(f"weights {weights.tolist()} cannot share {total} records (their sum is {weight_sum})")
     exact = total * weights / weights.sum()
     sizes = np.floor(exact).astype(np.int64)
     leftover = total - int(sizes.sum())
@@ -293,7 +349,13 @@ def _dirichlet(labels: np.ndarray, n_agents: int, alpha: float | None, seed: int
     for attempt in range(_DIRICHLET_TRIES):
         rng = np.random.default_rng([seed, attempt])
         fractions = rng.dirichlet(np.full(n_agents, alpha), size=n_classes).T
-        parts = _split_by_class(labels, fractions, rng)
+        try:
+            parts = _split_by_class(labels, fractions, rng)
+        except _UnusableWeights:  # numpy's sampler returns all-zero proportions for alpha near 1e308
+            raise ConfigError("data.dirichlet_alpha", f"alpha={alpha} is too large for numpy's Dirichlet sampler, "
+                                                      "which returns no proportions (all zero) at this size; use a "
+                                                      f"smaller alpha (at most {DIRICHLET_ALPHA_MAX:g}, which already "
+                                                      "splits each class equally), or the 'iid' partition") from None
         smallest = min(len(p) for p in parts)
         if smallest >= min_size:
             return parts
@@ -309,7 +371,14 @@ def _unequal(n: int, n_agents: int, size_skew: float | None, min_size: int,
     """IID split with lognormal agent sizes, each at least ``min_size``."""
     sigma = _check_positive_float("data.size_skew", size_skew, "unequal")
     weights = rng.lognormal(mean=0.0, sigma=sigma, size=n_agents)
-    sizes = min_size + _largest_remainder(n - n_agents * min_size, weights, rng)
+    try:
+        sizes = min_size + _largest_remainder(n - n_agents * min_size, weights, rng)
+    except _UnusableWeights:  # e^(sigma z) past 1e308 (inf), or below 1e-308 for every agent (all 0)
+        weights_are = "infinite" if np.isinf(weights).any() else "all 0"
+        raise ConfigError("data.size_skew", f"size_skew={sigma} is too large: the lognormal weights e^(size_skew z) "
+                                            f"of the {n_agents} agents came out {weights_are} in floating point; use "
+                                            f"a smaller size_skew (at most {SIZE_SKEW_MAX:g}, where the largest agent "
+                                            "already holds nearly every record)") from None
     return np.split(rng.permutation(n), np.cumsum(sizes)[:-1])
 
 
