@@ -55,6 +55,21 @@ def test_damaged_records_name_the_file(tmp_path: Path, lines: list[str], message
         libsvm.read_svmlight(_write(tmp_path / "a9a", lines), libsvm.A9A_FEATURES, 3)
 
 
+def test_an_index_too_large_for_the_parser_names_the_file_and_line(tmp_path: Path) -> None:
+    """scikit-learn's parser raised an uncaught OverflowError ('Python int too large to convert to C long')."""
+    path = _write(tmp_path / "a9a", ["-1 1:1", "+1 2:1 99999999999999999999:1", "-1 3:1"])
+    with pytest.raises(DataError, match=r"a9a: not a LIBSVM file .*line 2 has feature index 99999999999999999999"):
+        libsvm.read_svmlight(path, libsvm.A9A_FEATURES, 3)
+
+
+def test_a_zero_based_file_is_refused_not_shifted(tmp_path: Path) -> None:
+    """LIBSVM's indices start at 1; scikit-learn's zero_based="auto" read a file with an index 0 anywhere as
+    0-based, so every other feature of it landed one column off from a9a's."""
+    path = _write(tmp_path / "a9a", ["-1 0:1 3:1", "+1 1:1 2:1", "-1 5:1"])
+    with pytest.raises(DataError, match=r"a9a: not a LIBSVM file of 123 features \(indices 1..123\): Invalid index 0"):
+        libsvm.read_svmlight(path, libsvm.A9A_FEATURES, 3)
+
+
 def test_the_real_files_load_with_their_known_sizes() -> None:
     try:
         libsvm.find_a9a(SHARED_DATA)

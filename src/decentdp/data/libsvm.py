@@ -51,18 +51,49 @@ def check_file(path: Path, expected_sha256: str) -> None:
 
 
 def read_svmlight(path: Path, features: int, records: int) -> tuple[np.ndarray, np.ndarray]:
-    """Dense float32 features ``(records, features)`` and labels in {0, 1} (LIBSVM's -1 / +1) of one file."""
+    """Dense float32 features ``(records, features)`` and labels in {0, 1} (LIBSVM's -1 / +1) of one file.
+
+    Feature indices are 1-based, as LIBSVM's format defines them (a9a's run 1..123): index ``k`` is column
+    ``k - 1``, and an index 0 is refused.  scikit-learn's default, ``zero_based="auto"``, instead reads the whole
+    file as 0-based as soon as one index 0 appears anywhere in it, which moves every other feature one column
+    along without a word; a file written 0-based is refused here at its index 0 (one whose feature 0 never occurs
+    cannot be told from a 1-based one, and is read as the format says).  Every error is a :class:`DataError`
+    naming the file (and the line, for an index too large for the parser's integers).
+    """
     from sklearn.datasets import load_svmlight_file
 
     try:
-        x, y = load_svmlight_file(str(path), n_features=features)
+        x, y = load_svmlight_file(str(path), n_features=features, zero_based=False)
     except ValueError as exc:
-        raise DataError(f"{path}: not a LIBSVM file of {features} features: {exc}") from None
+        raise DataError(f"{path}: not a LIBSVM file of {features} features (indices 1..{features}): {exc}") from None
+    except OverflowError:  # (an index past the parser's C integers: 'Python int too large to convert to C long')
+        where = _first_index_outside(path, features)
+        raise DataError(f"{path}: not a LIBSVM file of {features} features (indices 1..{features}): "
+                        + (f"line {where[0]} has feature index {where[1]}" if where else "a feature index is too "
+                           "large to read")) from None
     labels = set(np.unique(y).tolist())
     if not labels <= {-1.0, 1.0} or x.shape[0] != records:
         raise DataError(f"{path}: expected {records} records labelled -1 / +1, found {x.shape[0]} labelled "
                         f"{sorted(labels)}")
     return np.asarray(x.todense(), dtype=np.float32), (y > 0).astype(np.int64)
+
+
+def _first_index_outside(path: Path, features: int) -> tuple[int, str] | None:
+    """The first line (numbered from 1) holding a feature index outside ``1..features``, and that index as written;
+    None if there is none (qid fields and comments after ``#`` are not features)."""
+    with path.open("rb") as file:
+        for number, line in enumerate(file, start=1):
+            for token in line.split(b"#", 1)[0].split()[1:]:
+                index, _, _ = token.partition(b":")
+                if index == b"qid":
+                    continue
+                try:
+                    outside = not 1 <= int(index) <= features
+                except ValueError:
+                    continue
+                if outside:
+                    return number, index.decode("ascii", "replace")
+    return None
 
 
 def load_a9a(data_dir: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
