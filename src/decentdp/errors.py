@@ -25,7 +25,16 @@ class DataError(DecentDPError):
 
 
 class GraphError(DecentDPError):
-    """A communication graph or mixing matrix that violates what the algorithms assume."""
+    """A communication graph or mixing matrix that violates what the algorithms assume.
+
+    ``field``, when not empty, is the config field to change, e.g. ``topology.p`` when no connected
+    Erdos-Renyi graph was drawn; the message then starts with it, as a :class:`ConfigError`'s does.
+    """
+
+    def __init__(self, message: str, field: str = "") -> None:
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}" if field else message)
 
 
 class PrivacyError(DecentDPError):

@@ -754,6 +754,30 @@ def test_run_dry_run_invalid_config_exits_2(tiny_config: Path, capsys: pytest.Ca
     assert captured.out == ""
 
 
+@pytest.mark.parametrize(("overrides", "fragments"), [
+    (["topology.graph=erdos-renyi", "topology.agents=10", "topology.p=0.05"],
+     ["decentdp: error: topology.p: no connected erdos-renyi graph", "raise it"]),
+    (["topology.graph=fiedler", "topology.fiedler=0.45", "topology.fiedler_tol=0.001"],
+     ["decentdp: error: topology.fiedler: no geometric graph on 4 agents", "topology.fiedler_tol"]),
+    (["topology.graph=fiedler", "topology.agents=10", "topology.fiedler=0.95"],
+     ["topology.fiedler: normalized Fiedler value 0.95", "(N-2)/N = 0.8"]),
+    (["topology.graph=k-regular", "topology.agents=9", "topology.k=3"], ["topology.k: n_agents * k must be even"]),
+    (["topology.graph=torus", "topology.agents=10"], ["topology.agents: a torus needs at least 3 rows"]),
+    (["topology.graph=grid", "topology.agents=13"], ["topology.agents: a grid needs", "13 is prime"]),
+])
+def test_run_dry_run_refuses_a_graph_the_run_could_not_build(tiny_config: Path, overrides: list[str],
+                                                             fragments: list[str],
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """The graph's deterministic checks run in validation and the dry-run draws the first graph, so a random search
+    that finds no connected draw (or none on the Fiedler target) fails it, naming the field to change, not only the
+    run's start (a review: all six passed --dry-run)."""
+    code = main(["run", str(tiny_config), *(part for item in overrides for part in ("--set", item)), "--dry-run"])
+    captured = capsys.readouterr()
+    _assert_user_error(code, captured.err, *fragments)
+    assert "max_tries" not in captured.err
+    assert captured.out == ""
+
+
 def test_run_dry_run_says_what_a_run_would_warn_of_the_config(tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     """A hand-written key that is another algorithm's default is dropped, and fields a pooled run does not read are

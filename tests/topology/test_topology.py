@@ -17,6 +17,7 @@ from decentdp.topology import (
     Topology,
     build_topology,
     check_connected,
+    check_graph_params,
     describe,
     make_graph,
     mixing_matrix,
@@ -335,7 +336,7 @@ def test_unknown_graph_parameter_is_rejected() -> None:
         ("ring", 0, {}, "topology.agents"),
         ("ring", 5.0, {}, "topology.agents"),
         ("ring", 5, {"seed": -1}, "experiment.seed"),
-        ("erdos-renyi", 8, {"max_tries": 0}, "topology.max_tries"),
+        ("erdos-renyi", 8, {"p": 0.5, "max_tries": 0}, "max_tries"),  # (a Python-API argument, no config field)
         ("erdos-renyi", 8, {}, "topology.p"),
         ("erdos-renyi", 8, {"p": 0.0}, "topology.p"),
         ("erdos-renyi", 8, {"p": 1.5}, "topology.p"),
@@ -356,6 +357,8 @@ def test_unknown_graph_parameter_is_rejected() -> None:
         ("complete", 8, {"radius": 0.5}, "topology.radius"),
         ("grid", 7, {}, "topology.agents"),
         ("grid", 12, {"rows": 5}, "topology.rows"),
+        ("grid", 12, {"rows": 1}, "topology.rows"),  # (1x12 is a path, as a prime count's only shape)
+        ("grid", 12, {"rows": 12}, "topology.rows"),
         ("torus", 10, {}, "topology.agents"),
         ("torus", 18, {"rows": 2}, "topology.rows"),
     ],
@@ -367,6 +370,31 @@ def test_invalid_parameters_raise_config_error_naming_the_field(
         make_graph(kind, n, **params)
     assert info.value.field == field
     assert str(info.value).startswith(f"{field}: ")
+    if not {"seed", "max_tries"} & set(params):  # the checks config validation runs, drawing nothing, agree
+        with pytest.raises(ConfigError) as checked:
+            check_graph_params(kind, n, **params)
+        assert checked.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("kind", "n", "params", "field"),
+    [
+        ("erdos-renyi", 10, {"p": 0.05, "max_tries": 20}, "topology.p"),
+        ("geometric", 30, {"radius": 0.01, "max_tries": 5}, "topology.radius"),
+        ("fiedler", 4, {"fiedler": 0.45, "fiedler_tol": 0.001, "max_tries": 20}, "topology.fiedler"),
+        ("k-regular", 60, {"k": 2, "max_tries": 3}, "topology.k"),
+    ],
+)
+def test_a_search_that_gives_up_names_the_config_field_to_change(
+    kind: str, n: int, params: dict[str, float], field: str
+) -> None:
+    """The CLI prints ``field: message``, as for a ConfigError, and advises only what a config can change:
+    ``max_tries`` is a Python-API argument (a review: "raise max_tries" was advised to config users)."""
+    with pytest.raises(GraphError) as info:
+        make_graph(kind, n, **params)
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}: ")
+    assert "max_tries" not in str(info.value)
 
 
 def test_erdos_renyi_with_tiny_p_gives_up_after_max_tries() -> None:
@@ -414,7 +442,7 @@ def test_edges_are_consistent_with_adjacency(kind: str) -> None:
 
 @pytest.mark.parametrize(
     ("n", "rows", "shape"),
-    [(12, None, (3, 4)), (12, 2, (2, 6)), (16, None, (4, 4)), (6, 6, (6, 1))],
+    [(12, None, (3, 4)), (12, 2, (2, 6)), (16, None, (4, 4)), (6, 3, (3, 2))],
 )
 def test_grid_sizes_and_row_major_numbering(n: int, rows: int | None, shape: tuple[int, int]) -> None:
     graph = make_graph("grid", n, rows=rows)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
 
 from decentdp import __version__
 from decentdp.cli import audit as audit_command
@@ -29,6 +29,9 @@ from decentdp.cli import sweep as sweep_command
 from decentdp.errors import ConfigError, DecentDPError
 from decentdp.results.files import CHECKPOINT_FILE, epsilon_text
 from decentdp.util.arguments import add_threads_option, with_threads
+
+if TYPE_CHECKING:
+    from decentdp.config import ExperimentConfig
 
 EXIT_USER_ERROR = 2
 
@@ -82,9 +85,9 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", help="results folder (default: results/<name>-<timestamp>)")
     run.add_argument("--resume", action="store_true", help="continue the run whose checkpoint is in --out")
     run.add_argument("--dry-run", action="store_true",
-                     help="validate the config and overrides, print the resolved config as TOML (and to stderr "
-                          "the warnings a run would give about the config) and exit; loads no data, trains "
-                          "nothing, writes nothing")
+                     help="validate the config and overrides, draw the run's first graph (a random graph's "
+                          "search can fail), print the resolved config as TOML (and to stderr the warnings a run "
+                          "would give about the config) and exit; loads no data, trains nothing, writes nothing")
     run.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
     run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     run.add_argument("--diagnostics", action="store_true",
@@ -168,6 +171,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.dry_run:
         import tomli_w
 
+        _draw_first_graph(config)
         for notice in config.notices:  # what a run would say of the config at its start (stdout stays TOML)
             print(f"warning: {notice}", file=sys.stderr)
         sys.stdout.write(tomli_w.dumps(config.to_toml_dict()))
@@ -209,6 +213,21 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(summary_line(summary))
     return 0
+
+
+def _draw_first_graph(config: ExperimentConfig) -> None:
+    """Build the graph the run starts on, as ``build_experiment`` will, so that a random search finding no connected
+    draw (or none on the Fiedler target) fails the dry-run, with a GraphError naming the field to change, as it
+    would fail the run's start.  Validation checks the rest of the graph's parameters without drawing: a search takes
+    milliseconds for most graphs but seconds for a Fiedler target on many agents (or one it cannot meet), which only
+    a dry-run, not every config load, should spend.  A run that pools the data (one agent) or a ``[personalized]``
+    run (its own similarity graph) draws none; the later graphs of ``topology.redraw_every`` are drawn as the run
+    goes."""
+    if config.personalized is not None or config.pools_data:
+        return
+    from decentdp.experiment.build import config_topology
+
+    config_topology(config, config.experiment.seed)
 
 
 def _per_agent(epsilons: list[float | None]) -> str:

@@ -33,7 +33,7 @@ from decentdp.config.personalized import PersonalizedSection
 from decentdp.data.partition import DIRICHLET_ALPHA_MAX, SIZE_SKEW_MAX
 from decentdp.errors import ConfigError
 from decentdp.models import check_model_options
-from decentdp.topology import PARAM_USERS
+from decentdp.topology import PARAM_USERS, check_graph_params
 
 DatasetName = Literal["digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "a9a"]
 PartitionName = Literal["iid", "overlap", "dirichlet", "unequal", "pathological"]
@@ -110,6 +110,13 @@ class TopologySection(_Section):
     rows: int | None = Field(None, ge=1)
     redraw_every: int = Field(0, ge=0, description="redraw a random graph every this many rounds (0: a fixed "
                                                   "graph); each draw depends only on the seed and the epoch")
+
+    @property
+    def graph_params(self) -> dict[str, float | int]:
+        """The graph parameters set (``p``, ``radius``, ``k``, ``fiedler``, ``rows``) with ``fiedler_tol``, as
+        :func:`decentdp.topology.make_graph` takes them."""
+        given = {key: getattr(self, key) for key in PARAM_USERS if getattr(self, key) is not None}
+        return {**given, "fiedler_tol": self.fiedler_tol}
 
 
 class ModelSection(_Section):
@@ -513,6 +520,11 @@ class ExperimentConfig(_Section):
         needed = GRAPH_REQUIRES.get(topo.graph)
         if needed is not None and getattr(topo, needed) is None and not self.pools_data:
             raise _FieldError(f"topology.{needed}", f"is required by graph = '{topo.graph}'")
+        if not self.pools_data:  # the graph's shape, degree and Fiedler reach; not the random search (the dry-run's)
+            try:
+                check_graph_params(topo.graph, topo.agents, **topo.graph_params)
+            except ConfigError as error:
+                raise _FieldError(error.field, error.message) from None
         return self
 
     def _refuse_what_the_algorithm_cannot_price(self, chosen: type[Algorithm]) -> None:

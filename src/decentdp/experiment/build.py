@@ -221,10 +221,7 @@ def _graphs(config: ExperimentConfig, first: Topology, device: torch.device) -> 
 def config_topology(config: ExperimentConfig, seed: int) -> Topology:
     """The graph ``[topology]`` describes, drawn from ``seed`` (a run's first graph)."""
     topo = config.topology
-    graph_params = {key: getattr(topo, key) for key in ("p", "radius", "k", "fiedler", "rows")
-                    if getattr(topo, key) is not None}
-    return build_topology(topo.graph, topo.agents, mixing=topo.mixing, seed=seed, fiedler_tol=topo.fiedler_tol,
-                          **graph_params)
+    return build_topology(topo.graph, topo.agents, mixing=topo.mixing, seed=seed, **topo.graph_params)
 
 
 def _run_device(engine: EngineSection) -> torch.device:
