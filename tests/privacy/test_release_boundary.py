@@ -395,6 +395,20 @@ def test_offline_agents_are_never_active_and_poisson_clocks_wake_one_agent() -> 
     assert abs(taking_part - 480) < 4 * math.sqrt(1600 * 0.3 * 0.7)
 
 
+@pytest.mark.parametrize(("kind", "options", "argument"), [
+    ("poisson-clocks", {"offline_probability": 0.2}, "offline_probability"),
+    ("synchronous", {"participation": 0.5}, "participation"),
+    ("pairing", {"participation": 0.5}, "participation"),
+    ("poisson-clocks", {"participation": 0.5}, "participation"),
+])
+def test_a_scheduler_refuses_what_its_schedule_does_not_read(kind: str, options: dict[str, float],
+                                                             argument: str) -> None:
+    """Poisson clocks wake one agent a tick whatever ``offline_probability`` says, and only ``sampled`` reads
+    ``participation``: a value there would be ignored (a review: it was), so it is a ValueError naming it."""
+    with pytest.raises(ValueError, match=argument):
+        Scheduler(kind, AgentRandom(5), 8, **options)
+
+
 def test_a_scheduled_round_charges_only_the_agents_it_activates() -> None:
     network = _network("complete", 6)
     oracle = _oracle(n_agents=6)

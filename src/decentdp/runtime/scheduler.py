@@ -33,7 +33,11 @@ SCHEDULES: tuple[str, ...] = ("synchronous", "pairing", "poisson-clocks", "sampl
 
 
 class Scheduler:
-    """Plans each round for the agents an engine holds (a shard keeps the slice of a global plan)."""
+    """Plans each round for the agents an engine holds (a shard keeps the slice of a global plan).
+
+    ``offline_probability`` must be 0 under ``poisson-clocks`` and ``participation`` 1 except under ``sampled``:
+    those schedules do not read them, so another value is a ValueError rather than silently ignored.
+    """
 
     def __init__(self, kind: str, rng: AgentRandom, n_total: int, offline_probability: float = 0.0,
                  participation: float = 1.0, device: torch.device | str = "cpu") -> None:
@@ -43,6 +47,12 @@ class Scheduler:
             raise ValueError(f"offline_probability must lie in [0, 1), got {offline_probability}")
         if not 0.0 < participation <= 1.0:
             raise ValueError(f"participation must lie in (0, 1], got {participation}")
+        if offline_probability and kind == "poisson-clocks":  # (plan() would ignore it: one agent wakes a tick)
+            raise ValueError(f"offline_probability={offline_probability} has no effect under 'poisson-clocks', where "
+                             "sleeping between wake-ups is the schedule itself; pass 0")
+        if participation != 1.0 and kind != "sampled":
+            raise ValueError(f"participation={participation} is only read by the 'sampled' schedule, not "
+                             f"{kind!r}; pass 1")
         self.kind = kind
         self.rng = rng
         self.n_total = n_total
