@@ -217,3 +217,52 @@ def test_a_run_may_resume_logging_elsewhere(tmp_path: Path) -> None:
     events.Reload()
     assert [e.step for e in events.Scalars("accuracy_mean")] == [row["round"] for row in result.metrics
                                                                   if row["round"] > 2]
+
+
+def _interrupt_before_the_first_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C after the folder's start files and the tracker are written, before round 0's checkpoint."""
+    import decentdp.experiment.loop as loop
+
+    def interrupted(*_args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "_announce", interrupted)
+
+
+def test_a_tensorboard_run_killed_before_its_first_checkpoint_may_start_again(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The killed start's logs are no results: the folder starts again (as the CLI's message says), and the logs
+    hold the new start's evaluations only."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    config = validate_config(tiny_config(tracking={"backend": "tensorboard"}))
+    with monkeypatch.context() as patch:
+        _interrupt_before_the_first_checkpoint(patch)
+        with pytest.raises(KeyboardInterrupt):
+            run_experiment(config, tmp_path / "run", progress=False, log=lambda _line: None)
+    assert (tmp_path / "run" / "tensorboard").is_dir() and not (tmp_path / "run" / "checkpoint.pt").exists()
+    result = run_experiment(config, tmp_path / "run", progress=False, log=lambda _line: None)
+    assert result.summary["finished"]
+    events = accumulator.EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("accuracy_mean")] == [row["round"] for row in result.metrics]
+
+
+def test_an_mlflow_run_killed_before_its_first_checkpoint_starts_again_as_a_new_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The killed start's MLflow run is left KILLED; the new start logs to a run of its own (not the stale one
+    tracking.json named), and tracking.json names it."""
+    pytest.importorskip("mlflow")
+    config = validate_config(_mlflow_config(tmp_path))
+    with monkeypatch.context() as patch:
+        _interrupt_before_the_first_checkpoint(patch)
+        with pytest.raises(KeyboardInterrupt):
+            run_experiment(config, tmp_path / "run", progress=False, log=lambda _line: None)
+    killed = json.loads((tmp_path / "run" / "tracking.json").read_text())["run_id"]
+    run_experiment(config, tmp_path / "run", progress=False, log=lambda _line: None)
+    client = _client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = {run.info.run_id: run.info.status
+            for run in client.search_runs([client.get_experiment_by_name("decentdp").experiment_id])}
+    started = json.loads((tmp_path / "run" / "tracking.json").read_text())["run_id"]
+    assert started != killed and runs == {killed: "KILLED", started: "FINISHED"}
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(client.get_metric_history(started, "accuracy_mean")) == len(rows)

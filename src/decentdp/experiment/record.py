@@ -15,6 +15,7 @@ import json
 import os
 import pickle
 import secrets
+import shutil
 import weakref
 from pathlib import Path
 from typing import Any
@@ -70,12 +71,21 @@ def key_directory(config: ExperimentConfig) -> Path:
 
 
 DIAGNOSTICS_FILE = "diagnostics.json"
+#: Where a results folder remembers its tracked MLflow run, so that ``--resume`` continues the same one
+#: (:mod:`decentdp.experiment.tracking`).
+TRACKING_FILE = "tracking.json"
+#: The folder of a run's TensorBoard logs when ``tracking.log_dir`` names none.
+TENSORBOARD_DIR = "tensorboard"
 #: ``setup.json`` fields that fix a run's mechanism: a resume must plan them as the run's start did.
 NOISE_SETUP_FIELDS = ("noise_multipliers", "sample_rates", "planned_releases")
 #: What a results folder holds when its run was killed before its first checkpoint (nothing to resume): such a
-#: folder may be started again (and these files replaced).
-STARTED_ONLY = frozenset({CONFIG_FILE, PROVENANCE_FILE, SETUP_FILE, DIAGNOSTICS_FILE, f".{CHECKPOINT_FILE}.tmp",
-                          *(f".{name}.tmp" for name in (CONFIG_FILE, PROVENANCE_FILE, SETUP_FILE, DIAGNOSTICS_FILE))})
+#: folder may be started again (and these entries replaced).  The tracker opens before the first checkpoint, so its
+#: run file and log folder are among them; removing ``tracking.json`` lets the new start create a new MLflow run
+#: instead of continuing the killed one.
+STARTED_ONLY = frozenset({CONFIG_FILE, PROVENANCE_FILE, SETUP_FILE, DIAGNOSTICS_FILE, TRACKING_FILE, TENSORBOARD_DIR,
+                          f".{CHECKPOINT_FILE}.tmp",
+                          *(f".{name}.tmp" for name in (CONFIG_FILE, PROVENANCE_FILE, SETUP_FILE, DIAGNOSTICS_FILE,
+                                                        TRACKING_FILE))})
 DIAGNOSTICS_WARNING = ("operator diagnostics computed from the raw private data, NOT differentially private: "
                        "do not share this file or the 'diagnostics' entries of metrics.jsonl")
 
@@ -233,7 +243,11 @@ class ResultsFolder:
             raise ConfigError("--out", f"cannot create the results folder {self.path}: {exc.strerror}") from None
         self._acquire(created)
         for name in held:  # (under the lock) a start that never reached its first checkpoint: nothing to resume
-            (self.path / name).unlink(missing_ok=True)
+            entry = self.path / name
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)  # (the TensorBoard logs of the killed start)
+            else:
+                entry.unlink(missing_ok=True)
         return None
 
     def check_same_data(self, experiment: Experiment) -> None:

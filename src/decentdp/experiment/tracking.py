@@ -30,10 +30,9 @@ import numpy as np
 
 from decentdp.config import ExperimentConfig, TrackingSection, flat_fields
 from decentdp.errors import ConfigError
-from decentdp.experiment.record import DIAGNOSTICS_FILE, LOCK_FILE
+from decentdp.experiment.record import DIAGNOSTICS_FILE, LOCK_FILE, TENSORBOARD_DIR, TRACKING_FILE
+from decentdp.results.files import write_atomic
 
-#: Where a results folder remembers its tracked run, so that ``--resume`` continues the same one.
-TRACKING_FILE = "tracking.json"
 #: Files of a results folder that are never artifacts: the resumable states (large: ``*.pt``), the writer's
 #: lock, this file, and the operator diagnostics, which are computed from raw private data (not DP) and must
 #: not leave the machine.
@@ -67,7 +66,7 @@ def open_tracker(config: ExperimentConfig, folder: Path | None, resume: bool) ->
     section = config.tracking
     if section.backend == "tensorboard":
         log_dir = Path(section.log_dir) if section.log_dir else (
-            folder / "tensorboard" if folder is not None else Path("runs") / config.experiment.name)
+            folder / TENSORBOARD_DIR if folder is not None else Path("runs") / config.experiment.name)
         return TensorBoardTracker(log_dir, config)
     if section.backend == "mlflow":
         saved = _saved_run(folder) if resume else None
@@ -229,8 +228,7 @@ class MlflowTracker:
             self._client.log_batch(self.run_id, params=batch)
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / TRACKING_FILE).write_text(json.dumps({"backend": "mlflow", "run_id": self.run_id,
-                                                            "uri": uri}) + "\n")
+            _remember_run(folder, self.run_id, uri)
 
     def log(self, row: Mapping[str, Any], epsilons: np.ndarray) -> None:
         """Every number of the row as a metric at step ``round``."""
@@ -250,6 +248,12 @@ class MlflowTracker:
                     parent = str(relative.parent) if relative.parent != Path(".") else None
                     self._client.log_artifact(self.run_id, str(file), parent)
         self._client.set_terminated(self.run_id, status=status)
+
+
+def _remember_run(folder: Path, run_id: str, uri: str) -> None:
+    """Write ``folder``'s :data:`TRACKING_FILE` naming its MLflow run (atomically: a kill leaves the old file or the
+    whole new one, never a part that a resume would refuse as damaged)."""
+    write_atomic(folder / TRACKING_FILE, json.dumps({"backend": "mlflow", "run_id": run_id, "uri": uri}) + "\n")
 
 
 def _saved_run(folder: Path | None) -> str | None:
@@ -282,7 +286,7 @@ def open_sweep_run(config: ExperimentConfig, name: str, out: Path, space: Mappin
     for batch in _batches(params):
         client.log_batch(run_id, params=batch)
     out.mkdir(parents=True, exist_ok=True)
-    (out / TRACKING_FILE).write_text(json.dumps({"backend": "mlflow", "run_id": run_id, "uri": uri}) + "\n")
+    _remember_run(out, run_id, uri)
     return run_id
 
 
