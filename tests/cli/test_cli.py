@@ -314,6 +314,58 @@ def test_run_writes_results_folder(finished_run: dict[str, Any], tiny_config: Pa
     assert setup["noise_multipliers"] == pytest.approx(summary["noise_multipliers"])
 
 
+
+def _git(folder: Path, *arguments: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *arguments], cwd=folder, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def _git_commit_of(module: Path) -> str | None:
+    """``git_commit`` as a copy of ``results/files.py`` lying at ``module`` computes it (from its own place)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"files_copy_{abs(hash(module))}", module)
+    assert spec is not None and spec.loader is not None
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    return copy.git_commit()
+
+
+def test_provenance_names_no_commit_of_a_project_decentdp_is_installed_in(tmp_path: Path) -> None:
+    """decentdp in a project's .venv lies inside the project's git repository: that project's HEAD (dirty from its
+    own changes) is not decentdp's commit, and provenance says none; decentdp's own checkout (its pyproject.toml at
+    the top, the package under src/) names its commit."""
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    import decentdp.results.files as files
+
+    project = tmp_path / "project"
+    project.mkdir()
+    _git(project, "init", "-q")
+    (project / "analysis.py").write_text("print('mine')\n")
+    _git(project, "add", "analysis.py")
+    _git(project, "commit", "-qm", "user's work")
+    (project / "analysis.py").write_text("print('changed')\n")  # the user's uncommitted change
+    installed = project / ".venv" / "lib" / "python3" / "site-packages" / "decentdp" / "results" / "files.py"
+    installed.parent.mkdir(parents=True)
+    shutil.copy(files.__file__, installed)
+    assert _git_commit_of(installed) is None
+
+    checkout = tmp_path / "decentdp"
+    module = checkout / "src" / "decentdp" / "results" / "files.py"
+    module.parent.mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text('[project]\nname = "decentdp"\n')
+    _git(checkout, "init", "-q")
+    _git(checkout, "add", "pyproject.toml")
+    _git(checkout, "commit", "-qm", "start")
+    shutil.copy(files.__file__, module)  # (a module not yet added still belongs to the checkout)
+    assert _git_commit_of(module) == _git(checkout, "rev-parse", "HEAD")
+    _git(checkout, "add", "src")
+    _git(checkout, "commit", "-qm", "the package")
+    (module.parent / "__init__.py").write_text("")
+    (checkout / "pyproject.toml").write_text('[project]\nname = "decentdp"\nversion = "2"\n')
+    assert _git_commit_of(module) == _git(checkout, "rev-parse", "HEAD") + "+dirty"
+
 def test_run_refuses_a_finished_out_dir_without_resume(finished_run: dict[str, Any], tiny_config: Path) -> None:
     out: Path = finished_run["out"]
     before = {path.name: path.stat().st_mtime_ns for path in out.iterdir()}

@@ -12,6 +12,7 @@ import os
 import platform
 import subprocess
 import sys
+import tomllib
 from collections.abc import Callable, Sequence
 from decimal import ROUND_CEILING, Decimal, localcontext
 from importlib import metadata
@@ -144,17 +145,40 @@ def _jsonable(value: Any) -> Any:
 
 
 def git_commit() -> str | None:
-    """The commit of the decentdp checkout in use, if it is one (``None`` for an installed wheel)."""
-    here = Path(__file__).resolve().parent
+    """The commit of the decentdp checkout in use, if it is one (``None`` for an installed wheel).
+
+    A folder inside some git repository is not enough: decentdp installed in a project's ``.venv`` lies inside that
+    project's repository, whose commit (and "+dirty" from its changes) says nothing of decentdp's code.  It counts
+    as decentdp's checkout only where git tracks this very file, or where the repository's top is the folder holding
+    decentdp's own ``pyproject.toml`` (a new module not yet added, in a developer's checkout)."""
+    here = Path(__file__).resolve()
+
+    def git(*arguments: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", *arguments], cwd=here.parent, capture_output=True, text=True, timeout=5)
+
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=5)
+        if git("ls-files", "--error-unmatch", here.name).returncode != 0:
+            top = git("rev-parse", "--show-toplevel")
+            if top.returncode != 0 or not _is_decentdp_project(Path(top.stdout.strip()), here):
+                return None
+        out = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return None
     if out.returncode != 0:
         return None
     return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def _is_decentdp_project(top: Path, module: Path) -> bool:
+    """Whether ``top`` is the source tree ``module`` (a file of the package, ``src/decentdp/...``) comes from: its
+    ``pyproject.toml`` names the project decentdp, and the package lies in its ``src``."""
+    try:
+        with open(top / "pyproject.toml", "rb") as handle:
+            name = tomllib.load(handle).get("project", {}).get("name")
+    except (OSError, tomllib.TOMLDecodeError):
+        return False
+    return name == "decentdp" and module.is_relative_to((top / "src" / "decentdp").resolve())
 
 
 def provenance(seed: int) -> dict[str, Any]:
