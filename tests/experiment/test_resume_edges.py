@@ -1,5 +1,6 @@
 """Resume edge cases from a review of the run loop: a start killed before its first checkpoint, a kill between
-the checkpoint and metrics.jsonl, a failed checkpoint write, and a resume naming the device it ran on."""
+the checkpoint and metrics.jsonl, a failed checkpoint write, a resume naming the device it ran on, and a resume
+whose setup.json cannot be read."""
 
 from __future__ import annotations
 
@@ -93,6 +94,27 @@ def test_a_resume_whose_code_plans_other_noise_is_refused(tmp_path: Path) -> Non
         run_experiment(config, tmp_path / "run", resume=True, **_quiet())
     setup["noise_multipliers"][1] /= 0.8
     setup_file.write_text(json.dumps(setup))
+    assert run_experiment(config, tmp_path / "run", resume=True, **_quiet()).summary["finished"]
+
+
+@pytest.mark.parametrize("damage", ["{garbage", "[1, 2]", ""])
+def test_a_resume_with_an_unreadable_setup_file_is_refused_naming_it(tmp_path: Path, damage: str) -> None:
+    """A review: setup.json that did not parse counted as an older folder's (nothing to compare), and the resume went
+    on without the data and noise checks; only a missing file, or one lacking the newer fields, is an older
+    folder's."""
+    config = validate_config(tiny_config(experiment={"rounds": 5}))
+    run_experiment(config, tmp_path / "run", stop_after=2, **_quiet())
+    setup_file = tmp_path / "run" / "setup.json"
+    setup = json.loads(setup_file.read_text())
+    setup_file.write_text(damage)
+    with pytest.raises(ConfigError) as error:
+        run_experiment(config, tmp_path / "run", resume=True, **_quiet())
+    assert error.value.field == "--resume" and str(setup_file) in error.value.message
+    assert "restore the file" in error.value.message
+    older = {key: value for key, value in setup.items() if key not in (*record.NOISE_SETUP_FIELDS, "data_fingerprint")}
+    setup_file.write_text(json.dumps(older))  # an older folder's: no fields to compare
+    assert not run_experiment(config, tmp_path / "run", resume=True, stop_after=3, **_quiet()).summary["finished"]
+    setup_file.unlink()  # older still: no setup.json at all
     assert run_experiment(config, tmp_path / "run", resume=True, **_quiet()).summary["finished"]
 
 

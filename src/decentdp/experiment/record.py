@@ -250,14 +250,30 @@ class ResultsFolder:
                 entry.unlink(missing_ok=True)
         return None
 
+    def _recorded_setup(self) -> dict[str, Any]:
+        """The run's ``setup.json`` as its start wrote it, empty where a folder written before the file existed has
+        none; one that cannot be read is refused, naming it: taking it for an older folder would resume without
+        the data and noise checks it exists for."""
+        file = self.path / SETUP_FILE
+        try:
+            held = json.loads(file.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as error:
+            reason = getattr(error, "strerror", None) or "it is not JSON"
+            raise ConfigError("--resume", f"{file} cannot be read ({reason}): without it the resume cannot check "
+                                          "that the run goes on with the data and noise it started with; restore "
+                                          "the file, or start the run again in an empty folder") from None
+        if not isinstance(held, dict):
+            raise ConfigError("--resume", f"{file} is damaged: it holds no JSON object of the run's setup; restore "
+                                          "the file, or start the run again in an empty folder")
+        return held
+
     def check_same_data(self, experiment: Experiment) -> None:
         """Refuse to resume on other records than the run started on (``setup.json``'s ``data_fingerprint``,
         keyed by the run's seed or, in a secure run, its restored keys; a plain SHA-256 in folders written before
         the key, none in older ones, which are not checked): the run's noise would continue on them."""
-        try:
-            held = json.loads((self.path / SETUP_FILE).read_text(encoding="utf-8")).get("data_fingerprint")
-        except (OSError, ValueError):
-            held = None
+        held = self._recorded_setup().get("data_fingerprint")
         if held is None:
             return
         keyed = held.startswith(FINGERPRINT_PREFIX)
@@ -271,11 +287,8 @@ class ResultsFolder:
         """Refuse to resume where today's code plans other noise than the run started with (``setup.json``'s
         noise multipliers, sample rates and planned releases): a calibration changed since, and the rounds after
         the checkpoint would run another mechanism than the ones before it, under a summary that names one."""
-        try:
-            held = json.loads((self.path / SETUP_FILE).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return  # (an older folder: nothing recorded to compare with)
-        for name in NOISE_SETUP_FIELDS:
+        held = self._recorded_setup()
+        for name in NOISE_SETUP_FIELDS:  # (fields an older folder lacks are not compared)
             if name not in held or name not in experiment.setup:
                 continue
             recorded, now = np.asarray(held[name], dtype=float), np.asarray(experiment.setup[name], dtype=float)
