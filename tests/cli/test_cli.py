@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 import pytest
+import tomli_w
 from pydantic import BaseModel, Field
 
 from decentdp.algorithms import algorithm_class, algorithm_names, registry
@@ -1000,6 +1002,43 @@ def test_an_interrupt_advises_resume_only_when_there_is_a_checkpoint(
         assert f"--resume --out {out}" in message
     else:
         assert "nothing to resume" in message and "--resume" not in message
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does_and_says_how_to_resume(tmp_path: Path) -> None:
+    """A review: SIGTERM (how batch schedulers and run_jobs.py's deadline stop a job) ended `decentdp run` at once
+    with 143: no "continue with ... --resume" line, and its MLflow run left RUNNING.  It stops as Ctrl-C does, still
+    exiting 128 + 15, and the folder resumes."""
+    pytest.importorskip("mlflow")
+    import signal
+    import time
+
+    import decentdp
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = tmp_path / "long.toml"
+    config.write_text(tomli_w.dumps(tiny_config_raw(
+        experiment={"rounds": 20000, "eval_every": 20000, "checkpoint_every": 1},
+        privacy={"accountant": "rdp"}, tracking={"backend": "mlflow", "uri": uri})))
+    out = tmp_path / "run"
+    source = str(Path(decentdp.__file__).parents[1])
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (source, os.environ.get("PYTHONPATH")))),
+                   "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "decentdp.cli", "run", str(config), "--out", str(out),
+                                "--no-progress"], env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    end = time.monotonic() + 120
+    while not (out / "metrics.jsonl").exists() and process.poll() is None and time.monotonic() < end:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert f"terminated (SIGTERM); continue with: decentdp run {config} --resume --out {out}" in err
+    assert "Traceback" not in err
+    tracking = pytest.importorskip("mlflow.tracking")
+    client = tracking.MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("decentdp").experiment_id])
+    assert run.info.status == "KILLED"
+    assert not (out / ".lock").exists()
 
 
 def test_running_out_of_memory_is_one_message_and_other_errors_still_raise(monkeypatch: pytest.MonkeyPatch,

@@ -144,6 +144,29 @@ def test_sigterm_exits_through_python_after_ray_replaced_the_handler(monkeypatch
         signal.signal(signal.SIGTERM, before)
 
 
+def test_a_handler_set_before_ray_init_is_put_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`decentdp run` stops a run on SIGTERM as on Ctrl-C (its own handler, set before the engine starts Ray):
+    ray.init's replacement, kept there before, aborted such a run with a C++ stack dump instead."""
+    from decentdp.runtime.distributed import ray_backend
+
+    class InstallsItsOwnHandler(_HeldRay):
+        def init(self, **kwargs) -> None:  # noqa: ANN003
+            super().init(**kwargs)
+            signal.signal(signal.SIGTERM, lambda number, frame: None)  # as ray.init does
+
+    def commands_own(number: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ray_backend, "import_ray", lambda local: InstallsItsOwnHandler("127.0.0.1:1", ["127.0.0.1"],
+                                                                                       initialized=False))
+    before = signal.signal(signal.SIGTERM, commands_own)
+    try:
+        ray_backend.connect("", workers=2)
+        assert signal.getsignal(signal.SIGTERM) is commands_own
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_the_local_settings_replace_the_users_own(monkeypatch: pytest.MonkeyPatch) -> None:
     from decentdp.runtime.distributed import ray_backend
 

@@ -10,13 +10,16 @@ so building the parser (and ``--help``) stays fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import inspect
 import json
 import math
 import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from fractions import Fraction
 from pathlib import Path
@@ -164,6 +167,37 @@ def _eps(value: float | str | None) -> str:
     return epsilon_text(value)
 
 
+#: The exit status of a run stopped by SIGTERM (a batch scheduler's stop, ``run_jobs.py``'s deadline): the shell's
+#: 128 + 15, as if the signal had ended the process, after the run has stopped as Ctrl-C stops it.
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM during a run, raised where it arrives as Ctrl-C's KeyboardInterrupt is, so that the run stops the
+    same way (its tracked run marked KILLED, Ray's workers stopped, its folder's lock released) and the command
+    says how to resume it, where by default the signal ended the process at once, silently."""
+
+
+def _raise_terminated(number: int, frame: object) -> None:
+    raise _Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """Within it, SIGTERM raises :class:`_Terminated`; the handler before it is put back after.  Only the main
+    thread may set handlers: in another (a program running the CLI on a worker thread) nothing changes.  A Ray
+    engine started inside puts this handler back after ``ray.init`` replaces it
+    (:func:`decentdp.runtime.distributed.ray_backend._exit_on_sigterm`)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
 def _run(args: argparse.Namespace) -> int:
     from decentdp.config import load_config
 
@@ -184,19 +218,21 @@ def _run(args: argparse.Namespace) -> int:
     else:
         out = Path("results") / f"{config.experiment.name}-{datetime.now():%Y%m%d-%H%M%S}"
     try:
-        result = run_experiment(config, out, data_dir=args.data_dir, resume=args.resume,
-                                progress=not args.no_progress, log=lambda line: print(line, file=sys.stderr),
-                                profile=args.profile, diagnostics=args.diagnostics)
-    except KeyboardInterrupt:
+        with _sigterm_interrupts():
+            result = run_experiment(config, out, data_dir=args.data_dir, resume=args.resume,
+                                    progress=not args.no_progress, log=lambda line: print(line, file=sys.stderr),
+                                    profile=args.profile, diagnostics=args.diagnostics)
+    except KeyboardInterrupt as stop:
+        stopped = "terminated (SIGTERM)" if isinstance(stop, _Terminated) else "interrupted"
         if (out / CHECKPOINT_FILE).is_file():
             data = f" --data-dir {args.data_dir}" if args.data_dir else ""
-            print(f"decentdp: interrupted; continue with: decentdp run {args.config} --resume --out {out}{data} "
+            print(f"decentdp: {stopped}; continue with: decentdp run {args.config} --resume --out {out}{data} "
                   "(and the same --set options; with no --threads it computes on as many threads as before)",
                   file=sys.stderr)
         else:
-            print("decentdp: interrupted before the first checkpoint was written; nothing to resume, start the "
+            print(f"decentdp: {stopped} before the first checkpoint was written; nothing to resume, start the "
                   "run again", file=sys.stderr)
-        return 130
+        return EXIT_TERMINATED if isinstance(stop, _Terminated) else 130
     summary = result.summary
     per_agent = _per_agent(summary["epsilon_per_agent"])
     if "rmse_mean" in summary:  # personalized regression (MovieLens): per-agent test RMSE

@@ -187,11 +187,12 @@ def _check_held_instance(ray: Any, address: str) -> None:
 def _exit_on_sigterm(before_ray: Any) -> None:
     """Make SIGTERM exit through Python's normal shutdown, which stops the Ray instance this process started
     and releases the results folder's lock (by default SIGTERM ends the process at once and leaves Ray's helper
-    processes behind), unless the process had a handler of its own before ``ray.init`` (``before_ray``).
+    processes behind), unless the process had a handler of its own before ``ray.init`` (``before_ray``; the
+    ``decentdp run`` command's, which stops the run as Ctrl-C does): that one is put back.
     Installed after ``ray.init``, which replaces the handler: its core worker's own handler ends the process
     with SIGABRT and a C++ stack dump."""
-    if threading.current_thread() is threading.main_thread() and before_ray in (signal.SIG_DFL, None):
-        signal.signal(signal.SIGTERM, _exit_through_shutdown)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_through_shutdown if before_ray in (signal.SIG_DFL, None) else before_ray)
 
 
 def _exit_through_shutdown(number: int, frame: Any) -> None:
