@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decentdp.config import validate_config
+from decentdp.config import PLACEMENT_FIELDS, RECORDING_FIELDS, validate_config
 from decentdp.errors import ConfigError
 from decentdp.experiment.loop import run_experiment
 
@@ -217,11 +217,25 @@ def test_resume_names_the_changed_fields_and_a_finished_run_explains_why_it_cann
     config = validate_config(tiny_config())
     run_experiment(config, tmp_path / "out", **_quiet())
     changed = validate_config(tiny_config(privacy={"clip": 2.0}, algorithm={"lr": 0.2}))
-    with pytest.raises(ConfigError, match=r"in algorithm\.lr, privacy\.clip; resume with the same config"):
+    with pytest.raises(ConfigError, match=r"in algorithm\.lr, privacy\.clip; resume with the same config") as error:
         run_experiment(changed, tmp_path / "out", resume=True, **_quiet())
+    assert all(field in error.value.message for field in PLACEMENT_FIELDS + RECORDING_FIELDS)  # what may change
     longer = validate_config(tiny_config(experiment={"rounds": 8}))
     with pytest.raises(ConfigError, match="finished its 4 rounds and cannot be extended: its noise was calibrated"):
         run_experiment(longer, tmp_path / "out", resume=True, **_quiet())
+
+
+def test_a_stopped_runs_summary_counts_the_rounds_it_ran(tmp_path: Path) -> None:
+    """A review: stopped after 6 rounds between evaluations (every 4), the summary said rounds = 4, the last
+    evaluation's, below what the run had released; its accuracies stay the last evaluation's."""
+    config = validate_config(tiny_config(experiment={"rounds": 12, "eval_every": 4, "checkpoint_every": 2}))
+    stopped = run_experiment(config, tmp_path / "out", stop_after=6, **_quiet())
+    assert stopped.summary["rounds"] == 6 and not stopped.summary["finished"]
+    assert stopped.metrics[-1]["round"] == 4
+    assert stopped.summary["accuracy_mean"] == stopped.metrics[-1]["accuracy_mean"]
+    resumed = run_experiment(config, tmp_path / "out", resume=True, stop_after=6, **_quiet())  # nothing more to run
+    assert resumed.summary["rounds"] == 6
+    assert run_experiment(config, tmp_path / "out", resume=True, **_quiet()).summary["rounds"] == 12
 
 
 def test_a_delta_that_voids_the_guarantee_is_refused_and_a_weak_one_warned_about(tmp_path: Path) -> None:

@@ -230,7 +230,8 @@ def _train(experiment: Experiment, folder: ResultsFolder | None, checkpoint: dic
             emit(line)
         if folder is not None:
             folder.profile(report)
-    result = summary(experiment, metrics, wall, finished=last == rounds) | {"threads": threads.threads}
+    result = summary(experiment, metrics, wall, finished=last == rounds, rounds_run=completed) | \
+        {"threads": threads.threads}
     # An algorithm's own figures (e.g. Muffliato's pairwise DP) price the rounds run; a run stopped before its first
     # round has released nothing for them to price.
     extras = experiment.algorithm.privacy_results(state, run_facts(experiment, completed)) if completed > 0 \

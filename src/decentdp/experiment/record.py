@@ -224,7 +224,10 @@ class ResultsFolder:
                                               "rounds you want (or a larger budget)")
             if changed:
                 raise ConfigError("--resume", "the config differs from the one the checkpoint was made with, in "
-                                              f"{', '.join(changed)}; resume with the same config and overrides")
+                                              f"{', '.join(changed)}; resume with the same config and overrides "
+                                              "(only where the run computes and logs, and how often it records "
+                                              "itself, may change: "
+                                              f"{', '.join(PLACEMENT_FIELDS + RECORDING_FIELDS)})")
             return saved
         if config.privacy.noise == "secure" and key_directory(config).absolute().is_relative_to(self.path.absolute()):
             raise ConfigError("privacy.key_dir", f"{key_directory(config)} lies inside the results folder "
@@ -401,7 +404,10 @@ def metrics_title(summary: dict[str, Any]) -> str:
             f"{summary['delta']:g}{towards}")
 
 
-def summary(experiment: Experiment, metrics: list[dict[str, Any]], wall: float, finished: bool) -> dict[str, Any]:
+def summary(experiment: Experiment, metrics: list[dict[str, Any]], wall: float, finished: bool,
+            rounds_run: int) -> dict[str, Any]:
+    """A run's ``summary.json``: its ``rounds`` are the rounds it ran (``rounds_run``, what it has released: a run
+    stopped between evaluations ran more than its last metrics row's), its accuracies the last evaluation's."""
     config = experiment.config
     last = metrics[-1] if metrics else {}
     epsilons, accountant = experiment.ledger.reported_epsilon()
@@ -410,7 +416,7 @@ def summary(experiment: Experiment, metrics: list[dict[str, Any]], wall: float, 
         "algorithm": config.algorithm.name,
         "dataset": config.data.dataset,
         "n_agents": experiment.data.n_agents,
-        "rounds": int(last.get("round", 0)),
+        "rounds": rounds_run,
         "finished": finished,
         "accuracy_mean": last.get("accuracy_mean"),
         "accuracy_std": last.get("accuracy_std"),
