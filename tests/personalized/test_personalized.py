@@ -917,3 +917,21 @@ def test_an_out_folder_that_cannot_be_created_is_one_message_before_the_build(tm
     err = capsys.readouterr().err
     assert f"--out: cannot create {tmp_path / 'afile' / 'run'}: {tmp_path / 'afile'} is a file" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("budget", "planned"), [(1.0, 800), (0.5, 800), (0.1, 400), (1.0, 200), (1.05, 8), (3.0, 1)])
+def test_theorem_1s_calibration_spends_the_whole_budget_even_beside_an_agent_without_updates(budget, planned):
+    """A review: the bracket only doubled while twice the scale still fit, so the bisection returned its top, a
+    power-of-two multiple of the basic-composition split (eps-bar 1, T_i 800: per-update 0.01 with a Kairouz total
+    of 0.8197, where Theorem 1 allows 0.011856); and an agent with no planned update (a zero row) started its
+    bracket at budget / 1e-300 and stopped every agent's growth, leaving them all at eps-bar / T_i (or below)."""
+    rows = np.ones((4, planned))
+    rows[1, max(1, planned // 2):] = 0.0                      # an agent planned to wake half as often
+    rows[2] = np.linspace(1.0, 0.5, planned)                  # a decaying allocation (Proposition 2's shape)
+    rows[3] = 0.0                                             # an agent without data, or never woken
+    noise = calibrate_updates("laplace", "paper", budget, DELTA, rows, "tight", "replace-one")
+    spent = kairouz_epsilon(noise.paper_epsilons, DELTA)
+    assert spent[:3] == pytest.approx(np.full(3, budget), rel=1e-9) and (spent[:3] <= budget).all()
+    assert spent[3] == 0.0 and not noise.multipliers[3].any()
+    alone = calibrate_updates("laplace", "paper", budget, DELTA, rows[:1], "tight", "replace-one")
+    np.testing.assert_array_equal(alone.multipliers[0], noise.multipliers[0])  # no agent holds back another

@@ -105,7 +105,9 @@ def calibrate_updates(mechanism: str, calibration: str, budget: float, delta: fl
 
     ``tight`` with an equal allocation calibrates one z for T releases with :func:`calibrate_scale`
     under ``accountant``; ``paper`` scales each agent's shape so that :func:`kairouz_epsilon` equals
-    the budget (a vectorised bisection over agents)."""
+    the budget: per agent, the scale doubles while it fits, then a bisection between the last scale that
+    fits and the first that does not returns the largest that fits (vectorised over agents; an agent with
+    no planned update gets scale 0 and holds back no other)."""
     planned = shape.shape[1]
     factor = 2.0 if relation == "replace-one" else 1.0
     per_update_delta = delta / planned
@@ -120,16 +122,20 @@ def calibrate_updates(mechanism: str, calibration: str, budget: float, delta: fl
                             describe=f"{planned} {mechanism} updates", relation=relation)
         multipliers = np.where(shape > 0, z, 0.0)
         return UpdateNoise(mechanism, multipliers, invert(multipliers), per_update_delta)
-    low = np.zeros(len(shape))
-    high = np.full(len(shape), budget / np.maximum(shape.sum(axis=1), 1e-300))  # sum eps = budget: feasible
-    while True:  # the advanced terms may allow more than the sum: grow the bracket
-        grow = kairouz_terms(shape * (2 * high)[:, None], delta) <= budget
-        if not grow.any() or high.max() > 1e9:
+    planned_rows = shape.sum(axis=1) > 0  # an agent without data (or never woken) spends nothing: scale 0
+    # half the basic composition's split (sum eps = budget / 2) fits whatever the rounding; each row's scale
+    # doubles while the doubled one still fits (the advanced terms may allow more than sum eps = budget), so
+    # that [low, 2 low] brackets the largest scale that fits, row by row
+    low = np.where(planned_rows, budget / np.where(planned_rows, shape.sum(axis=1), 1.0) / 2, 0.0)
+    while True:
+        grow = planned_rows & (kairouz_terms(shape * (2 * low)[:, None], delta) <= budget)
+        if not grow.any():
             break
-        high = np.where(grow, 2 * high, high)
+        low = np.where(grow, 2 * low, low)
+    high = 2 * low  # the first doubling that does not fit
     for _ in range(80):
         middle = (low + high) / 2
         fits = kairouz_terms(shape * middle[:, None], delta) <= budget
         low, high = np.where(fits, middle, low), np.where(fits, high, middle)
-    epsilons = shape * low[:, None]  # the safe end of each bracket
+    epsilons = shape * low[:, None]  # the feasible end of each bracket
     return UpdateNoise(mechanism, invert(epsilons), epsilons, per_update_delta)
