@@ -935,3 +935,22 @@ def test_theorem_1s_calibration_spends_the_whole_budget_even_beside_an_agent_wit
     assert spent[3] == 0.0 and not noise.multipliers[3].any()
     alone = calibrate_updates("laplace", "paper", budget, DELTA, rows[:1], "tight", "replace-one")
     np.testing.assert_array_equal(alone.multipliers[0], noise.multipliers[0])  # no agent holds back another
+
+
+@pytest.mark.parametrize(("method", "allowed"), [("local", 1.0), ("propagation", 1.0), ("admm", 1.0), ("cd", 0.9)])
+def test_a_warm_start_beyond_the_budget_is_refused_whatever_the_method(method, allowed):
+    """A review: update_budget() ran only for cd, so method = 'propagation' with warm_start_epsilon = 5 under
+    privacy.epsilon = 1 reported epsilon_max 5 beside epsilon_budget 1, without an error.  The warm start is
+    spent inside the budget: all of it where it is the whole spend, less than all of it for cd."""
+    with pytest.raises(ConfigError) as error:
+        validate_config(_config(method=method, warm_start=True, warm_start_epsilon=5.0))
+    assert error.value.field == "personalized.warm_start_epsilon" and "privacy.epsilon = 1" in error.value.message
+    validate_config(_config(method=method, warm_start=True, warm_start_epsilon=allowed))
+    if method == "cd":
+        with pytest.raises(ConfigError, match="leaves nothing"):
+            validate_config(_config(method=method, warm_start=True, warm_start_epsilon=1.0))
+    config = validate_config(_config(method=method, warm_start=True, warm_start_epsilon=allowed))
+    config.personalized.warm_start_epsilon = 5.0  # changed after validation: the build refuses it too
+    with pytest.raises(ConfigError) as error:
+        build_run(config)
+    assert error.value.field == "personalized.warm_start_epsilon"

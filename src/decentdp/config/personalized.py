@@ -9,6 +9,7 @@ bound, accountant and neighbouring relation come from ``[privacy]`` as in every 
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -46,8 +47,9 @@ class PersonalizedSection(BaseModel):
     warm_start: bool = Field(False, description="start from DP local models (output perturbation) smoothed by "
                                                 "model propagation (supplementary C)")
     warm_start_epsilon: float = Field(0.05, gt=0.0, description="pure epsilon of the warm start's local models, "
-                                                                "spent inside epsilon-bar (the updates get the "
-                                                                "rest, by composition)")
+                                                                "spent inside epsilon-bar whatever the method: at "
+                                                                "most privacy.epsilon (below it for cd, whose "
+                                                                "updates get the rest, by composition)")
     admm_rho: float = Field(1.0, gt=0.0, description="ADMM penalty (not reported by the papers)")
     admm_local_steps: int = Field(10, ge=1, description="gradient steps of each ADMM primal update")
     feature_bound: float | None = Field(
@@ -96,3 +98,21 @@ class PersonalizedSection(BaseModel):
                              "set personalized.calibration = 'paper' (the tight accountants price every release "
                              "separately, so they would allocate differently)")
         return self
+
+
+def warm_start_overspend(settings: PersonalizedSection, budget: float) -> str | None:
+    """Why a private warm start's ``warm_start_epsilon`` does not fit ``privacy.epsilon`` (``budget``), or None.
+
+    The warm start is spent inside the budget, whatever the method (README): ``local`` and ``propagation``
+    spend nothing else, so it may take the whole budget; ``cd``'s updates get the rest, so it must leave some;
+    ``admm`` adds no noise (its run is not private) but starts from the same release, so the same bound holds."""
+    if not settings.warm_start or math.isinf(budget):
+        return None
+    spent = settings.warm_start_epsilon
+    if settings.method == "cd" and spent >= budget:
+        return (f"{spent:g} leaves nothing of privacy.epsilon = {budget:g} for the updates: the warm start is spent "
+                "inside the budget")
+    if spent > budget:
+        return (f"{spent:g} exceeds privacy.epsilon = {budget:g}: the warm start is spent inside the budget (method "
+                f"'{settings.method}' spends nothing else, so it may take all of it)")
+    return None

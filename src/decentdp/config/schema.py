@@ -29,7 +29,7 @@ from pydantic import (
 
 from decentdp.algorithms import algorithm_class, algorithm_names
 from decentdp.algorithms.base import Algorithm, AlgorithmSettings, Float32
-from decentdp.config.personalized import PersonalizedSection
+from decentdp.config.personalized import PersonalizedSection, warm_start_overspend
 from decentdp.data.partition import DIRICHLET_ALPHA_MAX, SIZE_SKEW_MAX
 from decentdp.errors import ConfigError
 from decentdp.models import check_model_options
@@ -450,6 +450,10 @@ class ExperimentConfig(_Section):
             if self.engine.device.startswith("cuda"):
                 raise _FieldError("engine.device", "personalized runs compute on the CPU (small per-agent models, "
                                                    "seconds a run): use 'auto' or 'cpu'")
+            overspend = warm_start_overspend(self.personalized, privacy.epsilon or math.inf) \
+                if privacy.private else None
+            if overspend is not None:
+                raise _FieldError("personalized.warm_start_epsilon", overspend)
             if privacy.private and self.personalized.method == "cd" and privacy.neighbouring != "replace-one":
                 raise _FieldError("privacy.neighbouring", "private personalized updates need 'replace-one': each "
                                   "agent's record count m_i sets its step, its confidence c_i, its lambda_i = 1/m_i "

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from decentdp.config import ExperimentConfig
-from decentdp.config.personalized import PersonalizedSection
+from decentdp.config.personalized import PersonalizedSection, warm_start_overspend
 from decentdp.data.movielens import load_movielens
 from decentdp.data.personal import PersonalData, bound_features
 from decentdp.data.synthetic_linear import synthetic_linear
@@ -85,15 +85,16 @@ class PersonalizedRun:
 
 def update_budget(config: ExperimentConfig) -> float:
     """What the private updates may spend: epsilon-bar less the private warm start's pure epsilon, which
-    composes with them (basic composition of an epsilon_w-DP and an (epsilon, delta)-DP release)."""
+    composes with them (basic composition of an epsilon_w-DP and an (epsilon, delta)-DP release).  A warm start
+    that does not fit the budget is refused (:func:`~decentdp.config.personalized.warm_start_overspend`: config
+    validation refuses it first; this guards configs changed after it)."""
     settings = config.personalized
     assert settings is not None
     budget = config.privacy.epsilon or math.inf
     if settings.warm_start and config.privacy.private:
-        if settings.warm_start_epsilon >= budget:
-            raise ConfigError("personalized.warm_start_epsilon", f"{settings.warm_start_epsilon:g} leaves nothing of "
-                                                                 f"privacy.epsilon = {budget:g} for the updates: "
-                                                                 "the warm start is spent inside the budget")
+        overspend = warm_start_overspend(settings, budget)
+        if overspend is not None:
+            raise ConfigError("personalized.warm_start_epsilon", overspend)
         budget -= settings.warm_start_epsilon
     return budget
 
@@ -139,14 +140,14 @@ def build_run(config: ExperimentConfig, data_dir: str | Path | None = None,
         raise ConfigError("personalized.warm_start", "output perturbation's guarantee (Chaudhuri et al. 2011) is "
                                                      "for replace-one neighbours: set privacy.neighbouring = "
                                                      "'replace-one'")
+    budget = update_budget(config)  # refuses a warm start that does not fit the budget, whatever the method
     plan = noise = None
     if settings.method in ("cd", "admm"):
         ticks = settings.wakeups * problem.n_agents
         plan = plan_wakeups(poisson_ticks(seed, problem.n_agents, ticks), data.weights, settings.wakeups)
     if settings.method == "cd":
         noise = _noise(settings, config, problem, plan)
-    budget = update_budget(config) if settings.method == "cd" else math.inf
-    ledger = PrivacyLedger(problem.n_agents, budget, config.privacy.delta,
+    ledger = PrivacyLedger(problem.n_agents, budget if settings.method == "cd" else math.inf, config.privacy.delta,
                            budget_accountant=config.privacy.accountant, relation=config.privacy.neighbouring)
     setup = {"n_agents": problem.n_agents, "dim": problem.dim, "data": data.info, "method": settings.method,
              "agent_sizes": problem.counts.tolist(), "step": problem.step.tolist(),
