@@ -38,7 +38,7 @@ from decentdp.personalized.objective import (
     objective,
     objective_gradient,
 )
-from decentdp.personalized.privacy import calibrate_updates, kairouz_epsilon
+from decentdp.personalized.privacy import calibrate_updates, kairouz_epsilon, ledger_admits
 from decentdp.personalized.runner import build_run, evaluate, run_personalized
 from decentdp.personalized.schedule import plan_wakeups, poisson_ticks
 from decentdp.personalized.solver import PrivateUpdates, coordinate_descent, minimiser
@@ -935,6 +935,56 @@ def test_theorem_1s_calibration_spends_the_whole_budget_even_beside_an_agent_wit
     assert spent[3] == 0.0 and not noise.multipliers[3].any()
     alone = calibrate_updates("laplace", "paper", budget, DELTA, rows[:1], "tight", "replace-one")
     np.testing.assert_array_equal(alone.multipliers[0], noise.multipliers[0])  # no agent holds back another
+
+
+def _paper_run(**privacy) -> dict:
+    raw = _config(calibration="paper", wakeups=1)
+    raw["privacy"] = {**raw["privacy"], "accountant": "tight", "delta": 1e-5, **privacy}
+    return raw
+
+
+@pytest.mark.parametrize(("mechanism", "epsilon"), [("laplace", 1.0), ("laplace", 5.0), ("gaussian", 20.0)])
+def test_theorem_1s_calibration_is_fitted_so_that_the_ledger_admits_every_planned_update(mechanism, epsilon):
+    """A review: the paper's bound for Laplace updates is the sum of their epsilons, but the ledger's accountant prices
+    one Laplace release at pure epsilon 1 at 1.00016 (PLD rounds up), so the last planned release of every agent was
+    refused, all of them at T_i = 1 (the models never left zero, and nothing said so); the Gaussian's classical scale
+    at eps_t = 20 is far from enough.  Now the epsilons are scaled down just enough for the ledger to admit them."""
+    raw = _paper_run(epsilon=epsilon)
+    raw["personalized"]["mechanism"] = mechanism
+    summary, _, _ = run_personalized(validate_config(raw), log=lambda _line: None)
+    run = build_run(validate_config(raw))
+    assert summary["refused_releases"] == 0 and summary["warnings"] == []
+    planned = float(run.plan.updates_per_agent().mean())
+    assert planned > 0 and summary["updates_per_agent_mean"] == pytest.approx(planned)
+    assert epsilon * (1 - 1e-4) <= summary["epsilon_max"] <= epsilon  # fitted to the budget, not far below it
+    factors = np.array(run.setup["calibration"]["accountant_fit_factors"])
+    assert (factors < 1).all() and "scaled by" in run.setup["calibration_notice"]
+    # the largest factor the ledger admits, to its tolerance: 0.001 % more epsilon is refused
+    noise = run.noise
+    assert ledger_admits(mechanism, noise.multipliers[0], epsilon, 1e-5, "tight", "replace-one")
+    assert not ledger_admits(mechanism, noise.multipliers[0] * (1 - 1e-5), epsilon, 1e-5, "tight", "replace-one")
+
+
+def test_a_calibration_that_fits_is_left_as_it_is():
+    raw = _config()  # tight calibration: priced by the ledger's own accountant already
+    run = build_run(validate_config(raw))
+    assert run.setup["calibration"]["accountant_fit_factors"] == [1.0] * 12 and "calibration_notice" not in run.setup
+    paper = build_run(validate_config({**raw, "personalized": {**raw["personalized"], "calibration": "paper",
+                                                               "wakeups": 200}}))
+    assert paper.setup["calibration"]["accountant_fit_factors"] == [1.0] * 12  # Kairouz is the looser bound there
+
+
+def test_updates_the_ledger_refuses_are_a_warning_and_in_the_summary(monkeypatch):
+    """Whatever still gets refused at run time (here: the calibration left unfitted) is said, not silent."""
+    import decentdp.personalized.runner as runner
+
+    monkeypatch.setattr(runner, "fit_to_accountant", lambda noise, *args: (noise, np.ones(len(noise.multipliers))))
+    lines: list[str] = []
+    summary, _, _ = run_personalized(validate_config(_paper_run()), log=lines.append)
+    assert summary["refused_releases"] > 0 and summary["updates_per_agent_mean"] == 0.0
+    warning = next(line for line in lines if "ran out of privacy budget" in line)
+    assert warning.startswith("warning: ") and warning.removeprefix("warning: ") in summary["warnings"]
+    assert f"{summary['refused_releases']} agent(s)" in warning
 
 
 @pytest.mark.parametrize(("method", "allowed"), [("local", 1.0), ("propagation", 1.0), ("admm", 1.0), ("cd", 0.9)])

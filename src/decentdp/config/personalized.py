@@ -43,7 +43,9 @@ class PersonalizedSection(BaseModel):
     calibration: Literal["tight", "paper"] = Field(
         "tight", description="tight: the per-update noise is the smallest whose composition, priced by "
                              "privacy.accountant, stays within epsilon-bar; paper: the Kairouz et al. composition "
-                             "of Theorem 1 (looser: more noise for the same budget)")
+                             "of Theorem 1 (looser: more noise for the same budget), its per-update epsilons "
+                             "scaled down where privacy.accountant prices the planned releases above the budget "
+                             "(setup.json: calibration_notice)")
     warm_start: bool = Field(False, description="start from DP local models (output perturbation) smoothed by "
                                                 "model propagation (supplementary C)")
     warm_start_epsilon: float = Field(0.05, gt=0.0, description="pure epsilon of the warm start's local models, "

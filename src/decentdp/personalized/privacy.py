@@ -22,10 +22,14 @@ Per-update budgets (``allocation``): equal over the T_i planned wake-ups, or Pro
 eps_i(t) proportional to C^{t/3}, C = 1 - sigma / (n L_max), over the ticks t at which agent i wakes.
 Calibration: ``tight`` takes the smallest z whose composition, priced by ``privacy.accountant``
 (PLD, RDP, or the smaller), stays within (eps-bar, delta-bar); ``paper`` uses Theorem 1's Kairouz
-et al. (2015) composition (:func:`kairouz_epsilon`), which is looser.  Whatever the calibration, the
-spent epsilon is reported three ways: the paper's formula, PLD and RDP.  For the Gaussian variant
-the paper's per-update delta_i(t) is delta-bar / T_i (the paper leaves it open), so its total delta
-is 1 - (1 - delta-bar) prod_t (1 - delta_i(t)), about 2 delta-bar.
+et al. (2015) composition (:func:`kairouz_epsilon`), which is looser.  Either is then fitted to the
+ledger (:func:`fit_to_accountant`): where ``privacy.accountant`` prices an agent's planned releases
+above the budget (Theorem 1's sum of Laplace epsilons is exact, PLD's discretisation rounds it up; the
+Gaussian's classical scale fails at eps_t >= 1), its epsilons are scaled down until the ledger admits
+every planned release, so that no agent stops short of its schedule for the pricing alone.  Whatever
+the calibration, the spent epsilon is reported three ways: the paper's formula, PLD and RDP.  For the
+Gaussian variant the paper's per-update delta_i(t) is delta-bar / T_i (the paper leaves it open), so its
+total delta is 1 - (1 - delta-bar) prod_t (1 - delta_i(t)), about 2 delta-bar.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ import dp_accounting
 import numpy as np
 
 from decentdp.errors import PrivacyError
-from decentdp.privacy.accounting import calibrate_scale
+from decentdp.privacy.accounting import calibrate_scale, epsilon_of_history, narrow_bracket
 from decentdp.privacy.events import gaussian_event, laplace_event
+from decentdp.privacy.ledger import PrivacyLedger
 
 
 def kairouz_terms(epsilons: np.ndarray, delta: float) -> np.ndarray:
@@ -107,7 +112,8 @@ def calibrate_updates(mechanism: str, calibration: str, budget: float, delta: fl
     under ``accountant``; ``paper`` scales each agent's shape so that :func:`kairouz_epsilon` equals
     the budget: per agent, the scale doubles while it fits, then a bisection between the last scale that
     fits and the first that does not returns the largest that fits (vectorised over agents; an agent with
-    no planned update gets scale 0 and holds back no other)."""
+    no planned update gets scale 0 and holds back no other).  What the run's accountant then charges for
+    these releases may still exceed the budget: :func:`fit_to_accountant` scales them down where it does."""
     planned = shape.shape[1]
     factor = 2.0 if relation == "replace-one" else 1.0
     per_update_delta = delta / planned
@@ -139,3 +145,79 @@ def calibrate_updates(mechanism: str, calibration: str, budget: float, delta: fl
         low, high = np.where(fits, middle, low), np.where(fits, high, middle)
     epsilons = shape * low[:, None]  # the feasible end of each bracket
     return UpdateNoise(mechanism, invert(epsilons), epsilons, per_update_delta)
+
+
+#: Relative width to which :func:`fit_to_accountant` narrows the factor of an agent whose planned releases
+#: do not fit: the per-update epsilons it returns are within about this share of the largest the ledger admits.
+FIT_TOLERANCE = 1e-6
+#: The smallest factor :func:`fit_to_accountant` tries before it gives up (no realistic budget gets near it).
+SMALLEST_FACTOR = 1e-12
+
+
+def ledger_admits(mechanism: str, multipliers: np.ndarray, budget: float, delta: float, accountant: str,
+                  relation: str) -> bool:
+    """Whether a run's ledger (:class:`~decentdp.privacy.ledger.PrivacyLedger` with this budget, delta,
+    accountant and relation) admits every one of an agent's planned releases, the updates of multipliers
+    ``multipliers`` (``(T,)``, 0 where none is planned) in order: the ledger's own decisions, not a formula."""
+    ledger = PrivacyLedger(1, budget, delta, budget_accountant=accountant, relation=relation)
+    for number, multiplier in enumerate(multipliers[multipliers > 0].tolist()):
+        event = ledger.intern(_event(mechanism, multiplier))
+        if not ledger.charge(number, np.array([event]))[0]:
+            return False
+    return True
+
+
+def fit_to_accountant(noise: UpdateNoise, budget: float, delta: float, accountant: str,
+                      relation: str) -> tuple[UpdateNoise, np.ndarray]:
+    """``noise`` with each agent's per-update epsilons scaled down, where needed, until the run's ledger
+    admits all of its planned releases; and each agent's factor (1 where they fit as calibrated).
+
+    Theorem 1's calibration (``calibration = "paper"``) spends the budget under the Kairouz et al.
+    composition, and the ledger enforces it with ``accountant``, which may price the same releases higher:
+    one Laplace release at pure epsilon 1 costs 1.00016 under PLD (its discretisation rounds up), and the
+    classical Gaussian mechanism's sigma >= 2C sqrt(2 ln(2/delta_t)) / eps_t holds only for eps_t < 1.  The
+    agent's last planned release would then be refused (every release at T_i = 1) and its model would stop
+    early, silently.  The epsilons scale by a factor f and the multipliers by s = 1 / f (both mechanisms'
+    multipliers are inversely proportional to eps_t).  For an agent whose releases :func:`ledger_admits` refuses,
+    s is the smallest whose whole planned history the ledger's own pricing (:func:`epsilon_of_history` under
+    ``accountant``) keeps within the budget: doubled until it does, then narrowed to :data:`FIT_TOLERANCE`
+    (:func:`~decentdp.privacy.accounting.narrow_bracket`, a handful of compositions, its safe end); then raised
+    by that tolerance until the ledger, which also prices every prefix, admits every release.  Agents with the
+    same planned multipliers share one search."""
+    factors = np.ones(len(noise.multipliers))
+    if math.isinf(budget):
+        return noise, factors
+    rows, inverse = np.unique(noise.multipliers, axis=0, return_inverse=True)
+
+    def admits(multipliers: np.ndarray) -> bool:
+        return ledger_admits(noise.mechanism, multipliers, budget, delta, accountant, relation)
+
+    def excess(multipliers: np.ndarray) -> float:
+        """log(price / budget) of the whole planned history: > 0 where it does not fit (0 counts as tiny)."""
+        history = tuple((_event(noise.mechanism, z), 1) for z in multipliers[multipliers > 0].tolist())
+        return math.log(max(epsilon_of_history(history, delta, accountant, relation), 5e-324) / budget)
+
+    def give_up() -> PrivacyError:
+        return PrivacyError(f"no scaling of the {noise.mechanism} updates' epsilons down to {SMALLEST_FACTOR:g} "
+                            f"fits epsilon = {budget:g} at delta = {delta:g} under the {accountant} accountant; "
+                            "raise privacy.epsilon or privacy.delta")
+
+    for number, row in enumerate(rows):
+        if not (row > 0).any() or admits(row):
+            continue
+        scale = 1.0
+        if excess(row) > 0:
+            high = 2.0
+            while excess(row * high) > 0:
+                high *= 2
+                if high > 1 / SMALLEST_FACTOR:
+                    raise give_up()
+            scale = narrow_bracket(lambda s, row=row: excess(row * s), high / 2, high, FIT_TOLERANCE)
+        while not admits(row * scale):
+            scale /= 1 - FIT_TOLERANCE
+            if scale > 1 / SMALLEST_FACTOR:
+                raise give_up()
+        factors[inverse.reshape(-1) == number] = 1 / scale
+    scaled = UpdateNoise(noise.mechanism, noise.multipliers / factors[:, None], noise.paper_epsilons * factors[:, None],
+                         noise.paper_delta)
+    return scaled, factors

@@ -29,7 +29,13 @@ from decentdp.errors import ConfigError, PrivacyError
 from decentdp.personalized.admm import gossip_admm
 from decentdp.personalized.local import local_models, output_perturbation
 from decentdp.personalized.objective import Problem, build_problem, objective
-from decentdp.personalized.privacy import UpdateNoise, calibrate_updates, kairouz_epsilon, optimal_profile
+from decentdp.personalized.privacy import (
+    UpdateNoise,
+    calibrate_updates,
+    fit_to_accountant,
+    kairouz_epsilon,
+    optimal_profile,
+)
 from decentdp.personalized.schedule import WakeupPlan, plan_wakeups, poisson_ticks
 from decentdp.personalized.solver import PrivateUpdates, coordinate_descent, model_propagation
 from decentdp.privacy.ledger import PrivacyLedger
@@ -100,9 +106,10 @@ def update_budget(config: ExperimentConfig) -> float:
 
 
 def _noise(settings: PersonalizedSection, config: ExperimentConfig, problem: Problem,
-           plan: WakeupPlan) -> UpdateNoise:
+           plan: WakeupPlan) -> tuple[UpdateNoise, np.ndarray]:
     """Per-update noise multipliers for the updates' budget (:func:`update_budget`) and allocation (see
-    :mod:`decentdp.personalized.privacy`)."""
+    :mod:`decentdp.personalized.privacy`), fitted to what the run's ledger admits
+    (:func:`~decentdp.personalized.privacy.fit_to_accountant`); and each agent's fitting factor (1: as calibrated)."""
     planned = settings.wakeups
     has_data = (problem.counts > 0).cpu().numpy()
     if settings.allocation == "equal":
@@ -111,9 +118,12 @@ def _noise(settings: PersonalizedSection, config: ExperimentConfig, problem: Pro
         contraction = 1.0 - problem.strong_convexity / (problem.n_agents * float(problem.block_lipschitz.max()))
         shape = optimal_profile(plan.update_ticks(planned), contraction)
     shape[~has_data] = 0.0
+    privacy = config.privacy
+    budget = update_budget(config)
     try:
-        return calibrate_updates(settings.mechanism, settings.calibration, update_budget(config),
-                                 config.privacy.delta, shape, config.privacy.accountant, config.privacy.neighbouring)
+        noise = calibrate_updates(settings.mechanism, settings.calibration, budget, privacy.delta, shape,
+                                  privacy.accountant, privacy.neighbouring)
+        return fit_to_accountant(noise, budget, privacy.delta, privacy.accountant, privacy.neighbouring)
     except PrivacyError as error:
         raise ConfigError("privacy.epsilon", str(error)) from None
 
@@ -141,12 +151,12 @@ def build_run(config: ExperimentConfig, data_dir: str | Path | None = None,
                                                      "for replace-one neighbours: set privacy.neighbouring = "
                                                      "'replace-one'")
     budget = update_budget(config)  # refuses a warm start that does not fit the budget, whatever the method
-    plan = noise = None
+    plan = noise = factors = None
     if settings.method in ("cd", "admm"):
         ticks = settings.wakeups * problem.n_agents
         plan = plan_wakeups(poisson_ticks(seed, problem.n_agents, ticks), data.weights, settings.wakeups)
     if settings.method == "cd":
-        noise = _noise(settings, config, problem, plan)
+        noise, factors = _noise(settings, config, problem, plan)
     ledger = PrivacyLedger(problem.n_agents, budget if settings.method == "cd" else math.inf, config.privacy.delta,
                            budget_accountant=config.privacy.accountant, relation=config.privacy.neighbouring)
     setup = {"n_agents": problem.n_agents, "dim": problem.dim, "data": data.info, "method": settings.method,
@@ -165,10 +175,17 @@ def build_run(config: ExperimentConfig, data_dir: str | Path | None = None,
                 if settings.dataset == "movielens-100k" else {}),
              "warnings": _warnings(config)}
     if noise is not None:
+        assert factors is not None
         setup["noise_multipliers_first_update"] = noise.multipliers[:, 0].tolist()
         setup["calibration"] = {"mechanism": noise.mechanism, "calibration": settings.calibration,
                                 "allocation": settings.allocation, "accountant": config.privacy.accountant,
-                                "relation": config.privacy.neighbouring, "paper_per_update_delta": noise.paper_delta}
+                                "relation": config.privacy.neighbouring, "paper_per_update_delta": noise.paper_delta,
+                                "accountant_fit_factors": factors.tolist()}
+        if (factors < 1).any():
+            setup["calibration_notice"] = (
+                f"the {settings.calibration} calibration's per-update epsilons were scaled by "
+                f"{float(factors.min()):.6g} (the smallest factor of {int((factors < 1).sum())} agent(s)) so that "
+                f"privacy.accountant = '{config.privacy.accountant}' admits every planned release within the budget")
     return PersonalizedRun(config, data, problem, plan, noise, ledger, setup)
 
 
@@ -237,6 +254,8 @@ def run_personalized(config: ExperimentConfig, out_dir: str | Path | None = None
         emit(f"warning: {warning}")
     if run.setup["private"] and "noise_notice" in run.setup:
         emit(f"privacy: {run.setup['noise_notice']}")
+    if "calibration_notice" in run.setup:
+        emit(f"privacy: {run.setup['calibration_notice']}")
     if folder is not None:
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -299,6 +318,9 @@ def run_personalized(config: ExperimentConfig, out_dir: str | Path | None = None
                                 rho=settings.admm_rho, local_steps=settings.admm_local_steps)
         record(plan.total_ticks, theta)
     wall = time.perf_counter() - clock
+    warnings = [*run.setup["warnings"], *_refusal_warnings(run)]
+    for warning in warnings[len(run.setup["warnings"]):]:
+        emit(f"warning: {warning}")
     spent = _epsilons(run, warm)
     final = metrics[-1]
     summary = {"method": settings.method, "dataset": settings.dataset, "n_agents": problem.n_agents,
@@ -313,7 +335,7 @@ def run_personalized(config: ExperimentConfig, out_dir: str | Path | None = None
                "private": run.setup["private"], "noise": privacy.noise,
                "epsilon_per_agent": epsilon_json(spent["epsilon"]),
                "updates_per_agent_mean": float(run.ledger.releases().mean()) if settings.method == "cd" else None,
-               "refused_releases": int(run.ledger.refused.sum()),
+               "refused_releases": int(run.ledger.refused.sum()), "warnings": warnings,
                "wall_seconds": wall, "finished": True}
     if folder is not None:
         write_jsonl(folder / "metrics.jsonl", metrics)
@@ -330,6 +352,19 @@ def run_personalized(config: ExperimentConfig, out_dir: str | Path | None = None
     emit(f"{headline}; epsilon max {summary['epsilon_max']} ({privacy.accountant}), paper's formula "
          f"{summary['paper_epsilon_max']}; {wall:.1f} s")
     return summary, metrics, theta
+
+
+def _refusal_warnings(run: PersonalizedRun) -> list[str]:
+    """What the ledger refused during a ``cd`` run, said when it ends: the calibration fits every planned release
+    (:func:`~decentdp.personalized.privacy.fit_to_accountant`), so a refusal means an agent stopped short of
+    the schedule the run was configured for, and its user must know."""
+    refused = run.ledger.refused
+    if run.plan is None or not refused.any():
+        return []
+    skipped = int((run.plan.updates_per_agent() - run.ledger.releases())[refused > 0].sum())
+    return [f"{int((refused > 0).sum())} agent(s) ran out of privacy budget before their last planned update "
+            f"(privacy.accountant = '{run.config.privacy.accountant}' priced their releases above the budget) and "
+            f"skipped {skipped} planned update(s) in total (summary.json: refused_releases, updates_per_agent_mean)"]
 
 
 def _warnings(config: ExperimentConfig) -> list[str]:
