@@ -1004,3 +1004,25 @@ def test_a_warm_start_beyond_the_budget_is_refused_whatever_the_method(method, a
     with pytest.raises(ConfigError) as error:
         build_run(config)
     assert error.value.field == "personalized.warm_start_epsilon"
+
+
+def test_the_papers_gaussian_figure_is_absent_where_remark_4_is_no_bound(tmp_path):
+    """A review: at eps-bar 20 and T_i 1 the per-update eps_t is 20, where the classical Gaussian mechanism's
+    sigma >= 2C sqrt(2 ln(2/delta_t)) / eps_t does not hold; the CLI printed "paper's formula 17.035" while the exact
+    Gaussian loss was 19.45.  Such a figure is now null with a note, in privacy.json, summary.json and the log."""
+    raw = _config(mechanism="gaussian", wakeups=1)
+    raw["privacy"] = {**raw["privacy"], "epsilon": 20.0, "delta": 1e-5, "accountant": "tight"}
+    lines: list[str] = []
+    summary, _, _ = run_personalized(validate_config(raw), out_dir=tmp_path / "big", log=lines.append)
+    privacy = json.loads((tmp_path / "big" / "privacy.json").read_text())
+    assert summary["paper_epsilon_max"] is None and "eps_t < 1" in summary["paper_epsilon_note"]
+    assert privacy["paper_epsilon_note"] == summary["paper_epsilon_note"]
+    # an agent that never woke made no update: its paper figure, 0, stands; every other one is absent
+    assert all((paper is None) == (spent > 0) for paper, spent in zip(privacy["paper_epsilon"], privacy["epsilon"],
+                                                                      strict=True))
+    assert any(paper is None for paper in privacy["paper_epsilon"])
+    assert "paper's formula absent" in lines[-1] and summary["epsilon_max"] <= 20.0
+    raw["privacy"]["epsilon"], raw["personalized"]["wakeups"] = 1.0, 3  # eps_t < 1: the figure stands
+    raw["personalized"]["calibration"] = "paper"
+    summary, _, _ = run_personalized(validate_config(raw), out_dir=tmp_path / "small", log=lambda _line: None)
+    assert 0.99 < summary["paper_epsilon_max"] <= 1.0 and "paper_epsilon_note" not in summary

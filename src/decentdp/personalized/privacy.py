@@ -27,9 +27,10 @@ ledger (:func:`fit_to_accountant`): where ``privacy.accountant`` prices an agent
 above the budget (Theorem 1's sum of Laplace epsilons is exact, PLD's discretisation rounds it up; the
 Gaussian's classical scale fails at eps_t >= 1), its epsilons are scaled down until the ledger admits
 every planned release, so that no agent stops short of its schedule for the pricing alone.  Whatever
-the calibration, the spent epsilon is reported three ways: the paper's formula, PLD and RDP.  For the
-Gaussian variant the paper's per-update delta_i(t) is delta-bar / T_i (the paper leaves it open), so its
-total delta is 1 - (1 - delta-bar) prod_t (1 - delta_i(t)), about 2 delta-bar.
+the calibration, the spent epsilon is reported three ways: the paper's formula, PLD and RDP; the
+paper's formula is withheld (null, with a note) for Gaussian updates at eps_t >= 1, where it bounds
+nothing.  For the Gaussian variant the paper's per-update delta_i(t) is delta-bar / T_i (the paper
+leaves it open), so its total delta is 1 - (1 - delta-bar) prod_t (1 - delta_i(t)), about 2 delta-bar.
 """
 
 from __future__ import annotations

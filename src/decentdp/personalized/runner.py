@@ -204,7 +204,9 @@ PERSONALIZED_OBSERVER = ("everyone together: every model update the agent sent, 
 def _epsilons(run: PersonalizedRun, warm: float) -> dict[str, Any]:
     """Each agent's spent epsilon, keyed as ``privacy.json`` publishes it: ``epsilon`` by the run's accountant,
     ``epsilon_pld`` and ``epsilon_rdp``, and the paper's composition ``paper_epsilon`` (with ``paper_delta``);
-    the warm start's is added by composition."""
+    the warm start's is added by composition.  The paper's figure is NaN (``null`` in the files) for an agent
+    whose Gaussian updates reached eps_t >= 1, where Remark 4's scale is no longer the classical Gaussian
+    mechanism's and the formula is no bound; ``paper_epsilon_note`` then says so."""
     settings, privacy = run.config.personalized, run.config.privacy
     assert settings is not None
     n = run.problem.n_agents
@@ -223,6 +225,15 @@ def _epsilons(run: PersonalizedRun, warm: float) -> dict[str, Any]:
         if settings.mechanism == "gaussian" else np.full(n, privacy.delta)
     spent: dict[str, Any] = {"paper_epsilon": kairouz_epsilon(paper_eps, privacy.delta) + warm,
                              "paper_delta": float(paper_delta.max())}
+    if settings.mechanism == "gaussian":
+        beyond = (paper_eps >= 1).any(axis=1)
+        if beyond.any():
+            spent["paper_epsilon"] = np.where(beyond, math.nan, spent["paper_epsilon"])
+            spent["paper_epsilon_note"] = (
+                f"absent (null) for {int(beyond.sum())} agent(s): Remark 4's Gaussian scale sigma >= 2C "
+                f"sqrt(2 ln(2/delta_t)) / eps_t, which the paper's formula assumes, holds only for per-update "
+                f"eps_t < 1, and their updates reached eps_t = {float(paper_eps.max()):.6g}; the formula would not "
+                "bound their loss (epsilon, by privacy.accountant, does)")
     for name in ("pld", "rdp"):
         try:
             spent[f"epsilon_{name}"] = run.ledger.epsilon(name) + warm
@@ -330,6 +341,7 @@ def run_personalized(config: ExperimentConfig, out_dir: str | Path | None = None
                "epsilon_max_pld": epsilon_json(float(np.max(spent["epsilon_pld"]))),
                "epsilon_max_rdp": epsilon_json(float(np.max(spent["epsilon_rdp"]))),
                "paper_epsilon_max": epsilon_json(float(np.max(spent["paper_epsilon"]))),
+               **({"paper_epsilon_note": spent["paper_epsilon_note"]} if "paper_epsilon_note" in spent else {}),
                "paper_delta": spent["paper_delta"], "delta": privacy.delta,
                "epsilon_budget": epsilon_json(privacy.epsilon), "warm_start_epsilon": warm,
                "private": run.setup["private"], "noise": privacy.noise,
@@ -342,15 +354,17 @@ def run_personalized(config: ExperimentConfig, out_dir: str | Path | None = None
         statement = {key: run.setup[key] for key in ("private", "neighbouring", "neighbouring_assumption", "noise",
                                                       "evaluation_records", "noise_notice", "evaluation_notice",
                                                       "public_inputs", "step_smoothness") if key in run.setup}
-        write_json(folder / "privacy.json", {**{key: epsilon_json(value) if key != "paper_delta" else value
-                                                for key, value in spent.items()},
+        write_json(folder / "privacy.json", {**{key: value if key in ("paper_delta", "paper_epsilon_note")
+                                                else epsilon_json(value) for key, value in spent.items()},
                                              "epsilon_accountant": privacy.accountant,
                                              "epsilon_observer": PERSONALIZED_OBSERVER, **statement})
         write_json(folder / "summary.json", summary)
     headline = (f"RMSE mean {final['rmse_mean']:.4f}" if "rmse_mean" in final
                 else f"accuracy mean {final['accuracy_mean']:.4f}")
-    emit(f"{headline}; epsilon max {summary['epsilon_max']} ({privacy.accountant}), paper's formula "
-         f"{summary['paper_epsilon_max']}; {wall:.1f} s")
+    paper = "absent (Remark 4's Gaussian scale holds only for eps_t < 1: paper_epsilon_note)" \
+        if "paper_epsilon_note" in summary else summary["paper_epsilon_max"]
+    emit(f"{headline}; epsilon max {summary['epsilon_max']} ({privacy.accountant}), paper's formula {paper}; "
+         f"{wall:.1f} s")
     return summary, metrics, theta
 
 
