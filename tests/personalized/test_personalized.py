@@ -1026,3 +1026,23 @@ def test_the_papers_gaussian_figure_is_absent_where_remark_4_is_no_bound(tmp_pat
     raw["personalized"]["calibration"] = "paper"
     summary, _, _ = run_personalized(validate_config(raw), out_dir=tmp_path / "small", log=lambda _line: None)
     assert 0.99 < summary["paper_epsilon_max"] <= 1.0 and "paper_epsilon_note" not in summary
+
+
+def test_admm_and_private_updates_build_their_tensors_on_the_problems_device():
+    """With the default device set elsewhere (meta: no data), tensors created without the problem's device fail
+    to mix with it: ADMM's duals, edge tables and one-agent gradients, and the noise draws' agent ids, once did."""
+    data = _regression()
+    problem = build_problem(data, mu=0.5)
+    local = local_models(problem, None)
+    woken = poisson_ticks(0, problem.n_agents, 20)
+    expected = gossip_admm(problem, local, woken, 0)
+    _, private, _ = _private(data, 1.0, 3)
+    _, again, _ = _private(data, 1.0, 3)
+    agents, first = torch.arange(problem.n_agents), torch.zeros(problem.n_agents, dtype=torch.long)
+    sums = torch.zeros(problem.n_agents, 3, dtype=torch.float64)
+    again.release(0, agents, first, sums)
+    with torch.device("meta"):
+        assert torch.equal(gossip_admm(problem, local, woken, 0), expected)
+        released = torch.zeros(problem.n_agents, 3, dtype=torch.float64, device="cpu")
+        private.release(0, agents.cpu(), first.cpu(), released)
+    assert torch.equal(released, sums)

@@ -2,8 +2,8 @@
 
 Each agent learns its own linear model, pulled towards similar agents' models on a weighted graph,
 by asynchronous block coordinate descent under Poisson clocks, optionally with Laplace or Gaussian
-noise on each update (budgets per agent over its own wake-ups).  Modules: ``objective`` (eq. (3)),
-``schedule`` (wake-ups and their exact batching), ``solver`` (eq. (5)/(6), model propagation),
+noise on each update (budgets per agent over its own wake-ups).  Modules: ``objective`` (eq. (2)),
+``schedule`` (wake-ups and their exact batching), ``solver`` (eq. (4)/(6), model propagation),
 ``privacy`` (calibration, allocation, the paper's composition), ``local`` (local models, private
 warm start), ``admm`` (the ADMM baseline), ``runner`` (config to results), ``settings`` (the
 ``[personalized]`` config section).

@@ -18,7 +18,7 @@ lambda_ae^k += rho (copy_a^k - Z_e^k), for a, k in {i, j} (copy_a^a is own_a).
 
 **The correction.** Specs D.8 writes Q_a with 1/2 sum_j W_aj.  ADMM converges to the minimiser of
 sum_a Q_a under the consensus constraints, and in that sum every edge (i, j) appears twice, once in
-Q_i and once in Q_j: with 1/2 the graph term is sum_{i<j} W_ij ||Theta_i - Theta_j||^2, twice eq. (3)'s,
+Q_i and once in Q_j: with 1/2 the graph term is sum_{i<j} W_ij ||Theta_i - Theta_j||^2, twice eq. (2)'s,
 so the limit is argmin Q_L at mu/2 (a reviewer measured ADMM within 1e-15 of it and 0.34 away from
 argmin Q_L(mu)).  With 1/4, sum_a Q_a = Q_L(mu) at consensus, so the baseline solves the same
 objective as coordinate descent.
@@ -42,12 +42,13 @@ def gossip_admm(problem: Problem, local: torch.Tensor, woken: np.ndarray, seed: 
     weights = problem.weights.cpu().numpy()
     source, target = np.nonzero(np.triu(weights, 1))
     n_edges = len(source)
-    ends = torch.as_tensor(np.stack([source, target], 1))                        # (E, 2) agents of each edge
-    edge_weight = torch.as_tensor(weights[source, target], dtype=torch.float64)
+    device = local.device
+    ends = torch.as_tensor(np.stack([source, target], 1), device=device)         # (E, 2) agents of each edge
+    edge_weight = torch.as_tensor(weights[source, target], dtype=torch.float64, device=device)
     own = local.clone()
     copy = local[ends.flip(1)].clone()                                   # copy[e, s]: side s's copy of the other end
     z = torch.stack([local[ends[:, 0]], local[ends[:, 1]]], 1)                  # z[e, k]: Z_e of endpoint k
-    dual = torch.zeros(n_edges, 2, 2, local.shape[1], dtype=torch.float64)       # dual[e, a, k]: lambda_{ae}^k
+    dual = torch.zeros(n_edges, 2, 2, local.shape[1], dtype=torch.float64, device=device)  # lambda_{ae}^k at [e, a, k]
     incident = [np.flatnonzero((source == a) | (target == a)) for a in range(problem.n_agents)]
     pull = problem.mu * problem.degree * problem.confidence
     for tick, agent in enumerate(woken.tolist()):
@@ -71,11 +72,11 @@ def _primal(problem: Problem, agent: int, edges: np.ndarray, ends: torch.Tensor,
             own: torch.Tensor, copy: torch.Tensor, z: torch.Tensor, dual: torch.Tensor, pull: torch.Tensor,
             rho: float, steps: int) -> None:
     """``steps`` gradient steps on agent ``agent``'s augmented Lagrangian (module docstring), in place."""
-    index = torch.as_tensor(edges)
+    index = torch.as_tensor(edges, device=own.device)
     side = (ends[index, 1] == agent).long()                                      # the agent's side of each edge
     other = 1 - side
     w = edge_weight[index].unsqueeze(1)
-    rows = torch.arange(len(index))
+    rows = torch.arange(len(index), device=own.device)
     z_own, z_other = z[index, side], z[index, other]
     dual_own, dual_other = dual[index, side, side], dual[index, side, other]
     # 1 / (a Gershgorin bound on the Hessian's largest eigenvalue): the graph term's rows sum to D_aa (own model)
@@ -96,6 +97,6 @@ def _primal(problem: Problem, agent: int, edges: np.ndarray, ends: torch.Tensor,
 
 def _one_gradient(problem: Problem, agent: int, theta: torch.Tensor) -> torch.Tensor:
     """grad L_agent at ``theta`` (the agent's own rows only)."""
-    models = torch.zeros(problem.n_agents, problem.dim, dtype=theta.dtype)
+    models = torch.zeros(problem.n_agents, problem.dim, dtype=theta.dtype, device=theta.device)
     models[agent] = theta
-    return local_gradients(problem, models, torch.tensor([agent]))[0]
+    return local_gradients(problem, models, torch.tensor([agent], device=theta.device))[0]

@@ -1,4 +1,4 @@
-"""The personalized objective of Bellet et al. (2018), eq. (3) (specs D.1), as pure functions over arrays.
+"""The personalized objective of Bellet et al. (2018), eq. (2) (specs D.1), as pure functions over arrays.
 
     Q_L(Theta) = 1/2 sum_{i<j} W_ij ||Theta_i - Theta_j||^2 + mu sum_i D_ii c_i L_i(Theta_i; S_i),
     L_i(theta) = (1/m_i) sum_k l(theta; x_k, y_k) + lambda_i ||theta||^2,
@@ -33,7 +33,7 @@ CONFIDENCE_FLOOR = 1e-3
 
 @dataclass(frozen=True)
 class Problem:
-    """One personalized problem on a device: the agents' data (flat, by owner) and every constant of eq. (3)."""
+    """One personalized problem on a device: the agents' data (flat, by owner) and every constant of eq. (2)."""
 
     x: torch.Tensor          # (R, p) training features
     y: torch.Tensor          # (R,) targets
@@ -93,7 +93,7 @@ def build_problem(data: PersonalData, mu: float, device: torch.device | str = "c
     degree = weights.sum(dim=1)
     isolated = torch.nonzero(degree <= 0).flatten()
     if len(isolated):
-        raise GraphError(f"agent(s) {isolated[:10].tolist()} have no neighbour in the similarity graph: eq. (3) "
+        raise GraphError(f"agent(s) {isolated[:10].tolist()} have no neighbour in the similarity graph: eq. (2) "
                          "weighs their loss by D_ii = 0, so their models would be undefined")
     counts_np = data.train_counts
     counts = torch.as_tensor(counts_np, dtype=torch.int64, device=device)
@@ -186,7 +186,7 @@ def objective_gradient(problem: Problem, theta: torch.Tensor) -> torch.Tensor:
 
 
 def objective(problem: Problem, theta: torch.Tensor) -> float:
-    """Q_L(Theta), eq. (3)."""
+    """Q_L(Theta), eq. (2)."""
     squared = (theta * theta).sum(dim=1)
     # sum_{i<j} W_ij ||t_i - t_j||^2 = sum_i D_ii ||t_i||^2 - sum_ij W_ij t_i . t_j
     smooth = float((problem.degree * squared).sum() - (theta * (problem.weights @ theta)).sum())

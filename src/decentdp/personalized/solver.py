@@ -1,4 +1,4 @@
-"""Asynchronous block coordinate descent on Q_L (Bellet et al. 2018, eq. (5) and, private, eq. (6)).
+"""Asynchronous block coordinate descent on Q_L (Bellet et al. 2018, eq. (4) and, private, eq. (6)).
 
 When agent i wakes it updates from its neighbours' last broadcasts and broadcasts the result:
 
@@ -65,7 +65,7 @@ class PrivateUpdates:
         self._data = self.has_data.cpu().numpy()
         self._draws: torch.Tensor | None = None
         self._scales: torch.Tensor | None = None
-        self._exact = NoiseDraw(self.rng, torch.arange(len(self._data)), UPDATE_ROUND, 0) \
+        self._exact = NoiseDraw(self.rng, range(len(self._data)), UPDATE_ROUND, 0) \
             if getattr(self.rng, "secure", False) else None
 
     @property
@@ -77,7 +77,7 @@ class PrivateUpdates:
         if self._draws is None:
             n, planned = self.noise.multipliers.shape
             rows = np.flatnonzero(self._data).tolist()
-            draw = NoiseDraw(self.rng, torch.arange(n), UPDATE_ROUND, 0)
+            draw = NoiseDraw(self.rng, range(n), UPDATE_ROUND, 0)  # agent ids are host integers (keys)
             block = torch.empty(len(rows), planned * dim, dtype=draw.dtype, device=device)
             (draw.laplace if self.noise.mechanism == "laplace" else draw.normal)(rows, block)
             self._draws = torch.zeros(n, planned, dim, dtype=draw.dtype, device=device)
