@@ -309,9 +309,9 @@ def test_audits_and_attacks_take_threads_as_run_does(command: list[str], monkeyp
     config = Path(__file__).resolve().parents[1] / "experiments" / "audits" / "messages-dsgd.toml"
     seen = []
 
-    def record(*args: object) -> dict:
+    def record(*args: object) -> tuple[dict, object]:
         seen.append(torch.get_num_threads())
-        return {}
+        return {}, lambda out: None  # (the summary, and what would write it into --out)
 
     monkeypatch.setattr(audit_cli, "_audit" if command[0] == "audit" else "_attack", record)
     before = torch.get_num_threads()

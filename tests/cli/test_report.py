@@ -221,9 +221,9 @@ def test_against_draws_the_metric_over_a_config_field_with_the_papers_values(tmp
     for (algorithm, fiedler), accuracy in values.items():
         for seed in range(2):
             fake_run(tmp_path / "runs" / f"{algorithm}-{fiedler}-s{seed}", accuracy + seed / 100, seed=seed,
-                     algorithm={"name": algorithm}, topology={"graph": "fiedler", "fiedler": fiedler, "agents": 6})
+                     algorithm={"name": algorithm}, topology={"graph": "fiedler", "fiedler": fiedler, "agents": 10})
     fake_run(tmp_path / "runs" / "complete", 0.93, algorithm={"name": "dp-dsgt"},
-             topology={"graph": "complete", "agents": 6})
+             topology={"graph": "complete", "agents": 10})
     paper = tmp_path / "paper.toml"
     paper.write_text('source = "test paper"\nunit = "percent"\nrow = [\n'
                      '  { value = 89.0, std = 0.5, match = { "algorithm.name" = "dp-dsgt", '

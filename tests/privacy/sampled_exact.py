@@ -245,7 +245,7 @@ def sampled_run(name: str, rounds: int, batch_size: int, budgets: list[float], c
     privacy = privacy_report(experiment.ledger, config.privacy.delta, run_privacy_statement(config),
                              experiment.setup.get("paper_accounting"), extras,
                              experiment.setup.get("epsilon_observer", AGENT_VIEW))
-    return SampledRun(experiment, sources, log, batches, summary(experiment, [], 0.0, True) | extras.summary(),
+    return SampledRun(experiment, sources, log, batches, summary(experiment, [], 0.0, True, rounds) | extras.summary(),
                       privacy)
 
 

@@ -57,9 +57,9 @@ def _config(algorithm: str = "dp-dsgt", rounds: int = 10, *extra: str):
     """The demo with ``algorithm``; the first privacy setting the algorithm accepts (RDP, PLD, or none)."""
     error: DecentDPError | None = None
     for privacy in (["privacy.accountant=rdp"], ["privacy.accountant=pld"], ["privacy.epsilon=inf"]):
-        config = load_config(DEMO, overrides=[f"algorithm.name={algorithm}", f"experiment.rounds={rounds}",
-                                              "experiment.eval_every=5", *privacy, *extra])
-        try:
+        try:  # (a setting the algorithm refuses may fail at validation or at the build)
+            config = load_config(DEMO, overrides=[f"algorithm.name={algorithm}", f"experiment.rounds={rounds}",
+                                                  "experiment.eval_every=5", *privacy, *extra])
             return config, build_experiment(config)
         except DecentDPError as exc:
             error = exc
