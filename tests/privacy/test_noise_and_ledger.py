@@ -344,6 +344,40 @@ def test_a_sampled_laplace_ledger_charges_changing_events_and_bounds_the_exact_l
         assert exact < 1 / multiplier   # the quadrature sees the sampling's credit: PLD may take it, RDP does not
 
 
+def test_tight_prices_pure_releases_by_basic_composition_where_it_is_smaller() -> None:
+    """One Laplace release of multiplier b is exactly 1/b-DP at every delta (2/b under replace-one), but PLD priced
+    it 1.00016 / b (its discretisation rounds up) and RDP higher still, so a budget of exactly 1 refused the one
+    release that spends 1.  ``tight`` now also takes basic composition where every release is pure DP; a sampled
+    release's pure epsilon, log(1 + q (e^eps - 1)), is the largest log-likelihood ratio of its outputs (by brute
+    force on a grid), the exact loss at delta = 0; a history with a Gaussian release gets no pure figure."""
+    from dp_accounting import GaussianDpEvent, LaplaceDpEvent, PoissonSampledDpEvent
+
+    from decentdp.privacy.accounting import epsilon_of_history, pure_epsilon
+    from decentdp.privacy.events import laplace_event
+
+    for relation, factor in (("add-remove", 1.0), ("replace-one", 2.0)):
+        one = ((LaplaceDpEvent(0.8), 1),)
+        assert epsilon_of_history(one, 1e-5, "tight", relation) == factor / 0.8
+        assert epsilon_of_history(one, 1e-5, "pld", relation) > factor / 0.8
+        three = ((LaplaceDpEvent(2.0), 2), (LaplaceDpEvent(4.0), 1))
+        assert pure_epsilon(three, relation) == pytest.approx(factor * 1.25, rel=1e-15)
+    many = ((LaplaceDpEvent(10.0), 400),)  # PLD's composition beats the sum (40) by far
+    assert epsilon_of_history(many, 1e-5) == epsilon_of_history(many, 1e-5, "pld") < 10
+    for rate, multiplier in ((0.1, 2.0), (0.5, 0.7)):
+        pure = pure_epsilon(((PoissonSampledDpEvent(rate, LaplaceDpEvent(multiplier)), 1),))
+        assert pure == pytest.approx(math.log1p(rate * math.expm1(1 / multiplier)), rel=1e-15)
+        # brute force: the largest log-likelihood ratio either way between the outputs with and without the record
+        x = np.linspace(-20.0, 21.0, 400_001)
+        without = stats.laplace(0.0, multiplier).pdf(x)
+        with_record = (1 - rate) * without + rate * stats.laplace(1.0, multiplier).pdf(x)
+        assert pure == pytest.approx(np.abs(np.log(with_record / without)).max(), rel=1e-12)
+    assert pure_epsilon(((LaplaceDpEvent(1.0), 1), (GaussianDpEvent(1.0), 1))) is None
+    ledger = PrivacyLedger(1, 1.0, 1e-5, budget_accountant="tight")
+    event = ledger.intern(laplace_event(1.0))
+    assert ledger.charge(0, np.array([event]))[0] and not ledger.charge(1, np.array([event]))[0]
+    assert ledger.epsilon("tight")[0] == 1.0
+
+
 def test_poisson_inclusion_never_exceeds_the_priced_rate_on_the_uniforms_grid() -> None:
     """A uniform u on the 2^-53 grid is below a float64 rate q with probability ceil(q 2^53) 2^-53, up to 2^-53
     above q.  The sampler compares with the rate rounded down onto the grid: exactly that probability, at most q.

@@ -316,7 +316,8 @@ class PrivacySection(_Section):
     clip: Float32 = Field(1.0, gt=0.0, allow_inf_nan=False)
     accountant: Literal["tight", "pld", "rdp"] = Field(
         "tight", description="accountant that calibrates sigma, enforces budgets and reports epsilon: tight (the "
-                             "smaller of PLD and RDP, both sound), pld or rdp alone")
+                             "smaller of PLD and RDP, and of basic composition where every release is pure DP; all "
+                             "sound), pld or rdp alone")
     neighbouring: Literal["add-remove", "replace-one"] = Field(
         "add-remove", description="neighbouring datasets differ by adding/removing one record (the DP-SGD "
                                   "papers' relation; assumes an agent's dataset size is not secret) or by "

@@ -175,8 +175,9 @@ def fit_to_accountant(noise: UpdateNoise, budget: float, delta: float, accountan
 
     Theorem 1's calibration (``calibration = "paper"``) spends the budget under the Kairouz et al.
     composition, and the ledger enforces it with ``accountant``, which may price the same releases higher:
-    one Laplace release at pure epsilon 1 costs 1.00016 under PLD (its discretisation rounds up), and the
-    classical Gaussian mechanism's sigma >= 2C sqrt(2 ln(2/delta_t)) / eps_t holds only for eps_t < 1.  The
+    the classical Gaussian mechanism's sigma >= 2C sqrt(2 ln(2/delta_t)) / eps_t holds only for eps_t < 1, and
+    ``pld`` prices one Laplace release at pure epsilon 1 at 1.00016 (its discretisation rounds up; ``tight``
+    charges Laplace releases their exact sum where that is smaller).  The
     agent's last planned release would then be refused (every release at T_i = 1) and its model would stop
     early, silently.  The epsilons scale by a factor f and the multipliers by s = 1 / f (both mechanisms'
     multipliers are inversely proportional to eps_t).  For an agent whose releases :func:`ledger_admits` refuses,

@@ -12,7 +12,10 @@ runs, and its epsilon comes from one of dp_accounting's accountants:
   discretisation, which is pessimistic (rounds losses up), so it too is a valid upper bound;
 * ``tight``, the default everywhere: the smaller of the two, which is as sound as either (both bound
   the same true epsilon) and never above what calibration promised, because calibration, budget
-  enforcement and reporting all use it.
+  enforcement and reporting all use it.  Where every release is pure DP (Laplace, sampled or not) it
+  also takes basic composition, the sum of the releases' pure epsilons (:func:`pure_epsilon`), which
+  holds at every delta: a few Laplace releases cost exactly what they spend, where PLD's discretisation
+  rounds up (one release at epsilon 1: 1.00016) and RDP's conversion adds more.
 
 **Neighbouring relation.**  Datasets are neighbours if they differ by adding or removing one record
 (``add-remove``, the relation under which Poisson subsampling amplifies privacy and the one DP-SGD
@@ -252,7 +255,8 @@ def _epsilon_of_merged(history: History, delta: float, accountant: str, relation
     if any(isinstance(event, dp_accounting.NonPrivateDpEvent) for event, _ in history):
         return math.inf
     if accountant == "tight":
-        values, errors = [], []
+        pure = pure_epsilon(history, relation)
+        values, errors = ([] if pure is None else [pure]), []
         for name in ("pld", "rdp"):
             try:
                 values.append(_epsilon_of_merged(history, delta, name, relation))
@@ -288,6 +292,46 @@ def _epsilon_of_merged(history: History, delta: float, accountant: str, relation
     except (MemoryError, OverflowError):  # a distribution too wide to discretise: epsilons far beyond any budget
         raise PrivacyError("PLD accounting is impractical for this history (its loss distribution does not fit in "
                            "memory); use the RDP accountant") from None
+
+
+def pure_epsilon(history: History, relation: str = DEFAULT_RELATION) -> float | None:
+    """Basic composition of a history of pure-DP releases under ``relation``: the sum of each release's pure
+    epsilon, an upper bound at every delta (Dwork & Roth 2014, Thm 3.16); None where some release is not pure DP.
+
+    Laplace of multiplier ``b`` (scale over l1 sensitivity) is ``1/b``-DP; under replace-one
+    :func:`priced_event` halves ``b`` (doubled sensitivity, sampling dropped).  A Poisson-sampled
+    ``epsilon``-DP release at rate ``q`` is ``log(1 + q (e^epsilon - 1))``-DP under add-remove (Li, Qardaji
+    & Su 2012; Balle, Barthe & Gaboardi 2018), in both directions: adding the record mixes its
+    output density into a fraction ``q`` of the batches, and the likelihood ratio of the mixture is largest,
+    ``1 - q + q e^epsilon``, where the record's release is ``e^epsilon`` times as likely."""
+
+    def one(event: dp_accounting.DpEvent) -> float | None:
+        if isinstance(event, dp_accounting.NoOpDpEvent):
+            return 0.0
+        if isinstance(event, dp_accounting.LaplaceDpEvent):
+            return 1.0 / event.noise_multiplier
+        if isinstance(event, dp_accounting.PoissonSampledDpEvent):
+            inner = one(event.event)
+            return None if inner is None else math.log1p(event.sampling_probability * math.expm1(inner))
+        if isinstance(event, dp_accounting.SelfComposedDpEvent):
+            inner = one(event.event)
+            return None if inner is None else event.count * inner
+        if isinstance(event, dp_accounting.ComposedDpEvent):
+            parts = [one(part) for part in event.events]
+            return None if any(part is None for part in parts) else math.fsum(parts)
+        return None
+
+    total = []
+    for event, count in history:
+        if count > 0:
+            try:
+                value = one(priced_event(event, "pld", relation))
+            except PrivacyError:  # an event without a replace-one rewrite is not priced here either
+                return None
+            if value is None:
+                return None
+            total.append(count * value)
+    return math.fsum(total)
 
 
 def _gaussian_epsilon(priced: History, delta: float, relation: str) -> float:
