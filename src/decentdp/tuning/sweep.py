@@ -139,6 +139,9 @@ class Dimension(BaseModel):
                 raise ValueError("a log range needs low > 0")
             if self.log and self.step is not None:
                 raise ValueError("log and step cannot be combined")
+            if self.step is not None and (self.high - self.low) / self.step < 1 - 1e-9:  # (Optuna: low alone)
+                raise ValueError(f"step {self.step} is larger than the range {self.low}..{self.high}, so only low "
+                                 "would be searched; take a step of at most high - low")
             if self.integer and not all(float(v).is_integer() for v in (self.low, self.high, self.step or 1)):
                 raise ValueError(f"integer = true needs whole low, high and step (got {self.low}, {self.high}, "
                                  f"{self.step})")
