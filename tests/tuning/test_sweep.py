@@ -738,3 +738,24 @@ def test_a_private_selection_that_writes_the_default_eta_resumes_one_that_left_i
     path = write_sweep(tmp_path, LR, trials=None, selection="private", private={**PRIVATE, "eta": 0.5})
     with pytest.raises(ConfigError, match="different definition"):
         SweepRunner(load_sweep(path), tmp_path / "out")
+
+
+def test_a_base_configs_own_validation_split_is_kept(tmp_path: Path) -> None:
+    """A reviewer's finding: a base config's data.validation_split = 'per-record' was replaced by the sweep's default
+    'exact-count' without a word.  It is kept unless [sweep] sets validation_split; a private selection, which needs
+    'per-record', refuses a base's 'exact-count' naming where it came from."""
+    path = write_sweep(tmp_path, LR_VALUES)
+    base = tiny_config(data={"validation_split": "per-record"}, privacy={"epsilon": 5.0, "accountant": "rdp"})
+    (tmp_path / "base.toml").write_text(tomli_w.dumps(base))
+    sweep = load_sweep(path)
+    assert sweep.validation_split == "per-record" and sweep.spec()["validation_split"] == "per-record"
+    assert sweep.trial_config({"algorithm.lr": 0.1}, 0)["data"]["validation_split"] == "per-record"
+    path = write_sweep(tmp_path, LR_VALUES, validation_split="exact-count")
+    (tmp_path / "base.toml").write_text(tomli_w.dumps(base))
+    assert load_sweep(path).validation_split == "exact-count"
+    path = write_sweep(tmp_path, LR, trials=None, selection="private", private=PRIVATE, noise="secure")
+    base["data"]["validation_split"] = "exact-count"
+    (tmp_path / "base.toml").write_text(tomli_w.dumps({**base, "privacy": {**base["privacy"], "noise": "secure"}}))
+    with pytest.raises(ConfigError, match=re.escape("the base config's data.validation_split = 'exact-count' is "
+                                                    "taken unless [sweep] sets validation_split")):
+        load_sweep(path)

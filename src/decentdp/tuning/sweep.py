@@ -18,7 +18,8 @@ A sweep file::
     objective = "accuracy_mean"    # a key of summary.json, measured on the validation split
     direction = "maximize"
     validation_fraction = 0.1      # held out of each agent's training records; never the test set
-    validation_split = "exact-count"   # default; a private selection needs (and defaults to) "per-record"
+    validation_split = "exact-count"   # default: the base config's own, else this; a private selection needs
+                                       # (and defaults to) "per-record"
     set = { "experiment.rounds" = 200 }   # fixed overrides of the base config
     selection = "best"             # or "private": see below
 
@@ -268,11 +269,23 @@ class Sweep:
 
     @property
     def validation_split(self) -> str:
-        """How the trials hold out their validation records (``data.validation_split``): ``per-record`` for a
-        private selection unless the file says otherwise (which :func:`_check_private` refuses)."""
+        """How the trials hold out their validation records (``data.validation_split``): the sweep file's
+        ``validation_split``, else the base config's own ``data.validation_split`` where it sets one (a reviewer's
+        finding: a base config's 'per-record' was replaced without a word), else ``per-record`` for a private
+        selection and ``exact-count`` otherwise.  A private selection refuses any but ``per-record``
+        (:func:`_check_private`)."""
         if self.section.validation_split is not None:
             return self.section.validation_split
+        if self.base_validation_split is not None:
+            return self.base_validation_split
         return "per-record" if self.section.selection == "private" else "exact-count"
+
+    @property
+    def base_validation_split(self) -> str | None:
+        """The base config's own ``data.validation_split``, where it sets one."""
+        data = self.base.get("data")
+        chosen = data.get("validation_split") if isinstance(data, dict) else None
+        return chosen if isinstance(chosen, str) else None
 
     def spec(self) -> dict[str, Any]:
         """What must not change when a sweep resumes: everything that defines its trials."""
@@ -523,10 +536,13 @@ def _check_private(sweep: Sweep, base_config: Any, edge_configs: list[tuple[str,
         raise ConfigError("sweep.trials", "private selection draws the number of trials at random (mean "
                                           "sweep.private.mean_trials); remove trials")
     if sweep.validation_split != "per-record":
-        raise ConfigError("sweep.validation_split", "must be 'per-record' for selection = 'private' (its default): "
-                                                    "with 'exact-count', adding one record redraws which of the "
-                                                    "others are held out, which the selection's epsilon does not "
-                                                    "price")
+        taken = "its default" if section.validation_split is not None else \
+            f"its default; the base config's data.validation_split = '{sweep.validation_split}' is taken unless " \
+            "[sweep] sets validation_split"
+        raise ConfigError("sweep.validation_split", f"must be 'per-record' for selection = 'private' ({taken}): "
+                                                    f"with '{sweep.validation_split}', adding one record redraws "
+                                                    "which of the others are held out, which the selection's "
+                                                    "epsilon does not price")
     if section.objective != "accuracy_mean" or section.direction != "maximize":
         field = "sweep.objective" if section.objective != "accuracy_mean" else "sweep.direction"
         raise ConfigError(field, "private selection scores trials by their noisy count of correct validation "
