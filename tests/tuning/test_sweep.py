@@ -759,3 +759,23 @@ def test_a_base_configs_own_validation_split_is_kept(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=re.escape("the base config's data.validation_split = 'exact-count' is "
                                                     "taken unless [sweep] sets validation_split")):
         load_sweep(path)
+
+
+def test_the_copy_of_the_sweep_file_finds_the_same_base_config(tmp_path: Path) -> None:
+    """A changed sweep's refusal advises resuming with the copy in OUT/sweep.toml, whose config path, relative to the
+    sweep file, was then looked up beside the copy (a reviewer's finding).  The copy names it relative to OUT, keeps
+    the file's comments, and resumes the same study."""
+    pytest.importorskip("optuna")
+    from decentdp.tuning.sweep import SweepRunner
+
+    path = write_sweep(tmp_path, LR_VALUES)
+    path.write_text("# why this sweep\n" + path.read_text())
+    out = tmp_path / "sweeps" / "out"
+    sweep = load_sweep(path, ["experiment.rounds=3"])
+    SweepRunner(sweep, out).close()
+    copy = (out / "sweep.toml").read_text()
+    assert "# why this sweep" in copy and 'config = "../../base.toml"' in copy
+    again = load_sweep(out / "sweep.toml", ["experiment.rounds=3"])
+    assert again.base == sweep.base and again.spec() == sweep.spec()
+    SweepRunner(again, out).close()  # (the same study: a changed definition would be refused)
+    assert (out / "sweep.toml").read_text() == copy

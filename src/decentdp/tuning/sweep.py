@@ -312,6 +312,31 @@ class Sweep:
         return apply_overrides(self.base, assignments)
 
 
+def sweep_copy(sweep: Sweep, out: Path) -> str:
+    """The sweep file's text as the sweep folder ``out`` keeps it (``OUT/sweep.toml``), with ``[sweep] config``
+    rewritten relative to ``out`` where the file gave it relative to itself: resuming with the copy, as a changed
+    sweep's refusal advises, then finds the same base config (a reviewer's finding: it was looked up beside the
+    copy).  The line is rewritten in place, keeping the file's comments; a file that spells it otherwise (inside an
+    inline table, with escapes) is written out anew, without them."""
+    text = sweep.path.read_text(encoding="utf-8")
+    written = sweep.section.config
+    target = Path(os.path.relpath((sweep.path.parent / written).resolve(), out.resolve())).as_posix()
+    if Path(written).is_absolute() or target == written:
+        return text
+    raw = tomllib.loads(text)
+    wanted = {**raw, "sweep": {**raw["sweep"], "config": target}}
+    line = re.compile(r"^(\s*config\s*=\s*)([\"'])" + re.escape(written) + r"\2", flags=re.MULTILINE)
+    copy, count = line.subn(lambda match: match.group(1) + json.dumps(target), text)
+    try:
+        if count == 1 and tomllib.loads(copy) == wanted:
+            return copy
+    except tomllib.TOMLDecodeError:
+        pass
+    import tomli_w
+
+    return f"# {sweep.path}, its config path made relative to this folder\n" + tomli_w.dumps(wanted)
+
+
 def _toml_value(value: Any) -> str:
     """``value`` written as a TOML value (an override's right-hand side): inline tables and arrays too, so that
     ``set = { "model.options" = { activation = "tanh" } }`` reaches the config as a table."""
@@ -780,7 +805,8 @@ class SweepRunner:
             "tpe": lambda: optuna.samplers.TPESampler(seed=seed)}[sweep.section.method]()
         repeat = f"# decentdp sweep was given {shlex.join(sweep.options)}: repeat them with this file\n" \
             if sweep.options else ""
-        write_atomic(out / "sweep.toml", repeat + sweep.path.read_text(encoding="utf-8"))
+        if sweep.path.resolve() != (out / "sweep.toml").resolve():  # (resumed with the copy: it is kept as it is)
+            write_atomic(out / "sweep.toml", repeat + sweep_copy(sweep, out))
 
     def _private_trials(self) -> int:
         """K of a private selection: drawn with OS randomness when the study is created, kept in the study so
