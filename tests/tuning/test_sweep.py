@@ -172,6 +172,9 @@ def test_a_per_record_split_holds_out_about_the_fraction_and_depends_on_the_seed
     # a step larger than its range searched low alone (Optuna shrinks the range; a reviewer's finding)
     ('"algorithm.lr" = { low = 0.1, high = 0.2, step = 1.0 }', {},
      "space.algorithm.lr: step 1.0 is larger than the range 0.1..0.2"),
+    # a key spelled twice, quoted and unquoted (both are read as the same dotted field)
+    ('"algorithm.lr" = { values = [0.1] }\nalgorithm.lr = { values = [0.2] }', {},
+     "space.algorithm.lr: is given twice"),
 ])
 def test_bad_sweep_files_name_the_field(tmp_path: Path, capsys, space: str, extra: dict, message: str) -> None:
     path = write_sweep(tmp_path, space + "\n", **extra)
@@ -738,6 +741,27 @@ def test_a_private_selection_that_writes_the_default_eta_resumes_one_that_left_i
     path = write_sweep(tmp_path, LR, trials=None, selection="private", private={**PRIVATE, "eta": 0.5})
     with pytest.raises(ConfigError, match="different definition"):
         SweepRunner(load_sweep(path), tmp_path / "out")
+
+
+def test_unquoted_dotted_keys_are_the_fields_they_spell(tmp_path: Path) -> None:
+    """A reviewer's finding: TOML reads an unquoted ``experiment.rounds = 5`` under [sweep.set] as a table
+    ``experiment``, reported as a --set error ("key must look like section.key, got 'experiment'"), and an unquoted
+    ``algorithm.lr = { ... }`` in [space] as "Extra inputs are not permitted".  Both are what the quoted keys say."""
+    quoted = write_sweep(tmp_path, '"algorithm.lr" = { values = [0.1, 0.2] }\n"privacy.clip" = { values = [1.0, '
+                                   '2.0] }\n', set={"experiment.rounds": 3, "model.options": {"hidden": 8}})
+    (tmp_path / "base.toml").write_text(tomli_w.dumps(tiny_config(model={"name": "mlp"},
+                                                                  privacy={"epsilon": 5.0, "accountant": "rdp"})))
+    unquoted = tmp_path / "unquoted.toml"
+    unquoted.write_text('[sweep]\nconfig = "base.toml"\nmethod = "random"\ntrials = 2\nworkers = 1\n'
+                        'validation_fraction = 0.2\n\n[sweep.set]\nexperiment.rounds = 3\nmodel.options = { hidden = 8 '
+                        '}\n\n[space]\nalgorithm.lr = { values = [0.1, 0.2] }\n\n[space.privacy]\n'
+                        'clip = { values = [1.0, 2.0] }\n')
+    expected, got = load_sweep(quoted), load_sweep(unquoted)
+    assert got.section.set == expected.section.set == {"experiment.rounds": 3, "model.options": {"hidden": 8}}
+    assert got.space == expected.space and got.base == expected.base
+    unquoted.write_text(unquoted.read_text().replace("[sweep.set]\n", '[sweep.set]\n"experiment.rounds" = 4\n'))
+    with pytest.raises(ConfigError, match=re.escape("sweep.set.experiment.rounds: is given twice")):
+        load_sweep(unquoted)
 
 
 def test_a_base_configs_own_validation_split_is_kept(tmp_path: Path) -> None:

@@ -390,12 +390,16 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), trials: int | No
     for table in ("sweep", "space"):
         if not isinstance(raw.get(table, {}), dict):
             raise ConfigError(table, f"must be a table ([{table}]), got {type(raw[table]).__name__}")
+    table = dict(raw.get("sweep", {}))
+    if isinstance(table.get("set"), dict):  # (an unquoted experiment.rounds = 5 is a table "experiment" in TOML)
+        table["set"] = _dotted_keys(table["set"], "sweep.set", lambda name, value: "." in name)
     try:
-        section = SweepSection.model_validate(raw.get("sweep", {}))
+        section = SweepSection.model_validate(table)
     except ValidationError as exc:
         raise _named_error(("sweep",), exc) from None
+    specs = _dotted_keys(raw.get("space", {}), "space", _ends_a_field)
     space: dict[str, Dimension] = {}
-    for name, spec in raw.get("space", {}).items():
+    for name, spec in specs.items():
         if not isinstance(spec, dict):
             raise ConfigError(f"space.{name}", "must be a table: { values = [...] } or { low = ..., high = ... }")
         space[name] = _dimension(name, spec)
@@ -466,7 +470,7 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), trials: int | No
     for name, dim in space.items():
         _check_field(name, base_config)
         if not dim.integer and dim.values is None and _is_integer_field(name, base_config):
-            space[name] = dim = _whole_number_dimension(name, raw["space"][name])
+            space[name] = dim = _whole_number_dimension(name, specs[name])
         for value in dim.edges():
             try:
                 edge = validate_config(apply_overrides(base, [f"{name}={_toml_value(value)}"]))
@@ -496,6 +500,40 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), trials: int | No
             raise ConfigError("sweep.private", "is used only with selection = 'private'")
         _ = sweep.trials  # trials is required unless the grid bounds it
     return sweep
+
+
+def _dotted_keys(table: dict[str, Any], where: str, ends: Callable[[str, Any], bool]) -> dict[str, Any]:
+    """``table`` (the sweep's ``set``, or ``[space]``) keyed by dotted field names, its nested tables read as the
+    dotted keys they spell: TOML reads an unquoted ``experiment.rounds = 5`` (or a ``[space.algorithm]`` header)
+    as a table ``experiment`` holding ``rounds``, which is what the user meant by it (a reviewer's finding: such a
+    set table was reported as a --set error naming 'experiment', and such a space entry as "Extra inputs").
+
+    ``ends(name, value)`` says whether a table at the dotted ``name`` is the key's value rather than a level of its
+    name; any other value always is.  A name given twice (quoted, and unquoted or under a header) is refused,
+    naming it under ``where``."""
+    flat: dict[str, Any] = {}
+
+    def read(name: str, value: Any) -> None:
+        if isinstance(value, dict) and not ends(name, value):
+            for key, item in value.items():
+                read(f"{name}.{key}", item)
+        elif name in flat:
+            raise ConfigError(f"{where}.{name}", "is given twice (as a quoted dotted key, and as an unquoted one or "
+                                                 "under a table header): give it once")
+        else:
+            flat[name] = value
+
+    for key, value in table.items():
+        read(key, value)
+    return flat
+
+
+def _ends_a_field(name: str, spec: Any) -> bool:
+    """Whether ``spec``, a table at ``name`` in ``[space]``, is a searched field's (``{ values = ... }``,
+    ``{ low = ..., high = ... }``, or anything else that is not only tables: it is checked as one) rather than a
+    level of the field's name (``[space.algorithm]``, or an unquoted ``algorithm.lr = { ... }``)."""
+    return not spec or bool(set(spec) & set(Dimension.model_fields)) or \
+        not all(isinstance(item, dict) for item in spec.values())
 
 
 def _named_error(where: tuple[str, ...], error: ValidationError) -> ConfigError:
