@@ -172,6 +172,14 @@ def test_a_per_record_split_holds_out_about_the_fraction_and_depends_on_the_seed
     # a step larger than its range searched low alone (Optuna shrinks the range; a reviewer's finding)
     ('"algorithm.lr" = { low = 0.1, high = 0.2, step = 1.0 }', {},
      "space.algorithm.lr: step 1.0 is larger than the range 0.1..0.2"),
+    # a field that no trial reads: every trial the same run, and best.toml tuning a knob that does nothing (a
+    # reviewer's finding)
+    ('"algorithm.lr_final" = { low = 0.001, high = 0.01, log = true }', {"set": {"algorithm.lr_schedule": "constant"}},
+     "space.algorithm.lr_final: is not read by this run (algorithm.lr_final is read with algorithm.lr_schedule != "
+     "'constant' only)"),
+    ('"averaging.decay" = { low = 0.9, high = 0.99 }', {}, "space.averaging.decay: is not read by this run"),
+    ('"topology.mixing" = { values = ["metropolis-hastings", "max-degree"] }', {"set": {"algorithm.name": "local"}},
+     "space.topology.mixing: is not read by this run ('local' trains each agent alone"),
     # a key spelled twice, quoted and unquoted (both are read as the same dotted field)
     ('"algorithm.lr" = { values = [0.1] }\nalgorithm.lr = { values = [0.2] }', {},
      "space.algorithm.lr: is given twice"),
@@ -762,6 +770,21 @@ def test_unquoted_dotted_keys_are_the_fields_they_spell(tmp_path: Path) -> None:
     unquoted.write_text(unquoted.read_text().replace("[sweep.set]\n", '[sweep.set]\n"experiment.rounds" = 4\n'))
     with pytest.raises(ConfigError, match=re.escape("sweep.set.experiment.rounds: is given twice")):
         load_sweep(unquoted)
+
+
+def test_a_space_that_turns_a_knob_on_may_search_the_knob(tmp_path: Path) -> None:
+    """A searched field is refused only when no point of the space reads it: beside the switch that turns its mode
+    on (averaging.kind, the step schedule, the algorithm), it is read by the trials where the switch is on."""
+    for space, base in [('"averaging.kind" = { values = ["none", "ema"] }\n"averaging.decay" = { low = 0.9, '
+                         'high = 0.99 }\n', {}),
+                        ('"algorithm.lr_schedule" = { values = ["constant", "cosine"] }\n"algorithm.lr_final" = '
+                         '{ low = 0.001, high = 0.01 }\n', {"lr_final": 0.005}),  # (cosine needs one at every edge)
+                        ('"algorithm.name" = { values = ["local", "dp-dsgd"] }\n"topology.mixing" = { values = '
+                         '["metropolis-hastings", "max-degree"] }\n', {})]:
+        path = write_sweep(tmp_path, space)
+        (tmp_path / "base.toml").write_text(tomli_w.dumps(tiny_config(
+            algorithm=base, privacy={"epsilon": 5.0, "accountant": "rdp", "noise": "simulation"})))
+        assert load_sweep(path).space
 
 
 def test_a_base_configs_own_validation_split_is_kept(tmp_path: Path) -> None:

@@ -588,25 +588,38 @@ class ExperimentConfig(_Section):
         ``[topology]`` field but ``agents`` where its agents never communicate (``communicates``), and
         ``topology.mixing`` where it weights its neighbours itself (``reads_mixing``).  They are accepted (a
         baseline shares its config with the runs it is compared with), and said."""
-        chosen, name = algorithm_class(self.algorithm.name), self.algorithm.name
-        topology = [f"topology.{key}" for key in TopologySection.model_fields]
-        if chosen.pools_data:
-            unread = [*topology, "data.partition", "data.overlap_t", "data.dirichlet_alpha", "data.size_skew"]
-            why = f"'{name}' trains one model on all agents' data pooled (no graph, no partition)"
-        elif not chosen.communicates:
-            unread = [dotted for dotted in topology if dotted != "topology.agents"]
-            why = f"'{name}' trains each agent alone and sends no message (no graph)"
-        elif not chosen.reads_mixing:
-            unread = ["topology.mixing"]
-            why = f"'{name}' weights its neighbours in its own update rule, not with a mixing matrix"
-        else:
-            return []
+        unread, why = self._ignored_by_the_algorithm()
         set_here = [dotted for dotted in unread if _differs_from_default(self, dotted)]
         if not set_here:
             return []
         named = ", ".join(f"{dotted} = {getattr(getattr(self, dotted.split('.')[0]), dotted.split('.')[1])!r}"
                           for dotted in set_here)
         return [f"{named} {'changes' if len(set_here) == 1 else 'change'} nothing: {why}"]
+
+    def _ignored_by_the_algorithm(self) -> tuple[list[str], str]:
+        """The fields the algorithm never reads, whatever their values (:meth:`unread_by_the_algorithm` says which
+        of them are set), and why."""
+        chosen, name = algorithm_class(self.algorithm.name), self.algorithm.name
+        topology = [f"topology.{key}" for key in TopologySection.model_fields]
+        if chosen.pools_data:
+            return ([*topology, "data.partition", "data.overlap_t", "data.dirichlet_alpha", "data.size_skew"],
+                    f"'{name}' trains one model on all agents' data pooled (no graph, no partition)")
+        if not chosen.communicates:
+            return ([dotted for dotted in topology if dotted != "topology.agents"],
+                    f"'{name}' trains each agent alone and sends no message (no graph)")
+        if not chosen.reads_mixing:
+            return ["topology.mixing"], f"'{name}' weights its neighbours in its own update rule, not with a mixing " \
+                                        "matrix"
+        return [], ""
+
+    def unread_with_reasons(self) -> dict[str, str]:
+        """Every field this run does not read, whatever its value, and why: those of a mode it does not have
+        (:data:`MODE_ONLY`), the knobs whose switch is off (:data:`QUIET_KNOBS`), and those its algorithm ignores
+        (:meth:`unread_by_the_algorithm`).  A sweep refuses to search one (every trial would be the same run)."""
+        unread = {dotted: f"{dotted} is read with {switch} only" for dotted, reads, switch in (*MODE_ONLY, *QUIET_KNOBS)
+                  if not reads(self)}
+        ignored, why = self._ignored_by_the_algorithm()
+        return unread | dict.fromkeys(ignored, why)
 
     def unread_fields(self) -> list[str]:
         """The fields this run does not read: those of a mode it does not have (:data:`MODE_ONLY`) and the knobs

@@ -479,6 +479,7 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), trials: int | No
                 raise ConfigError(f"space.{name}", f"the value {value!r} makes an invalid config: "
                                                    f"{str(exc).removeprefix('invalid configuration:').strip()}") \
                     from None
+    _check_read(space, base_config, edge_configs)
     objectives = trial_objectives(base_config)
     if section.objective not in objectives:  # before any trial trains, not after every one has
         raise ConfigError("sweep.objective", f"{section.objective!r} is not a number in a trial's summary.json; "
@@ -665,6 +666,26 @@ def _check_field(name: str, config: Any) -> None:
             f"sections: {', '.join(allowed)}"
         raise ConfigError(f"space.{name}", f"is not a config field of this sweep's config ({where}; "
                                            "model options as model.options.NAME)")
+
+
+def _check_read(space: dict[str, Dimension], base_config: Any, edge_configs: list[tuple[str, Any]]) -> None:
+    """Refuse a searched field that no trial reads, one error naming it: every trial would be the same run, and
+    best.toml would report a tuned value that does nothing (a reviewer's finding: ``algorithm.lr_final`` under a
+    constant schedule, ``averaging.decay`` with averaging off).  What a config reads is the schema's
+    (:meth:`~decentdp.config.ExperimentConfig.unread_with_reasons`).
+
+    The rule: a field is read if the base config (the sweep's ``set`` and ``--set`` applied) reads it, or the base
+    config with one searched field at one of its edges does (each of its values, or either end of its range).
+    Whether a field is read depends on one switch (the schedule, the averaging, the partition, the algorithm), and a
+    switch that reads it at some value of the space does so at one of those, so a space that turns the mode on
+    itself (``averaging.kind`` beside ``averaging.decay``) is accepted, without visiting its combinations."""
+    unread = base_config.unread_with_reasons()
+    reading = [set(config.unread_with_reasons()) for _, config in edge_configs]
+    for name in space:
+        if name in unread and all(name in fields for fields in reading):
+            raise ConfigError(f"space.{name}", f"is not read by this run ({unread[name]}), at any value of the "
+                                               "searched fields: every trial would be the same; remove it, or "
+                                               "search what turns it on too")
 
 
 def _is_integer_field(name: str, config: Any) -> bool:
