@@ -6,6 +6,8 @@ is a bug in decentdp and is allowed to surface with a traceback.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 class DecentDPError(Exception):
     """Base class of every error caused by user input (configs, data, graphs, budgets)."""
@@ -18,6 +20,21 @@ class ConfigError(DecentDPError):
         self.field = field
         self.message = message
         super().__init__(f"{field}: {message}" if field else message)
+
+
+class ResultsFolderError(ConfigError):
+    """A results folder that cannot be written, or whose files cannot be read back: a full disk, a file size limit,
+    a checkpoint truncated by a crash, a folder left there by another run.  The input is fine; the folder, or the
+    machine it is on, is not, and the same input runs once that is mended.  A :class:`ConfigError` (its message
+    names ``--out`` or ``--resume`` as before), told apart by a sweep, which queues such a trial again instead of
+    failing it for good (:mod:`decentdp.tuning.sweep`).
+
+    ``damaged`` is the file that cannot be read back (a checkpoint, ``setup.json``), where that is what happened:
+    the run cannot continue from that folder, and starting it again in an empty one is the way on."""
+
+    def __init__(self, field: str, message: str, damaged: Path | None = None) -> None:
+        super().__init__(field, message)
+        self.damaged = damaged
 
 
 class DataError(DecentDPError):

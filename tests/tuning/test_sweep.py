@@ -547,10 +547,12 @@ def test_a_finished_folder_lends_its_score_only_to_the_trial_it_ran(tmp_path: Pa
     raw = tiny_config(algorithm={"lr": 0.3})
     fake_run(tmp_path / "trial", 0.625, algorithm={"lr": 0.3})
     same = validate_config(raw).to_toml_dict()
-    assert run_trial([same], [str(tmp_path / "trial")], "accuracy_mean", os.getppid()) == {"value": 0.625}
+    log = str(tmp_path / "trial.log")
+    assert run_trial([same], [str(tmp_path / "trial")], log, "accuracy_mean", os.getppid()) == {"value": 0.625}
     other = validate_config(tiny_config(algorithm={"lr": 0.1})).to_toml_dict()
-    result = run_trial([other], [str(tmp_path / "trial")], "accuracy_mean", os.getppid())
-    assert "holds a finished run of another config (it differs in algorithm.lr)" in result["error"]
+    result = run_trial([other], [str(tmp_path / "trial")], log, "accuracy_mean", os.getppid())
+    # the folder is at fault, not the trial's values: it is queued again (to run once the folder is moved aside)
+    assert "holds a finished run of another config (it differs in algorithm.lr)" in result["interrupted"]
 
 
 def test_a_damaged_study_is_named_and_left_alone(tmp_path: Path, capsys) -> None:
@@ -749,6 +751,164 @@ def test_a_private_selection_that_writes_the_default_eta_resumes_one_that_left_i
     path = write_sweep(tmp_path, LR, trials=None, selection="private", private={**PRIVATE, "eta": 0.5})
     with pytest.raises(ConfigError, match="different definition"):
         SweepRunner(load_sweep(path), tmp_path / "out")
+
+
+def test_a_full_disk_queues_the_trial_again_and_the_same_command_resumes_it(tmp_path: Path, capsys, monkeypatch,
+                                                                            inline_pool) -> None:
+    """A reviewer's finding: a checkpoint that could not be written (a full disk, a file size limit) failed its trial
+    for good, as bad input, and every other trial after it: the sweep was spent (a private selection's K used up),
+    and the same command then said "failed trials are not run again".  The trial is queued again, the sweep stops
+    with one error, and the same command, with space freed, runs every trial."""
+    import errno
+
+    optuna = pytest.importorskip("optuna")
+    from decentdp.experiment import record
+
+    written = record.write_durably
+
+    def full_disk(path: Path, *args: Any, **kwargs: Any) -> None:
+        if path.name == "checkpoint.pt":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written(path, *args, **kwargs)
+
+    path = write_sweep(tmp_path, '"algorithm.lr" = { values = [0.1, 0.2] }\n', method="grid", trials=None)
+    out = tmp_path / "out"
+    monkeypatch.setattr(record, "write_durably", full_disk)
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"the sweep in {out} stopped: a trial could not go on" in err and "Traceback" not in err
+    assert "trial 0 (trials/trial-0000): --out: cannot write the checkpoint of round 0" in err
+    assert "No space left on device" in err and "queued again, not failed" in err and "run the same command" in err
+    study = optuna.load_study(study_name="decentdp", storage=f"sqlite:///{out / 'study.db'}")
+    stopped, queued = study.trials  # (the second grid point never started)
+    assert "error" not in stopped.user_attrs and "No space left" in stopped.user_attrs["stopped"]
+    assert queued.state == optuna.trial.TrialState.WAITING and queued.user_attrs["folder"] == "trials/trial-0000"
+    monkeypatch.setattr(record, "write_durably", written)
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 0
+    assert "1 interrupted trial(s) continue" in capsys.readouterr().err
+    complete = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+    assert sorted(t.params["algorithm.lr"] for t in complete) == [0.1, 0.2]
+    assert stopped.params == study.trials[queued.number].params
+
+
+def test_any_os_error_of_a_trials_files_queues_it_again_naming_the_file(tmp_path: Path, monkeypatch) -> None:
+    """A write the run's own checks do not cover (its config.toml on a full disk, at its start) is the folder's fault
+    too: the trial is queued again (not failed, nor a traceback across the process pool), naming the file."""
+    import errno
+
+    from decentdp.experiment import record
+    from decentdp.tuning.sweep import run_trial
+
+    def full_disk(path: Path, data: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(record, "write_toml", full_disk)
+    raw = validate_config(tiny_config()).to_toml_dict()
+    folder = tmp_path / "trial"
+    result = run_trial([raw], [str(folder)], str(tmp_path / "trial.log"), "accuracy_mean", os.getppid())
+    assert result == {"interrupted": f"{folder / 'config.toml'}: No space left on device"}
+
+
+def left_running(path: Path, out: Path) -> tuple[dict[str, Any], Path]:
+    """A sweep folder whose first trial a killed sweep left running: that trial's raw config at seed 0 and its
+    results folder (empty: the test writes what the killed run left there)."""
+    pytest.importorskip("optuna")
+    from decentdp.tuning.sweep import SweepRunner, trial_folder_name
+
+    sweep = load_sweep(path)
+    runner = SweepRunner(sweep, out)
+    trial = runner.study.ask(runner.distributions())
+    trial.set_user_attr("folder", trial_folder_name(trial))
+    runner.close()
+    return sweep.trial_config(trial.params, sweep.section.seeds[0]), runner.trial_folder(trial)
+
+
+def test_a_damaged_checkpoint_starts_its_trial_again(tmp_path: Path, capsys, inline_pool) -> None:
+    """A reviewer's finding: a checkpoint left empty by a crash failed its trial for good ("checkpoint.pt is damaged"
+    as bad input).  The run cannot continue from it, and starting again in an empty folder is what its own message
+    advises: the trial does so, and the sweep says it."""
+    path = write_sweep(tmp_path, LR_VALUES, trials=1)
+    out = tmp_path / "out"
+    raw, folder = left_running(path, out)
+    run_experiment(validate_config(raw), folder, progress=False, stop_after=2)
+    (folder / "checkpoint.pt").write_bytes(b"")
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert f"trial 1: {folder / 'checkpoint.pt'} cannot be read back, so its run at {folder} cannot continue from " \
+           "it: it starts again from its first round" in err
+    assert json.loads((folder / "summary.json").read_text())["rounds"] == 4
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_a_damaged_summary_is_written_again_not_a_traceback_on_every_resume(tmp_path: Path, capsys, inline_pool,
+                                                                            checkpoint: bool) -> None:
+    """A reviewer's finding: a finished seed folder whose summary.json was damaged (the sweep killed as it was
+    written, a full disk) gave a JSONDecodeError traceback that crossed the process pool, left the trial running, and
+    came back on every resume.  The run goes on from its checkpoint to write it again, or, without one, starts
+    again; the sweep says which."""
+    path = write_sweep(tmp_path, LR_VALUES, trials=1)
+    out = tmp_path / "out"
+    raw, folder = left_running(path, out)
+    run_experiment(validate_config(raw), folder, progress=False)
+    (folder / "summary.json").write_text('{"accuracy_mean": 0.')
+    if not checkpoint:
+        (folder / "checkpoint.pt").unlink()
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    then = "goes on from its checkpoint to write it again" if checkpoint else \
+        "has no checkpoint and starts again from its first round"
+    assert f"trial 1: {folder / 'summary.json'} cannot be read (it is not JSON): its run {then}" in err
+    assert "Traceback" not in err
+    assert json.loads((folder / "summary.json").read_text())["finished"] is True
+
+
+def test_an_unexpected_worker_error_names_the_trial_and_queues_it_again(tmp_path: Path, capsys, monkeypatch,
+                                                                         inline_pool) -> None:
+    """An exception no check names, crossing the process pool from a worker, was a traceback that left its trial
+    running.  The sweep stops with one error naming the trial, the traceback goes to the trial's log, and the trial
+    is queued again."""
+    optuna = pytest.importorskip("optuna")
+
+    def broken(*args: Any) -> dict[str, Any]:
+        raise ValueError("an unforeseen failure")
+
+    monkeypatch.setattr("decentdp.tuning.sweep.run_trial", broken)
+    path = write_sweep(tmp_path, LR_VALUES, trials=1)
+    out = tmp_path / "out"
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    log = out / "trials" / "trial-0000.log"
+    assert "Traceback" not in err and f"the sweep in {out} stopped" in err
+    assert ("trial 0 (trials/trial-0000): ValueError: an unforeseen failure (unexpected, in its worker; the traceback "
+            f"is in {log})") in err
+    assert "Traceback" in log.read_text() and "an unforeseen failure" in log.read_text()
+    study = optuna.load_study(study_name="decentdp", storage=f"sqlite:///{out / 'study.db'}")
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.FAIL, optuna.trial.TrialState.WAITING]
+
+
+def test_every_seed_of_a_trial_logs_to_the_trial_log_beside_its_folder(tmp_path: Path, capsys, inline_pool) -> None:
+    """The README says each trial's log is trials/trial-NNNN.log, beside its folder; with several seeds the logs were
+    trial-NNNN/seed-S.log (a reviewer's finding).  Every seed's run writes to the one log."""
+    path = write_sweep(tmp_path, LR_VALUES, trials=1, seeds=[0, 1])
+    out = tmp_path / "out"
+    assert main(["sweep", str(path), "--out", str(out), "--no-progress"]) == 0
+    capsys.readouterr()
+    log = (out / "trials" / "trial-0000.log").read_text()
+    assert f"run {out / 'trials' / 'trial-0000' / 'seed-0'} (started)" in log
+    assert f"run {out / 'trials' / 'trial-0000' / 'seed-1'} (started)" in log
+    assert not list((out / "trials").rglob("seed-*.log"))
+
+
+def test_a_worker_gives_its_bars_no_semaphore_that_a_kill_would_leak() -> None:
+    """A worker killed from outside left the multiprocessing lock tqdm makes by default (a named semaphore) for the
+    resource tracker, which then warned of a leaked semaphore after the sweep's error (a reviewer's finding)."""
+    from tqdm.std import TqdmDefaultWriteLock, tqdm
+
+    from decentdp.tuning.sweep import _no_process_locks
+
+    _no_process_locks()
+    with tqdm(total=1, disable=True):
+        assert not isinstance(tqdm.get_lock(), TqdmDefaultWriteLock)
 
 
 def test_unquoted_dotted_keys_are_the_fields_they_spell(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ import torch
 from decentdp.algorithms.base import State
 from decentdp.config import PLACEMENT_FIELDS, RECORDING_FIELDS, ExperimentConfig, config_differences, validate_config
 from decentdp.data.datasets import FINGERPRINT_PREFIX
-from decentdp.errors import ConfigError
+from decentdp.errors import ConfigError, ResultsFolderError
 from decentdp.experiment.build import Experiment
 from decentdp.privacy.network_dp import plot_pairwise
 from decentdp.privacy.report import AGENT_VIEW, AlgorithmPrivacy, privacy_report, privacy_statement
@@ -97,16 +97,19 @@ def run_privacy_statement(config: ExperimentConfig) -> dict[str, Any]:
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
     """A run's ``checkpoint.pt`` (on the CPU; moved to the run's device later), or one message naming the file
-    when it is damaged (truncated by a full disk, empty, or not a checkpoint at all): nothing is written."""
+    when it is damaged (truncated by a full disk, empty, or not a checkpoint at all): nothing is written.  The
+    error is a :class:`~decentdp.errors.ResultsFolderError` naming the file (``damaged``): starting the run again
+    in an empty folder is the way on."""
     try:
         saved = torch.load(path, weights_only=True, map_location="cpu")
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as error:
         reason = "it is empty" if path.stat().st_size == 0 else f"it cannot be read ({type(error).__name__})"
-        raise ConfigError("--resume", f"{path} is damaged: {reason}; the run cannot continue from it. Restore the "
-                                      "file, or start the run again in an empty folder") from None
+        raise ResultsFolderError("--resume", f"{path} is damaged: {reason}; the run cannot continue from it. "
+                                             "Restore the file, or start the run again in an empty folder",
+                                 damaged=path) from None
     if not isinstance(saved, dict) or not {"round", "config"} <= set(saved):
-        raise ConfigError("--resume", f"{path} is not a decentdp checkpoint (no round and config in it); start the "
-                                      "run again in an empty folder")
+        raise ResultsFolderError("--resume", f"{path} is not a decentdp checkpoint (no round and config in it); start "
+                                             "the run again in an empty folder", damaged=path)
     return saved
 
 
@@ -118,7 +121,8 @@ def _merged_shards(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     try:
         return read_shard_checkpoints(path / manifest["directory"], manifest["files"], 0, manifest["n_agents"])
     except (ValueError, RuntimeError, EOFError, OSError, pickle.UnpicklingError) as exc:
-        raise ConfigError("--resume", f"cannot read the checkpoint's shard files: {exc}") from None
+        raise ResultsFolderError("--resume", f"cannot read the checkpoint's shard files: {exc}",
+                                 damaged=path / manifest["directory"]) from None
 
 
 #: The lock a run holds on its results folder while it writes it (removed when the run ends).
@@ -159,7 +163,7 @@ class FolderLock:
             try:
                 descriptor = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as exc:
-                raise ConfigError("--out", f"cannot write the {kind} {folder}: {exc.strerror}") from None
+                raise ResultsFolderError("--out", f"cannot write the {kind} {folder}: {exc.strerror}") from None
             try:
                 fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -243,7 +247,8 @@ class ResultsFolder:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ConfigError("--out", f"cannot create the results folder {self.path}: {exc.strerror}") from None
+            raise ResultsFolderError("--out", f"cannot create the results folder {self.path}: {exc.strerror}") \
+                from None
         self._acquire(created)
         for name in held:  # (under the lock) a start that never reached its first checkpoint: nothing to resume
             entry = self.path / name
@@ -264,12 +269,14 @@ class ResultsFolder:
             return {}
         except (OSError, ValueError) as error:
             reason = getattr(error, "strerror", None) or "it is not JSON"
-            raise ConfigError("--resume", f"{file} cannot be read ({reason}): without it the resume cannot check "
-                                          "that the run goes on with the data and noise it started with; restore "
-                                          "the file, or start the run again in an empty folder") from None
+            raise ResultsFolderError("--resume", f"{file} cannot be read ({reason}): without it the resume cannot "
+                                                 "check that the run goes on with the data and noise it started "
+                                                 "with; restore the file, or start the run again in an empty folder",
+                                     damaged=file) from None
         if not isinstance(held, dict):
-            raise ConfigError("--resume", f"{file} is damaged: it holds no JSON object of the run's setup; restore "
-                                          "the file, or start the run again in an empty folder")
+            raise ResultsFolderError("--resume", f"{file} is damaged: it holds no JSON object of the run's setup; "
+                                                 "restore the file, or start the run again in an empty folder",
+                                     damaged=file)
         return held
 
     def check_same_data(self, experiment: Experiment) -> None:
@@ -308,7 +315,8 @@ class ResultsFolder:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ConfigError("--out", f"cannot create the results folder {self.path}: {exc.strerror}") from None
+            raise ResultsFolderError("--out", f"cannot create the results folder {self.path}: {exc.strerror}") \
+                from None
         write_toml(self.path / CONFIG_FILE, experiment.config.to_toml_dict())
         write_json(self.path / PROVENANCE_FILE, provenance(experiment.config.experiment.seed))
         write_json(self.path / SETUP_FILE, experiment.setup)
@@ -367,8 +375,8 @@ class ResultsFolder:
             kept = "the previous checkpoint is kept: free space and continue with --resume" \
                 if (self.path / CHECKPOINT_FILE).is_file() else "no checkpoint was written: free space and start again"
             reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0]
-            raise ConfigError("--out", f"cannot write the checkpoint of round {round_done} in {self.path} "
-                                       f"({reason}); {kept}") from None
+            raise ResultsFolderError("--out", f"cannot write the checkpoint of round {round_done} in {self.path} "
+                                              f"({reason}); {kept}") from None
         if "shards" not in payload:  # the state is in checkpoint.pt now: no manifest names a sharded run's files
             remove_shard_checkpoints(self.path)
 

@@ -31,9 +31,14 @@ A sweep file::
 On the command line, ``--set section.key=value`` (repeatable, as for ``decentdp run``) overrides the base
 config after the file's ``set`` table, so the command line wins, and ``--trials N`` replaces ``trials``.
 
-Each trial is a results folder ``OUT/trials/trial-NNNN[/seed-S]`` that ``decentdp report`` reads. A
-killed sweep restarted with the same command continues: finished trials are kept, the trials that were
-running resume from their checkpoints, and a changed sweep file is refused (naming what changed).
+Keys are dotted field names; TOML's unquoted dotted keys and sub-tables (``[space.algorithm]``) are read as the
+fields they spell.  A searched field that no trial would read (:func:`_check_read`) is refused.
+
+Each trial is a results folder ``OUT/trials/trial-NNNN[/seed-S]`` that ``decentdp report`` reads, its runs'
+lines in ``OUT/trials/trial-NNNN.log``. A killed sweep restarted with the same command continues: finished
+trials are kept, the trials that were running resume from their checkpoints, and a changed sweep file is refused
+(naming what changed).  A trial stopped by its results folder (a full disk, a folder of another run) or by an
+unexpected error in its worker is queued again and the sweep stops with one error; the same command resumes it.
 
 ``selection = "private"`` (with ``method = "random"`` and no ``trials``) is Papernot and Steinke's private
 selection (:mod:`decentdp.tuning.selection`)::
@@ -65,6 +70,7 @@ import sys
 import threading
 import time
 import tomllib
+import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -77,8 +83,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from decentdp.algorithms import algorithm_class
-from decentdp.errors import ConfigError, DecentDPError
-from decentdp.results.files import CHECKPOINT_FILE, epsilon_text, write_atomic
+from decentdp.errors import ConfigError, DecentDPError, ResultsFolderError
+from decentdp.results.files import CHECKPOINT_FILE, SUMMARY_FILE, epsilon_text, write_atomic
 
 if TYPE_CHECKING:
     from decentdp.tuning.selection import TrialCount
@@ -717,56 +723,117 @@ def _exit_with(parent: int) -> None:
         threading.Thread(target=watch, daemon=True, name=_WATCHER).start()
 
 
-def run_trial(raw_configs: list[dict[str, Any]], folders: list[str], objective: str, parent: int) -> dict[str, Any]:
+def _no_process_locks() -> None:
+    """Give tqdm's bars (the run's, disabled in a worker) a thread lock instead of the multiprocessing one they make
+    by default: that one is a named semaphore registered with the resource tracker, and a worker killed from
+    outside never unregisters it, so the sweep's error was followed by a "leaked semaphore objects" warning (a
+    reviewer's finding)."""
+    from tqdm.std import tqdm
+
+    tqdm.set_lock(threading.RLock())
+
+
+def run_trial(raw_configs: list[dict[str, Any]], folders: list[str], log_file: str, objective: str,
+              parent: int) -> dict[str, Any]:
     """One trial in a worker process: its run at each seed (resumed where a checkpoint exists), and the mean
-    of ``objective`` over them.  Returns ``{"value": ...}`` or ``{"error": message}`` for bad input."""
+    of ``objective`` over them; the runs' lines go to ``log_file`` (``trials/trial-NNNN.log``, every seed's).
+
+    Returns ``{"value": ...}`` (with ``"notes"``, lines for the sweep's console, where a damaged file was replaced
+    by running again), ``{"error": message}`` for bad input (the trial failed: run again, it would fail again), or
+    ``{"interrupted": message}`` when its results folder, not its input, stopped it (a full disk, a file size limit,
+    a damaged file it cannot replace, a folder of another run: :class:`~decentdp.errors.ResultsFolderError`, or any
+    ``OSError``): the sweep queues it again and stops, and the same command runs it once that is mended (a reviewer's
+    finding: a full disk failed trials for good, spending a private selection's K)."""
     import torch
 
     from decentdp.config import validate_config
-    from decentdp.experiment.loop import run_experiment
 
     _exit_with(parent)
+    _no_process_locks()
     torch.set_num_threads(1)
-    values = []
+    values, notes = [], []
     try:
-        for raw, folder in zip(raw_configs, folders, strict=True):
-            path = Path(folder)
-            summary_file = path / "summary.json"
-            if summary_file.is_file():
-                _check_finished_is_this_trial(path, validate_config(raw))
-                summary = json.loads(summary_file.read_text())
-            else:
-                resume = (path / CHECKPOINT_FILE).is_file()
-                if path.exists() and not resume:
-                    shutil.rmtree(path)  # killed before its first checkpoint: nothing to keep
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with path.with_name(f"{path.name}.log").open("a", encoding="utf-8") as log:  # beside the folder
-                    summary = run_experiment(validate_config(raw), path, resume=resume, progress=False,
-                                             log=lambda line, log=log: print(line, file=log, flush=True)).summary
-            value = summary.get(objective)
-            if not isinstance(value, (int, float)) or not math.isfinite(value):
-                return {"error": f"the run has no finite '{objective}' in its summary"}
-            values.append(float(value))
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        with Path(log_file).open("a", encoding="utf-8") as log:
+            def say(line: str) -> None:
+                print(line, file=log, flush=True)
+
+            for raw, folder in zip(raw_configs, folders, strict=True):
+                summary = _seed_summary(validate_config(raw), Path(folder), say, notes)
+                value = summary.get(objective)
+                if not isinstance(value, (int, float)) or not math.isfinite(value):
+                    return {"error": f"the run has no finite '{objective}' in its summary"}
+                values.append(float(value))
+    except ResultsFolderError as error:
+        return {"interrupted": str(error)}
+    except OSError as error:  # (a file the run's own checks do not cover: its start's files, its log)
+        return {"interrupted": f"{f'{error.filename}: ' if error.filename else ''}{error.strerror or error}"}
     except DecentDPError as error:
         return {"error": str(error)}
-    return {"value": sum(values) / len(values)}
+    return {"value": sum(values) / len(values), **({"notes": notes} if notes else {})}
+
+
+def _seed_summary(config: Any, path: Path, say: Callable[[str], None], notes: list[str]) -> dict[str, Any]:
+    """The ``summary.json`` of a trial's run at one seed, in ``path``: read where the run finished, else run
+    (resumed from its checkpoint where there is one).  A file that cannot be read back (a damaged ``summary.json``
+    or checkpoint: a reviewer's finding, a traceback on every resume) is replaced by running again, from the
+    checkpoint or, where that is what is damaged, from the first round in the emptied folder; each such step is
+    added to ``notes``.  (Running again from the first round is what a damaged run's own message advises: the trial
+    folders are the operator's, and only the new run's results reach the sweep.)"""
+    from decentdp.experiment.loop import run_experiment
+
+    summary_file = path / SUMMARY_FILE
+    if summary_file.is_file():
+        _check_finished_is_this_trial(path, config)
+        summary = _read_summary(summary_file)
+        if isinstance(summary, dict):
+            return summary
+        notes.append(f"{summary_file} cannot be read ({summary}): its run "
+                     + ("goes on from its checkpoint to write it again" if (path / CHECKPOINT_FILE).is_file()
+                        else "has no checkpoint and starts again from its first round"))
+    resume = (path / CHECKPOINT_FILE).is_file()
+    if path.exists() and not resume:
+        shutil.rmtree(path)  # killed before its first checkpoint: nothing to keep
+    say(f"run {path} ({'resumed' if resume else 'started'})")
+    try:
+        return run_experiment(config, path, resume=resume, progress=False, log=say).summary
+    except ResultsFolderError as error:
+        if error.damaged is None:
+            raise
+        notes.append(f"{error.damaged} cannot be read back, so its run at {path} cannot continue from it: it starts "
+                     "again from its first round")
+        say(notes[-1])
+    shutil.rmtree(path)
+    return run_experiment(config, path, resume=False, progress=False, log=say).summary
+
+
+def _read_summary(file: Path) -> dict[str, Any] | str:
+    """A finished run's ``summary.json``, or why it cannot be read (a crash or a full disk mid-write, an edit)."""
+    try:
+        summary = json.loads(file.read_text(encoding="utf-8"))
+    except OSError as error:
+        return error.strerror or str(error)
+    except ValueError:  # (JSONDecodeError, UnicodeDecodeError)
+        return "it is not JSON"
+    return summary if isinstance(summary, dict) else "it holds no JSON object"
 
 
 def _check_finished_is_this_trial(path: Path, config: Any) -> None:
     """Refuse to take a finished folder's score for a trial it did not run (a helper's review: a folder left by
     another study would lend its score to this trial's values): its resolved config must be the trial's, up to
-    where it computed, logged or recorded."""
+    where it computed, logged or recorded.  The folder is at fault, not the trial, so the error is a
+    :class:`~decentdp.errors.ResultsFolderError`: the trial is queued again, and runs once the folder is moved."""
     from decentdp.config import PLACEMENT_FIELDS, RECORDING_FIELDS, config_differences, validate_config
 
     try:
         saved = validate_config(tomllib.loads((path / "config.toml").read_text(encoding="utf-8")))
     except (OSError, tomllib.TOMLDecodeError, DecentDPError):
-        raise DecentDPError(f"{path} holds a finished run whose config.toml cannot be read: it is not this "
-                            "trial's; move it aside") from None
+        raise ResultsFolderError("", f"{path} holds a finished run whose config.toml cannot be read: it is not this "
+                                     "trial's; move it aside") from None
     changed = [key for key in config_differences(saved, config) if key not in PLACEMENT_FIELDS + RECORDING_FIELDS]
     if changed:
-        raise DecentDPError(f"{path} holds a finished run of another config (it differs in {', '.join(changed)}): "
-                            "not this trial's; move it aside")
+        raise ResultsFolderError("", f"{path} holds a finished run of another config (it differs in "
+                                     f"{', '.join(changed)}): not this trial's; move it aside")
 
 
 def _nested(raw: dict[str, Any], tracking: tuple[Any, str] | None) -> dict[str, Any]:
@@ -883,6 +950,11 @@ class SweepRunner:
         """A trial's results folder (:func:`trial_folder_name`, under the sweep folder)."""
         return self.out / trial_folder_name(trial)
 
+    def trial_log(self, trial: Any) -> Path:
+        """Where a trial's runs write their lines, every seed's: ``trials/trial-NNNN.log``, beside its folder."""
+        folder = self.trial_folder(trial)
+        return folder.with_name(f"{folder.name}.log")
+
     def seed_folders(self, folder: Path) -> list[Path]:
         """A trial's results folder per seed."""
         seeds = self.sweep.section.seeds
@@ -915,6 +987,26 @@ class SweepRunner:
         self.study.tell(trial.number, state=self.optuna.trial.TrialState.FAIL)
         self.study.enqueue_trial(trial.params, user_attrs={"folder": trial_folder_name(trial), "interrupted": True})
 
+    def _stopped(self, trial: Any, reason: str) -> str:
+        """Record why ``trial`` could not go on (its results folder or its worker, not its input: ``reason``) and
+        queue it again, as :meth:`_queue_again` does; the line that the sweep's error gives for it."""
+        trial.set_user_attr("stopped", reason)
+        self._queue_again(trial)
+        return f"trial {trial.number} ({trial_folder_name(trial)}): {reason}"
+
+    def _worker_error(self, trial: Any, error: BaseException) -> str:
+        """Why a trial stopped on an error its worker did not expect (one that crossed the process pool: a bug, or
+        a failure no check names), with the traceback appended to the trial's log, which the reason names (a
+        reviewer's finding: a JSONDecodeError's traceback ended the sweep and left the trial running)."""
+        log = self.trial_log(trial)
+        try:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with log.open("a", encoding="utf-8") as handle:
+                handle.write("".join(traceback.format_exception(error)))
+        except OSError:
+            return f"{type(error).__name__}: {error} (unexpected, in its worker)"
+        return f"{type(error).__name__}: {error} (unexpected, in its worker; the traceback is in {log})"
+
     def _worker_killed(self, trials: list[Any], log: Callable[[str], None]) -> DecentDPError:
         """The error that ends a sweep whose process pool broke (a worker killed from outside, e.g. by the
         out-of-memory killer: a reviewer's BrokenProcessPool traceback); the ``trials`` that were running are
@@ -943,7 +1035,8 @@ class SweepRunner:
         """Run trials until ``trials`` are finished, ``workers`` at a time; the best trials, best first."""
         from tqdm.auto import tqdm
 
-        recovered = self.recover()
+        queued = len(self.study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.WAITING,)))
+        recovered = queued + self.recover()  # (those a stopped sweep queued again, and those a killed one left)
         done, total = self.finished(), self.total
         if done or recovered:
             log(f"resuming {self.out}: {done} of {total} trials finished, {recovered} interrupted trial(s) "
@@ -953,23 +1046,35 @@ class SweepRunner:
         bar = tqdm(total=total, initial=min(done, total), desc="trials", unit="trial", disable=not progress,
                    file=sys.stderr)
         running: dict[Future[dict[str, Any]], Any] = {}
+        stopped: list[str] = []  # trials that could not go on (queued again): the sweep stops once the others end
         context = get_context("spawn")  # fresh interpreters: no inherited torch threads or locks
         tracking = self._open_tracking()
         status = "FAILED"
         try:
             with ProcessPoolExecutor(max_workers=section.workers, mp_context=context) as pool:
-                while done + len(running) < total or running:
-                    while done + len(running) < total and len(running) < section.workers:
+                while (not stopped and done + len(running) < total) or running:
+                    while not stopped and done + len(running) < total and len(running) < section.workers:
                         trial = self.study.ask(self.distributions())
                         trial.set_user_attr("folder", trial_folder_name(trial))
                         folders = [str(path) for path in self.seed_folders(self.trial_folder(trial))]
                         configs = [_nested(self.sweep.trial_config(trial.params, s), tracking)
                                    for s in section.seeds]
-                        running[pool.submit(run_trial, configs, folders, section.objective, os.getpid())] = trial
+                        running[pool.submit(run_trial, configs, folders, str(self.trial_log(trial)),
+                                            section.objective, os.getpid())] = trial
                     finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
                     for future in finished:
-                        result = future.result()  # (raises BrokenProcessPool with the trial still in running)
+                        try:
+                            result = future.result()  # (BrokenProcessPool leaves the trial in running)
+                        except BrokenProcessPool:
+                            raise
+                        except Exception as error:  # noqa: BLE001  (any other: the trial is named, not left running)
+                            result = {"interrupted": self._worker_error(running[future], error)}
                         trial = running.pop(future)
+                        if "interrupted" in result:
+                            stopped.append(self._stopped(trial, result["interrupted"]))
+                            continue
+                        for note in result.get("notes", ()):
+                            log(f"trial {trial.number}: {note}")
                         if "error" in result:
                             trial.set_user_attr("error", result["error"])
                             self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
@@ -984,6 +1089,13 @@ class SweepRunner:
                         if best:
                             bar.set_postfix_str(f"best {score} {trial_score(self.sweep, best[0]):.4f} "
                                                 f"(trial {best[0].number})")
+            if stopped:
+                raise DecentDPError(
+                    f"the sweep in {self.out} stopped: {'a trial' if len(stopped) == 1 else f'{len(stopped)} trials'} "
+                    "could not go on:\n  " + "\n  ".join(stopped) + "\n"
+                    + ("it is" if len(stopped) == 1 else "they are") + " queued again, not failed: mend the cause "
+                    "(free space, move a folder aside; an unexpected error's traceback is in the trial's log) and run "
+                    "the same command to resume")
             status = "FINISHED"
         except BrokenProcessPool:
             raise self._worker_killed(list(running.values()), log) from None
