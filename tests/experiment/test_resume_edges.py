@@ -226,3 +226,106 @@ def test_a_lock_taken_on_a_lock_file_its_holder_just_removed_is_taken_again(tmp_
     held = record.os.fstat(results._lock.descriptor)
     assert (named.st_ino, swaps["left"]) == (held.st_ino, 0)
     results.close()
+
+
+class _WorkersWriting(Simulator):
+    """A simulator that is a :class:`ShardCheckpointWriter`: its ``write_shards`` stands in for Ray's workers, writing
+    one shard file into a new round folder of the results folder's ``shards/`` and returning the manifest naming it,
+    as :meth:`RaySimulator.write_shards` does before the driver writes ``checkpoint.pt``."""
+
+    def write_shards(self, results: Path, round_done: int) -> dict:
+        from decentdp.runtime.distributed.sharded import SHARD_STORE, shard_file, shard_manifest
+
+        directory = results / SHARD_STORE / f"round-{round_done:06d}-0badc0de"
+        directory.mkdir(parents=True)
+        (directory / shard_file(0, 1)).write_bytes(b"rows")
+        entry = {"file": shard_file(0, 1), "agents": [0, self.oracle.n_agents], "bytes": 4}
+        return shard_manifest(str(directory.relative_to(results)), self.oracle.n_agents, [entry])
+
+
+def _shards_written_by(monkeypatch: pytest.MonkeyPatch, kind: type[Simulator]) -> None:
+    """Runs built from now on run on a simulator of class ``kind`` (one that writes shard files)."""
+    from decentdp.experiment import loop
+
+    build = loop.build_experiment
+
+    def built(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        experiment = build(*args, **kwargs)
+        experiment.simulator.__class__ = kind
+        return experiment
+
+    monkeypatch.setattr(loop, "build_experiment", built)
+
+
+def _checkpoint_write_fails(monkeypatch: pytest.MonkeyPatch, error: BaseException, rounds: set[int]) -> None:
+    """``checkpoint.pt`` cannot be written (``error``) after the rounds ``rounds``; other files can."""
+    write = record.write_durably
+    round_of = {"done": 0}
+    checkpoint = record.ResultsFolder.checkpoint
+
+    def counted(self: record.ResultsFolder, experiment, round_done: int, *args) -> None:  # noqa: ANN001
+        round_of["done"] = round_done
+        checkpoint(self, experiment, round_done, *args)
+
+    def failing(path: Path, *args) -> None:  # noqa: ANN002
+        if path.name == "checkpoint.pt" and round_of["done"] in rounds:
+            raise error
+        write(path, *args)
+
+    monkeypatch.setattr(record.ResultsFolder, "checkpoint", counted)
+    monkeypatch.setattr(record, "write_durably", failing)
+
+
+def test_a_sharded_start_whose_first_checkpoint_failed_starts_again(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review: a Ray run's workers write the first checkpoint's shard files before the driver writes the
+    checkpoint.pt that names them; when that write failed (a full disk), the folder kept shards/, and the same
+    command was refused ("already holds files") while --resume was too ("no checkpoint").  The failed write now
+    removes the files nothing names, and the same command starts the run again."""
+    import errno
+
+    config = validate_config(tiny_config())
+    with monkeypatch.context() as patch:
+        _shards_written_by(patch, _WorkersWriting)
+        _checkpoint_write_fails(patch, OSError(errno.ENOSPC, "No space left on device"), {0})
+        with pytest.raises(ConfigError, match=r"cannot write the checkpoint of round 0 in .*run \(No space left on "
+                                              r"device\); no checkpoint was written: free space and start again"):
+            run_experiment(config, tmp_path / "run", **_quiet())
+    assert {path.name for path in (tmp_path / "run").iterdir()} == {"config.toml", "provenance.json", "setup.json"}
+    assert run_experiment(config, tmp_path / "run", **_quiet()).summary["finished"]
+
+
+def test_a_sharded_start_killed_before_its_first_checkpoint_starts_again(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed after the workers wrote the first checkpoint's shard files and before checkpoint.pt named them: the
+    folder holds shards/ beside the start's files, nothing to resume, and the same command starts the run again
+    (the round folders go; a file of the user's in shards/ stays)."""
+    config = validate_config(tiny_config())
+    with monkeypatch.context() as patch:
+        _shards_written_by(patch, _WorkersWriting)
+        _checkpoint_write_fails(patch, KeyboardInterrupt(), {0})
+        with pytest.raises(KeyboardInterrupt):
+            run_experiment(config, tmp_path / "run", **_quiet())
+    assert [path.name for path in (tmp_path / "run" / "shards").iterdir()] == ["round-000000-0badc0de"]
+    (tmp_path / "run" / "shards" / "notes.txt").write_text("mine")
+    assert run_experiment(config, tmp_path / "run", **_quiet()).summary["finished"]
+    assert [path.name for path in (tmp_path / "run" / "shards").iterdir()] == ["notes.txt"]
+
+
+def test_a_failed_sharded_checkpoint_keeps_the_previous_ones_files(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """checkpoint.pt of round 4 cannot be written (torch's RuntimeError for a full disk): round 4's shard files,
+    which nothing names, go; round 2's, which the kept checkpoint.pt names, stay."""
+    config = validate_config(tiny_config(experiment={"rounds": 6, "eval_every": 2}))
+    with monkeypatch.context() as patch:
+        _shards_written_by(patch, _WorkersWriting)
+        _checkpoint_write_fails(patch, RuntimeError("PytorchStreamWriter failed writing file data/0: file write "
+                                                    "failed"), {4})
+        with pytest.raises(ConfigError, match=r"cannot write the checkpoint of round 4 .*\(PytorchStreamWriter "
+                                              r"failed .*\); the previous checkpoint is kept"):
+            run_experiment(config, tmp_path / "run", **_quiet())
+    saved = record.read_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    assert saved["round"] == 2 and saved["shards"]["directory"] == "shards/round-000002-0badc0de"
+    kept = {path.name for path in (tmp_path / "run" / "shards").iterdir()}  # (the stand-in prunes no older ones)
+    assert "round-000002-0badc0de" in kept and "round-000004-0badc0de" not in kept
+

@@ -46,6 +46,7 @@ from decentdp.results.files import (
     provenance,
     strict_json,
     write_durably,
+    write_failure,
     write_json,
     write_jsonl,
     write_toml,
@@ -53,8 +54,10 @@ from decentdp.results.files import (
 from decentdp.rng import AgentKeys, SecureRandom
 from decentdp.runtime.distributed.sharded import (
     SHARD_CHECKPOINT_FORMAT,
+    SHARD_STORE,
     ShardCheckpointWriter,
     read_shard_checkpoints,
+    remove_round_folder,
     remove_shard_checkpoints,
 )
 
@@ -81,9 +84,11 @@ NOISE_SETUP_FIELDS = ("noise_multipliers", "sample_rates", "planned_releases")
 #: What a results folder holds when its run was killed before its first checkpoint (nothing to resume): such a
 #: folder may be started again (and these entries replaced).  The tracker opens before the first checkpoint, so its
 #: run file and log folder are among them; removing ``tracking.json`` lets the new start create a new MLflow run
-#: instead of continuing the killed one.
+#: instead of continuing the killed one.  So is the store of a Ray run's shard files (``shards``): its workers write
+#: the first checkpoint's rows there before ``checkpoint.pt`` names them, and a run killed in between leaves files
+#: that no checkpoint names (its round folders are removed; anything else in it stays).
 STARTED_ONLY = frozenset({CONFIG_FILE, PROVENANCE_FILE, SETUP_FILE, DIAGNOSTICS_FILE, TRACKING_FILE, TENSORBOARD_DIR,
-                          f".{CHECKPOINT_FILE}.tmp",
+                          SHARD_STORE, f".{CHECKPOINT_FILE}.tmp",
                           *(f".{name}.tmp" for name in (CONFIG_FILE, PROVENANCE_FILE, SETUP_FILE, DIAGNOSTICS_FILE,
                                                         TRACKING_FILE))})
 DIAGNOSTICS_WARNING = ("operator diagnostics computed from the raw private data, NOT differentially private: "
@@ -252,7 +257,9 @@ class ResultsFolder:
         self._acquire(created)
         for name in held:  # (under the lock) a start that never reached its first checkpoint: nothing to resume
             entry = self.path / name
-            if entry.is_dir() and not entry.is_symlink():
+            if name == SHARD_STORE and entry.is_dir() and not entry.is_symlink():
+                remove_shard_checkpoints(self.path)  # the shard files no checkpoint names (others there stay)
+            elif entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)  # (the TensorBoard logs of the killed start)
             else:
                 entry.unlink(missing_ok=True)
@@ -347,11 +354,21 @@ class ResultsFolder:
         rng.keys = AgentKeys.load(self.key_file)
         experiment.setup["data_fingerprint"] = experiment.dataset.fingerprint(rng.fingerprint_key())
 
+    def unwritten(self, round_done: int, where: Path, reason: str) -> ResultsFolderError:
+        """The one message of a checkpoint (after ``round_done`` rounds) that could not be written into ``where``
+        for ``reason`` (a full disk): what is kept, and how to go on."""
+        kept = "the previous checkpoint is kept: free space and continue with --resume" \
+            if (self.path / CHECKPOINT_FILE).is_file() else "no checkpoint was written: free space and start again"
+        return ResultsFolderError("--out", f"cannot write the checkpoint of round {round_done} in {where} ({reason}); "
+                                           f"{kept}")
+
     def checkpoint(self, experiment: Experiment, round_done: int, state: State, metrics: list[dict[str, Any]],
                    wall_seconds: float) -> None:
         """Everything a resume needs, written atomically, and the metrics so far.  An engine whose
         processes write their own shards (``engine.backend = "ray"``) has them write the state, ledger and
-        scheduler rows first; ``checkpoint.pt`` then names their files (``shards``) instead of holding them."""
+        scheduler rows first; ``checkpoint.pt`` then names their files (``shards``) instead of holding them.
+        A write that fails (a full disk) ends the run with one message (:meth:`unwritten`), leaving the previous
+        checkpoint as it was: the shard files of this one, which no ``checkpoint.pt`` names, are removed."""
         payload = {"round": round_done, "metrics": metrics,
                    "config": experiment.config.to_toml_dict(),
                    "key_file": None if self.key_file is None else str(self.key_file),
@@ -367,16 +384,16 @@ class ResultsFolder:
             if self.per_agent is not None:
                 payload["per_agent"] = self.per_agent
         tmp = self.path / f".{CHECKPOINT_FILE}.tmp"
+        named = False  # whether checkpoint.pt names this checkpoint's shard files
         try:
             write_durably(self.path / CHECKPOINT_FILE, lambda handle: torch.save(payload, handle))
+            named = True
             write_jsonl(self.path / METRICS_FILE, metrics)
         except (OSError, RuntimeError) as exc:  # torch reports a failed write (ENOSPC, EFBIG) as a RuntimeError
             tmp.unlink(missing_ok=True)
-            kept = "the previous checkpoint is kept: free space and continue with --resume" \
-                if (self.path / CHECKPOINT_FILE).is_file() else "no checkpoint was written: free space and start again"
-            reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0]
-            raise ResultsFolderError("--out", f"cannot write the checkpoint of round {round_done} in {self.path} "
-                                              f"({reason}); {kept}") from None
+            if "shards" in payload and not named:  # the workers' files of this checkpoint: nothing names them
+                remove_round_folder(self.path / payload["shards"]["directory"])
+            raise self.unwritten(round_done, self.path, write_failure(exc)) from None
         if "shards" not in payload:  # the state is in checkpoint.pt now: no manifest names a sharded run's files
             remove_shard_checkpoints(self.path)
 

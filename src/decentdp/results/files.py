@@ -53,6 +53,13 @@ def write_durably(path: Path, write: Callable[[BinaryIO], object], temporary: Pa
         os.close(directory)
 
 
+def write_failure(error: BaseException) -> str:
+    """Why a write failed, in a few words for a one-line message: the system's reason (``No space left on device``
+    for a full disk, ``File too large`` past a size limit), else the first line of the error (torch reports a failed
+    ``torch.save`` as a ``RuntimeError`` whose message carries no error number)."""
+    return getattr(error, "strerror", None) or (str(error).splitlines() or [type(error).__name__])[0]
+
+
 def write_atomic(path: Path, text: str | bytes) -> None:
     """Write ``text`` to ``path`` so that readers see the old file or the whole new one (:func:`write_durably`)."""
     write_durably(path, lambda handle: handle.write(text.encode() if isinstance(text, str) else text))

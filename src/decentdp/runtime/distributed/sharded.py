@@ -33,6 +33,7 @@ only float summation orders differ.  Ledgers are split and merged by :func:`spli
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import threading
@@ -535,6 +536,15 @@ class ShardCheckpointWriter(Protocol):
         """Have every shard write its part of the checkpoint after ``round_done`` under ``results`` and
         return the manifest entry (:func:`shard_manifest`) that names the complete files."""
         ...
+
+
+def remove_round_folder(folder: Path) -> None:
+    """Remove one checkpoint's folder of shard files, which no manifest names (its files could not all be
+    written, or the manifest naming them could not), and the :data:`SHARD_STORE` above it if nothing else is
+    left in it."""
+    shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(OSError):  # (not empty: the previous checkpoint's files, or files of the user's)
+        folder.parent.rmdir()
 
 
 def remove_shard_checkpoints(results: Path) -> None:
