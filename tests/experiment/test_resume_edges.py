@@ -329,3 +329,20 @@ def test_a_failed_sharded_checkpoint_keeps_the_previous_ones_files(tmp_path: Pat
     kept = {path.name for path in (tmp_path / "run" / "shards").iterdir()}  # (the stand-in prunes no older ones)
     assert "round-000002-0badc0de" in kept and "round-000004-0badc0de" not in kept
 
+
+def test_shard_files_that_cannot_be_written_are_one_message_naming_them(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review: a full disk while Ray's workers wrote their shard files ended the run with a RuntimeError and the
+    worker's traceback, since write_shards ran outside the code that turns a failed write into the one message.
+    The workers' failed write (a ShardWriteError naming the folder) is that message now, naming the shard folder."""
+    from decentdp.runtime.distributed.sharded import ShardWriteError
+
+    class DiskFull(Simulator):
+        def write_shards(self, results: Path, round_done: int) -> dict:
+            raise ShardWriteError(str(results / "shards" / "round-000000-0badc0de"), "No space left on device", 0)
+
+    _shards_written_by(monkeypatch, DiskFull)
+    with pytest.raises(ConfigError, match=r"^--out: cannot write the checkpoint of round 0 in .*run/shards/"
+                                          r"round-000000-0badc0de \(No space left on device\); no checkpoint was "
+                                          r"written: free space and start again$"):
+        run_experiment(validate_config(tiny_config()), tmp_path / "run", **_quiet())

@@ -377,6 +377,42 @@ def test_the_workers_checkpoint_survives_a_kill_and_resumes_on_four(local_ray, t
     torch.testing.assert_close(resumed.state["params"], whole.state["params"], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize(("failed_round", "blocked_at"), [(0, 0), (4, 3)])
+def test_a_shard_file_that_cannot_be_written_ends_the_run_with_one_message(local_ray, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          failed_round: int, blocked_at: int) -> None:
+    """A review: a full disk while the workers wrote their shard files ended the run with a RuntimeError and the
+    worker's traceback.  Worker 1 cannot write its file of round ``failed_round``'s checkpoint (a folder stands
+    where its temporary file goes, made when round ``blocked_at`` is logged, after the checkpoint before it, which
+    removes older folders): round 0's is written when the driver
+    checkpoints (``write_shards``), round 4's as the workers' snapshot within the rounds.  The run ends with the
+    checkpoint's one message naming the shard folder, which is removed (worker 0's file with it), and the run goes
+    on: started again by the same command, or resumed from the round-2 checkpoint."""
+    from types import SimpleNamespace
+
+    from decentdp.runtime.distributed import ray_backend
+
+    monkeypatch.setattr(ray_backend, "secrets", SimpleNamespace(token_hex=lambda size: "0badc0de"))
+    folder = tmp_path / "run"
+    shards = folder / "shards" / f"round-{failed_round:06d}-0badc0de"
+
+    def block(line: str) -> None:  # the runner logs each evaluation before the round's shard files are written
+        if line.startswith(f"round {blocked_at:>5}/"):
+            (shards / ".shard-0001-of-0002.pt.tmp").mkdir(parents=True)
+
+    config = _demo("experiment.rounds=6", "experiment.eval_every=1", "experiment.checkpoint_every=2",
+                   "engine.backend=ray", "engine.workers=2", "privacy.accountant=rdp")
+    with pytest.raises(ConfigError) as error:
+        run_experiment(config, folder, progress=False, log=block)
+    kept = "the previous checkpoint is kept: free space and continue with --resume" if failed_round else \
+        "no checkpoint was written: free space and start again"
+    assert str(error.value) == f"--out: cannot write the checkpoint of round {failed_round} in {shards} (Is a " \
+                               f"directory); {kept}"
+    assert not getattr(error.value, "__notes__", None) and not shards.exists()
+    resumed = run_experiment(config, folder, resume=bool(failed_round), **QUIET)
+    assert resumed.summary["finished"] and resumed.summary["rounds"] == 6
+
+
 def test_an_unreachable_address_is_a_config_error(local_ray, tmp_path: Path) -> None:
     config = _demo("engine.backend=ray", "engine.address=127.0.0.1:1", "experiment.rounds=2",
                    "privacy.accountant=rdp")  # port 1 of this machine: nothing listens there

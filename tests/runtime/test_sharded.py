@@ -29,6 +29,7 @@ from decentdp.runtime.distributed.sharded import (
     LocalTransport,
     Mailbox,
     ShardNetwork,
+    ShardWriteError,
     agent_rows,
     make_shard,
     merge_ledgers,
@@ -498,6 +499,41 @@ def test_augmented_copies_are_sharded_with_the_agents() -> None:
                                        lambda done, current: True)
     merged, _, _ = _run_shards(experiment, 2, rounds)
     torch.testing.assert_close(merged["params"], expected["params"], rtol=0, atol=1e-5)
+
+
+def test_a_shard_file_that_cannot_be_written_is_an_error_naming_its_folder(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review: a worker whose shard file could not be written (a full disk) raised torch's RuntimeError, which
+    reached the user as a traceback.  It is a ShardWriteError naming the checkpoint's folder and the system's
+    reason, the one failure the runner turns into its message about the checkpoint: a folder that cannot be
+    created, an OSError of the write, torch's RuntimeError for one."""
+    import errno
+
+    from decentdp.runtime.distributed import sharded
+
+    _, experiment = _config("dp-dsgt", 1)
+    bounds = shard_bounds(experiment.data.n_agents, 2)
+    shard = make_shard(_copy(experiment.simulator), bounds, 0, LocalTransport(0, [Mailbox(60), Mailbox(60)]))
+    initial = experiment.initial_state()
+    per_agent = per_agent_keys(initial, experiment.data.n_agents)
+    rows = shard_state(initial, per_agent, shard.rows)
+    (tmp_path / "shards").write_text("a file where the store should be")
+    with pytest.raises(ShardWriteError) as error:
+        write_shard_checkpoint(tmp_path / "shards" / "round-000000-0a1b2c3d", shard, rows, per_agent)
+    assert (error.value.directory, error.value.reason) == (str(tmp_path / "shards" / "round-000000-0a1b2c3d"),
+                                                           "Not a directory")
+    write = sharded.write_durably
+    for failure, reason in ((OSError(errno.ENOSPC, "No space left on device"), "No space left on device"),
+                            (RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed\nat"),
+                             "PytorchStreamWriter failed writing file data/0: file write failed")):
+        def failing(path: Path, *args, failure: Exception = failure) -> None:  # noqa: ANN002
+            write(path, *args)  # (a part written: the folder is the driver's to remove)
+            raise failure
+
+        monkeypatch.setattr(sharded, "write_durably", failing)
+        with pytest.raises(ShardWriteError, match=rf"^cannot write the checkpoint into .*round \({reason}\)$"):
+            write_shard_checkpoint(tmp_path / "round", shard, rows, per_agent)
+    assert pickle.loads(pickle.dumps(ShardWriteError("a", "b", 4))).round_index == 4  # (Ray sends it back)
 
 
 def test_removing_shard_checkpoints_touches_only_the_round_folders_written(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from decentdp.privacy.report import AlgorithmPrivacy
 from decentdp.results.files import epsilon_json, epsilon_text
 from decentdp.rng import SIMULATION_NOTICE
 from decentdp.runtime.averaging import AVERAGE, evaluated_parameters
+from decentdp.runtime.distributed.sharded import ShardWriteError
 from decentdp.util.allocator import retain_freed_memory
 from decentdp.util.profiling import NO_TIMER, PhaseTimer, TimedNetwork, format_report, operator_table
 from decentdp.util.threads import ThreadChoice, apply_threads
@@ -211,13 +212,17 @@ def _train(experiment: Experiment, folder: ResultsFolder | None, checkpoint: dic
             save(done, current)
         return done < last
 
-    if checkpoint is None:
-        state = experiment.simulator.setup(state)  # the setup phase's releases come before round 0
-        evaluate(0, state)  # curves start where training starts
-        save(0, state)  # resumable from the very start
     try:
+        if checkpoint is None:
+            state = experiment.simulator.setup(state)  # the setup phase's releases come before round 0
+            evaluate(0, state)  # curves start where training starts
+            save(0, state)  # resumable from the very start
         if start < last:
             state = experiment.simulator.run(state, start, rounds, after_round)
+    except ShardWriteError as error:  # Ray workers that could not write a checkpoint round's rows (a full disk)
+        if folder is None:
+            raise  # (its own one-line message: the workers' temporary folder)
+        raise folder.unwritten(error.round_index, Path(error.directory), error.reason) from None
     finally:
         if operators is not None:
             operators.stop()

@@ -56,6 +56,7 @@ from decentdp.runtime.distributed.sharded import (
     SHARD_CHECKPOINT_FORMAT,
     SHARD_STORE,
     ShardCheckpointWriter,
+    ShardWriteError,
     read_shard_checkpoints,
     remove_round_folder,
     remove_shard_checkpoints,
@@ -354,13 +355,14 @@ class ResultsFolder:
         rng.keys = AgentKeys.load(self.key_file)
         experiment.setup["data_fingerprint"] = experiment.dataset.fingerprint(rng.fingerprint_key())
 
-    def unwritten(self, round_done: int, where: Path, reason: str) -> ResultsFolderError:
-        """The one message of a checkpoint (after ``round_done`` rounds) that could not be written into ``where``
-        for ``reason`` (a full disk): what is kept, and how to go on."""
+    def unwritten(self, round_done: int | None, where: Path, reason: str) -> ResultsFolderError:
+        """The one message of a checkpoint (after ``round_done`` rounds, where known) that could not be written
+        into ``where`` (the results folder, or the folder of a Ray run's shard files) for ``reason`` (a full
+        disk): what is kept, and how to go on."""
         kept = "the previous checkpoint is kept: free space and continue with --resume" \
             if (self.path / CHECKPOINT_FILE).is_file() else "no checkpoint was written: free space and start again"
-        return ResultsFolderError("--out", f"cannot write the checkpoint of round {round_done} in {where} ({reason}); "
-                                           f"{kept}")
+        which = "a checkpoint" if round_done is None else f"the checkpoint of round {round_done}"
+        return ResultsFolderError("--out", f"cannot write {which} in {where} ({reason}); {kept}")
 
     def checkpoint(self, experiment: Experiment, round_done: int, state: State, metrics: list[dict[str, Any]],
                    wall_seconds: float) -> None:
@@ -377,7 +379,10 @@ class ResultsFolder:
                    "wall_seconds": wall_seconds, "device": str(experiment.device),
                    "threads": torch.get_num_threads()}  # (a resume that sets none computes with these)
         if isinstance(experiment.simulator, ShardCheckpointWriter):
-            payload["shards"] = experiment.simulator.write_shards(self.path, round_done)
+            try:  # (only a failed write of the workers' files: a lost worker's error is not a full disk's)
+                payload["shards"] = experiment.simulator.write_shards(self.path, round_done)
+            except ShardWriteError as error:  # (its folder is removed: the workers had not all written it)
+                raise self.unwritten(round_done, Path(error.directory), error.reason) from None
         else:
             payload |= {"state": dict(state), "scheduler": experiment.simulator.scheduler.state_dict(),
                         "ledger": experiment.ledger.state_dict()}

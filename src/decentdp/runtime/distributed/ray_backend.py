@@ -15,7 +15,9 @@ Checkpoints are written by the workers: at each checkpoint round every worker wr
 rows, ledger rows, scheduler) to ``shards/round-K-TOKEN/`` of the results folder (a temporary folder when
 the run has none), each file renamed into place once complete; the runner's ``checkpoint.pt`` is then
 only a manifest naming those files, written atomically by the driver after every worker has finished
-(:meth:`RaySimulator.write_shards`).  A resume reads the files of any split, on any number of workers
+(:meth:`RaySimulator.write_shards`).  A worker that cannot write its file (a full disk) ends the run with a
+:class:`~decentdp.runtime.distributed.sharded.ShardWriteError` naming the round and its folder, which is
+removed; the runner says it in one line.  A resume reads the files of any split, on any number of workers
 or in the simulator (:func:`~decentdp.runtime.distributed.sharded.read_shard_checkpoints`).
 
 Faults: when a worker process dies, every worker is replaced, each new worker reads its rows of the
@@ -54,11 +56,13 @@ from decentdp.runtime.distributed.sharded import (
     ROUND_FOLDER,
     SHARD_STORE,
     Payload,
+    ShardWriteError,
     make_shard,
     merge_ledgers,
     payload_bytes,
     per_agent_keys,
     read_shard_checkpoints,
+    remove_round_folder,
     shard_bounds,
     shard_manifest,
     shard_state,
@@ -686,11 +690,18 @@ class RaySimulator:
 
     def _take_snapshot(self, round_index: int) -> _Snapshot:
         """Every worker writes its shard of the state after ``round_index`` into the store; once all have,
-        it is what a lost worker restarts from, and the store keeps it and the results folder's only."""
+        it is what a lost worker restarts from, and the store keeps it and the results folder's only.  A worker
+        that cannot write its file (a full disk) ends the run (the workers stopped) with a :class:`ShardWriteError`
+        naming the round, and the round's folder, which no manifest names, is removed."""
         directory = self._store / f"round-{round_index:06d}-{secrets.token_hex(4)}"
-        files = self._surviving(round_index, lambda: [worker.write_checkpoint.remote(str(directory), self._per_agent)
-                                                      for worker in self.workers],
-                                f"the checkpoint after {round_index} rounds")
+        try:
+            files = self._surviving(round_index, lambda: [worker.write_checkpoint.remote(str(directory),
+                                                                                         self._per_agent)
+                                                          for worker in self.workers],
+                                    f"the checkpoint after {round_index} rounds")
+        except ShardWriteError as error:  # (the workers are stopped: none writes into the folder any more)
+            remove_round_folder(directory)
+            raise ShardWriteError(error.directory, error.reason, round_index) from None
         self._snapshot = _Snapshot(round_index, directory, files)
         self._prune({directory, self._committed})
         return self._snapshot
@@ -708,7 +719,8 @@ class RaySimulator:
         shards under ``results/shards/`` (unless this round's are there already: the snapshot of a
         checkpoint round), and the manifest entry naming them is returned, for the runner to write
         atomically once every file is complete.  The folders of this and the previous manifest are kept
-        (the previous until the new manifest replaces it), older ones removed."""
+        (the previous until the new manifest replaces it), older ones removed.  A worker's failed write is a
+        :class:`ShardWriteError` (:meth:`_take_snapshot`)."""
         store = Path(results) / SHARD_STORE
         snapshot = self._snapshot
         if store != self._store or snapshot is None or snapshot.round_index != round_done:

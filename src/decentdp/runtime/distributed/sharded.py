@@ -46,12 +46,13 @@ import numpy as np
 import torch
 
 from decentdp.algorithms.base import RoundPlan, State, ragged_rows_key
+from decentdp.errors import DecentDPError
 from decentdp.privacy.events import EventTable
 from decentdp.privacy.ledger import PrivacyLedger
 from decentdp.privacy.mechanisms import Mechanism, NoiseDraw
 from decentdp.privacy.oracle import DataOracle
 from decentdp.privacy.sampling import AgentData, CyclicSampler, PoissonSampler
-from decentdp.results.files import write_durably
+from decentdp.results.files import write_durably, write_failure
 from decentdp.rng import AgentRandom
 from decentdp.runtime.network import GraphSequence, SimulatedNetwork
 from decentdp.runtime.scheduler import Scheduler
@@ -534,8 +535,26 @@ class ShardCheckpointWriter(Protocol):
 
     def write_shards(self, results: Path, round_done: int) -> dict[str, Any]:
         """Have every shard write its part of the checkpoint after ``round_done`` under ``results`` and
-        return the manifest entry (:func:`shard_manifest`) that names the complete files."""
+        return the manifest entry (:func:`shard_manifest`) that names the complete files; a shard that cannot
+        write its file raises :class:`ShardWriteError` (the round's folder removed)."""
         ...
+
+
+class ShardWriteError(DecentDPError):
+    """A shard's part of a checkpoint that could not be written (a full disk, a file size limit, a folder that
+    cannot be created), raised by the worker that wrote it: ``directory`` is the checkpoint's folder of shard
+    files, ``reason`` the system's (:func:`~decentdp.results.files.write_failure`), and ``round_index`` the
+    checkpoint's round once the driver knows it.  The runner turns it into its one message about the checkpoint
+    (``--out``), instead of the worker's traceback; any other error of the workers (a lost worker among them) is
+    not one."""
+
+    def __init__(self, directory: str, reason: str, round_index: int | None = None) -> None:
+        super().__init__(directory, reason, round_index)  # (all three in args: Ray sends the error back pickled)
+        self.directory, self.reason, self.round_index = directory, reason, round_index
+
+    def __str__(self) -> str:
+        after = "" if self.round_index is None else f" after round {self.round_index}"
+        return f"cannot write the checkpoint{after} into {self.directory} ({self.reason})"
 
 
 def remove_round_folder(folder: Path) -> None:
@@ -570,14 +589,18 @@ def write_shard_checkpoint(directory: Path, shard: Shard, state: State, per_agen
     """Shard ``shard``'s part of a checkpoint: its rows of every per-agent state entry (and a copy of the
     replicated ones), its ledger rows and its scheduler's state (the pairing's position; every other draw
     is keyed by round), written to a temporary name and renamed, so that a file under its final name is
-    always complete.  Returns the file's manifest entry."""
-    directory.mkdir(parents=True, exist_ok=True)
+    always complete.  Returns the file's manifest entry; a write that fails (a full disk: ``OSError``, or the
+    ``RuntimeError`` torch raises for it) is a :class:`ShardWriteError` naming ``directory``."""
     lo, hi = shard.rows.start, shard.rows.stop
     path = directory / shard_file(shard.index, len(shard.bounds) - 1)
     payload = {"agents": [lo, hi], "per_agent": sorted(per_agent),
                "state": {key: value.detach().cpu() for key, value in state.items()},
                "ledger": shard.ledger.state_dict(), "scheduler": shard.simulator.scheduler.state_dict()}
-    write_durably(path, lambda handle: torch.save(payload, handle))
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        write_durably(path, lambda handle: torch.save(payload, handle))
+    except (OSError, RuntimeError) as error:
+        raise ShardWriteError(str(directory), write_failure(error)) from None
     return {"file": path.name, "agents": [lo, hi], "bytes": path.stat().st_size}
 
 
