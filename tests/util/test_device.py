@@ -167,6 +167,30 @@ def test_a_checkpoint_resumes_only_on_its_kind_of_device(tmp_path: Path) -> None
     assert run_experiment(config, tmp_path / "run", progress=False, resume=True).summary["finished"]
 
 
+def test_a_cuda_checkpoint_resumed_on_ray_is_told_the_simulator_and_refused_before_ray_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review: a simulation-mode checkpoint written on CUDA, resumed with engine.backend = 'ray', was told to add
+    --set engine.device=cuda, which the config refuses with Ray (its workers are given no GPU), and only after Ray
+    had started.  The message says the run can only continue on the simulator backend with CUDA, naming
+    engine.backend, and comes before Ray starts."""
+    from decentdp.runtime.distributed import ray_backend
+
+    def ray_started(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("Ray was started for a resume the device check refuses")
+
+    monkeypatch.setattr(ray_backend, "distribute", ray_started)
+    config = validate_config(tiny_config(privacy={"epsilon": "inf"}, engine={"device": "cpu"}))
+    run_experiment(config, tmp_path / "run", progress=False, stop_after=2)
+    checkpoint = tmp_path / "run" / "checkpoint.pt"
+    torch.save({**torch.load(checkpoint, weights_only=True), "device": "cuda:0"}, checkpoint)  # (a GPU machine's)
+    on_ray = validate_config(tiny_config(privacy={"epsilon": "inf"}, engine={"backend": "ray", "workers": 2}))
+    with pytest.raises(ConfigError, match=r"written on cuda and Ray's workers compute on the CPU: .*can only continue "
+                                          r"on the simulator backend with cuda: resume with --set "
+                                          r"engine.backend=simulator --set engine.device=cuda$") as error:
+        run_experiment(on_ray, tmp_path / "run", progress=False, resume=True)
+    assert error.value.field == "engine.backend"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: host synchronisation is a CUDA matter")
 def test_sampling_ahead_and_mixing_never_wait_for_the_device() -> None:
     """torch's sync debug mode raises on any operation that waits for the device: after the first batch

@@ -58,13 +58,21 @@ def _restore(experiment: Experiment, checkpoint: dict[str, Any]) -> None:
 def _check_device(experiment: Experiment, checkpoint: dict[str, Any]) -> None:
     """A simulation-mode run resumes on the kind of device it ran on: CPU and CUDA generators draw
     different numbers for one key, so rounds replayed after the checkpoint would release new noise on
-    batches an interrupted run may already have released (secure-mode draws do not depend on the device)."""
+    batches an interrupted run may already have released (secure-mode draws do not depend on the device).
+    Checked before Ray starts: its workers compute on the CPU only, so a run written on CUDA can only continue
+    on the simulator backend (``engine.device`` cannot name CUDA with Ray)."""
     saved = torch.device(checkpoint.get("device", "cpu"))  # checkpoints before engine.device ran on the CPU
-    if saved.type != experiment.device.type and not experiment.oracle.rng.secure:
-        raise ConfigError("engine.device", f"the checkpoint was written on {saved.type} and this run would go on "
-                                           f"on {experiment.device.type}: their random streams differ, so rounds "
-                                           "replayed after the checkpoint would draw new noise; resume with --set "
-                                           f"engine.device={saved.type}")
+    if saved.type == experiment.device.type or experiment.oracle.rng.secure:
+        return
+    streams = "their random streams differ, so rounds replayed after the checkpoint would draw new noise"
+    if experiment.config.engine.backend == "ray":
+        raise ConfigError("engine.backend", f"the checkpoint was written on {saved.type} and Ray's workers compute "
+                                            f"on the CPU: {streams}; this run can only continue on the simulator "
+                                            f"backend with {saved.type}: resume with --set engine.backend=simulator "
+                                            f"--set engine.device={saved.type}")
+    raise ConfigError("engine.device", f"the checkpoint was written on {saved.type} and this run would go on "
+                                       f"on {experiment.device.type}: {streams}; resume with --set "
+                                       f"engine.device={saved.type}")
 
 
 def run_experiment(config: ExperimentConfig | str | Path, out_dir: str | Path | None = None, *,
@@ -114,6 +122,8 @@ def _run(config: ExperimentConfig, folder: ResultsFolder | None, data_dir: str |
         threads = replace(apply_threads(checkpoint["threads"]), source="as the run before its checkpoint")
     elif not threads.explicit:
         threads = apply_threads(config.engine.threads, round_flops=experiment.round_flops)
+    if checkpoint is not None:
+        _check_device(experiment, checkpoint)  # (before Ray starts: a resume it cannot continue is refused at once)
     if config.engine.backend == "ray":  # agents sharded over Ray worker processes (the optional `ray` extra)
         from decentdp.runtime.distributed.ray_backend import distribute
         experiment.simulator = distribute(experiment.simulator, config.engine, config.experiment.checkpoint_interval,
@@ -143,7 +153,6 @@ def _train(experiment: Experiment, folder: ResultsFolder | None, checkpoint: dic
     metrics: list[dict[str, Any]] = []
     start, elapsed = 0, 0.0
     if checkpoint is not None:
-        _check_device(experiment, checkpoint)
         state = {key: value.to(experiment.device) for key, value in checkpoint["state"].items()}
         start, elapsed = checkpoint["round"], checkpoint["wall_seconds"]
         metrics = checkpoint["metrics"]
