@@ -1,6 +1,7 @@
 """Resume edge cases from a review of the run loop: a start killed before its first checkpoint, a kill between
-the checkpoint and metrics.jsonl, a failed checkpoint write, a resume naming the device it ran on, and a resume
-whose setup.json cannot be read."""
+the checkpoint and metrics.jsonl, a failed checkpoint write, a resume naming the device it ran on, a resume
+whose setup.json cannot be read, one whose stored config no longer validates, and a Ray run's shard files around a
+failed or killed checkpoint (the workers stood in for by a simulator that writes shard files)."""
 
 from __future__ import annotations
 
@@ -116,6 +117,25 @@ def test_a_resume_with_an_unreadable_setup_file_is_refused_naming_it(tmp_path: P
     assert not run_experiment(config, tmp_path / "run", resume=True, stop_after=3, **_quiet()).summary["finished"]
     setup_file.unlink()  # older still: no setup.json at all
     assert run_experiment(config, tmp_path / "run", resume=True, **_quiet()).summary["finished"]
+
+
+def test_a_stored_config_that_no_longer_validates_is_named_as_the_checkpoints(tmp_path: Path) -> None:
+    """A review: when the config stored in checkpoint.pt no longer validated (a key an older version wrote), the
+    resume named that key as if it were in the user's config, which does not have it.  The message says the key is
+    in checkpoint.pt's stored config, naming the file."""
+    import torch
+
+    config = validate_config(tiny_config())
+    run_experiment(config, tmp_path / "run", stop_after=2, **_quiet())
+    checkpoint = tmp_path / "run" / "checkpoint.pt"
+    saved = torch.load(checkpoint, weights_only=True)
+    saved["config"]["algorithm"]["retired_option"] = 1  # (as a version with that option would have written it)
+    torch.save(saved, checkpoint)
+    with pytest.raises(ConfigError, match=rf"^--resume: the config stored in {checkpoint} .* does not validate .*"
+                                          r"The keys named are in that stored config, not in yours:\n  "
+                                          r"algorithm.retired_option: unknown key") as error:
+        run_experiment(config, tmp_path / "run", resume=True, **_quiet())
+    assert error.value.field == "--resume"
 
 
 def test_an_epsilon_shown_to_people_is_rounded_up() -> None:

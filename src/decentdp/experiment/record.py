@@ -119,6 +119,20 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return saved
 
 
+def _stored_config(path: Path, saved: dict[str, Any]) -> ExperimentConfig:
+    """The config a checkpoint ``path`` (read as ``saved``) was made with, validated; one that no longer validates
+    (written by a version of decentdp with other keys or checks) is refused saying that the keys named are in the
+    checkpoint's stored config, not in the user's, where they would be looked for in vain."""
+    try:
+        return validate_config(saved["config"])
+    except ConfigError as error:
+        problems = str(error).partition("\n")[2] or f"  {error}"  # (its lines after "invalid configuration:")
+        raise ConfigError("--resume", f"the config stored in {path} (the run's, as it started) does not validate "
+                                      "with this version of decentdp: resume with the version that wrote the "
+                                      "checkpoint, or start the run again in an empty folder.  The keys named are "
+                                      f"in that stored config, not in yours:\n{problems}") from None
+
+
 def _merged_shards(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """The whole run's state, ledger and scheduler from the shard files a checkpoint's manifest names."""
     if manifest.get("format") != SHARD_CHECKPOINT_FORMAT:
@@ -225,7 +239,7 @@ class ResultsFolder:
             self.per_agent = saved.get("per_agent")
             # Where it runs and how often it records may change (other ray workers, fewer evaluations), not what
             # it computes.
-            changed = [key for key in config_differences(validate_config(saved["config"]), config)
+            changed = [key for key in config_differences(_stored_config(checkpoint, saved), config)
                        if key not in PLACEMENT_FIELDS + RECORDING_FIELDS]
             if changed == ["experiment.rounds"] and saved["round"] == saved["config"]["experiment"]["rounds"]:
                 raise ConfigError("--resume", f"this run finished its {saved['round']} rounds and cannot be extended: "
