@@ -335,6 +335,15 @@ def test_central_training_pools_all_data_into_one_agent() -> None:
     np.testing.assert_array_equal(experiment.histograms.sum(0), np.bincount(experiment.dataset.y_train.numpy()))
 
 
+def test_a_pooled_run_with_a_redrawn_graph_keeps_its_one_agent_network() -> None:
+    """A review: central-dpsgd with ``topology.redraw_every`` (accepted and said to change nothing) got networks of
+    the N agents it replaces from the first redraw on, while its run has one agent.  Its one-agent network stays."""
+    experiment = build_experiment(validate_config(tiny_config(
+        algorithm={"name": "central-dpsgd"}, topology={"graph": "erdos-renyi", "agents": 4, "p": 0.6,
+                                                       "redraw_every": 2})))
+    assert [experiment.graphs.at(k).n_agents for k in range(6)] == [1] * 6
+
+
 def _tiny_experiment(name: str, device: torch.device):
     """The tiny config run by ``name``; non-private (epsilon = inf) where the algorithm adds no noise and says so."""
     try:

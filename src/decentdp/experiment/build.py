@@ -204,10 +204,12 @@ def _augmentation(config: ExperimentConfig, data: AgentData) -> Augmentation | N
 
 
 def _graphs(config: ExperimentConfig, first: Topology, device: torch.device) -> GraphSequence:
-    """The run's network, fixed or redrawn every ``topology.redraw_every`` rounds from a seed per epoch."""
+    """The run's network, fixed or redrawn every ``topology.redraw_every`` rounds from a seed per epoch.  An
+    algorithm that pools every agent's data into one (``pools_data``) keeps its one-agent network: ``[topology]``
+    describes the agents it replaces, and a redrawn graph of theirs would not be its run's."""
     topo = config.topology
     network = SimulatedNetwork(first, device=device)
-    if not topo.redraw_every:
+    if not topo.redraw_every or config.pools_data:
         return GraphSequence(network)
 
     def build(epoch: int) -> SimulatedNetwork:
