@@ -9,7 +9,9 @@ offline agents, sampled users and agents that sleep between wake-ups spend nothi
   still unpaired neighbours, and a request is always accepted (TOP-DP's Algorithm 2).  Unpaired
   online agents are active alone.  A round never deadlocks: it is one greedy pass.
 * ``poisson-clocks``: every agent has a rate-1 Poisson clock; a round is one tick, at which the
-  agent whose clock rings wakes alone (Bellet et al. 2018): uniformly at random for equal rates.
+  agent whose clock rings wakes alone (Bellet et al. 2018): uniformly at random for equal rates.  No
+  registered algorithm runs under it yet (a network run with it is refused by the config); Bellet et
+  al.'s ``[personalized]`` runs draw the same wake-ups themselves (:mod:`decentdp.personalized.schedule`).
 * ``sampled``: each online agent takes part with probability ``participation`` (UDP's sampled users).
 
 With ``offline_probability`` p, each agent is independently offline with probability p in each
