@@ -35,7 +35,8 @@ def test_a_start_killed_before_its_first_checkpoint_may_start_again(tmp_path: Pa
         patch.setattr(Simulator, "setup", killed)
         with pytest.raises(KeyboardInterrupt):
             run_experiment(config, tmp_path / "run", **_quiet())
-    assert {p.name for p in (tmp_path / "run").iterdir()} == {"config.toml", "provenance.json", "setup.json"}
+    assert {p.name for p in (tmp_path / "run").iterdir()} == {".started", "config.toml", "provenance.json",
+                                                             "setup.json"}
     assert run_experiment(config, tmp_path / "run", **_quiet()).summary["finished"]
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")

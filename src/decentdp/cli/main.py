@@ -16,6 +16,7 @@ import inspect
 import json
 import math
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -202,10 +203,17 @@ def _run(args: argparse.Namespace) -> int:
     from decentdp.config import load_config
 
     config = load_config(args.config, with_threads(args.overrides, args.threads))
+    if args.resume and not args.out:
+        raise ConfigError("--resume", "needs --out: the results folder of the run to continue")
+    if args.out and not args.resume:
+        from decentdp.experiment.record import refuse_config_inside
+
+        refuse_config_inside(args.config, Path(args.out))
     if args.dry_run:
         import tomli_w
 
         _draw_first_graph(config)
+        _check_start(config, Path(args.out) if args.out else None, args.resume)
         for notice in config.notices:  # what a run would say of the config at its start (stdout stays TOML)
             print(f"warning: {notice}", file=sys.stderr)
         sys.stdout.write(tomli_w.dumps(config.to_toml_dict()))
@@ -213,10 +221,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from decentdp.experiment.loop import run_experiment, summary_line
 
-    if args.out:
-        out = Path(args.out)
-    else:
-        out = Path("results") / f"{config.experiment.name}-{datetime.now():%Y%m%d-%H%M%S}"
+    out = Path(args.out) if args.out else Path("results") / f"{config.experiment.name}-{datetime.now():%Y%m%d-%H%M%S}"
     try:
         with _sigterm_interrupts():
             result = run_experiment(config, out, data_dir=args.data_dir, resume=args.resume,
@@ -225,10 +230,8 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as stop:
         stopped = "terminated (SIGTERM)" if isinstance(stop, _Terminated) else "interrupted"
         if (out / CHECKPOINT_FILE).is_file():
-            data = f" --data-dir {args.data_dir}" if args.data_dir else ""
-            print(f"decentdp: {stopped}; continue with: decentdp run {args.config} --resume --out {out}{data} "
-                  "(and the same --set options; with no --threads it computes on as many threads as before)",
-                  file=sys.stderr)
+            print(f"decentdp: {stopped}; continue with: {_resume_command(args, out)} (with no --threads it "
+                  "computes on as many threads as before)", file=sys.stderr)
         else:
             print(f"decentdp: {stopped} before the first checkpoint was written; nothing to resume, start the "
                   "run again", file=sys.stderr)
@@ -249,6 +252,37 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(summary_line(summary))
     return 0
+
+
+def _resume_command(args: argparse.Namespace, out: Path) -> str:
+    """The command that continues the run ``args`` started in ``out``, quoted for a POSIX shell so that it can be
+    pasted back as it is: the same config, ``--set`` options, ``--threads`` and ``--data-dir`` as given."""
+    words = ["decentdp", "run", args.config]
+    for override in args.overrides:
+        words += ["--set", override]
+    if args.threads is not None:
+        words += ["--threads", str(args.threads)]
+    words += ["--resume", "--out", str(out)]
+    if args.data_dir:
+        words += ["--data-dir", args.data_dir]
+    return shlex.join(words)
+
+
+def _check_start(config: ExperimentConfig, out: Path | None, resume: bool) -> None:
+    """The cheap checks a run makes at its start, for ``--dry-run`` (nothing written or locked): the device
+    ``engine.device`` names, Ray's worker count against the agents, and, with ``--out``, the results folder as
+    :meth:`~decentdp.experiment.record.ResultsFolder.check` sees it (a finished run's folder, a missing
+    checkpoint to resume)."""
+    from decentdp.experiment.record import ResultsFolder
+    from decentdp.util.device import resolve_device
+
+    resolve_device(config.engine.device)
+    if config.engine.backend == "ray":
+        from decentdp.runtime.distributed.ray_backend import check_worker_count
+
+        check_worker_count(config.engine.workers, 1 if config.pools_data else config.topology.agents)
+    if out is not None and config.personalized is None:  # (a personalized run checks its own folder)
+        ResultsFolder(out).check(config, resume)
 
 
 def _draw_first_graph(config: ExperimentConfig) -> None:

@@ -7,27 +7,14 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from decentdp.errors import ConfigError, DecentDPError
 from decentdp.results.files import write_atomic
-from decentdp.tuning.sweep import (
-    NOT_PRIVATE_SELECTION,
-    RELEASE_FILE,
-    SELECTION_FILE,
-    STUDY_FILE,
-    TRIALS_DIR,
-    Sweep,
-    SweepRunner,
-    best_config,
-    best_table,
-    check_data,
-    load_sweep,
-    public_release,
-    selection_summary,
-    trial_score,
-)
 from decentdp.util.arguments import positive_int
+
+if TYPE_CHECKING:  # (the search loads torch: imported inside the command, so that ``decentdp --help`` stays fast)
+    from decentdp.tuning.sweep import Sweep, SweepRunner
 
 
 def add_parser(commands: Any) -> None:
@@ -59,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
         import optuna  # noqa: F401
     except ImportError:
         raise DecentDPError("decentdp sweep needs Optuna: pip install 'decentdp[sweep]'") from None
+    from decentdp.tuning.sweep import STUDY_FILE, SweepRunner, check_data, load_sweep
+
     sweep = load_sweep(args.sweep_file, args.overrides, args.trials)
     sweep.data_dir = args.data_dir
     if args.workers is not None:
@@ -82,6 +71,18 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_and_report(args: argparse.Namespace, sweep: Sweep, runner: SweepRunner, out: Path) -> int:
     """Run the sweep's trials (``runner`` holds ``out``'s lock) and write and print its results."""
+    from decentdp.tuning.sweep import (
+        NOT_PRIVATE_SELECTION,
+        RELEASE_FILE,
+        SELECTION_FILE,
+        TRIALS_DIR,
+        best_config,
+        best_table,
+        public_release,
+        selection_summary,
+        trial_score,
+    )
+
     try:
         best = runner.run(progress=not args.no_progress, log=lambda line: print(line, file=sys.stderr))
     except KeyboardInterrupt:

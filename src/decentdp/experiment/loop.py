@@ -23,7 +23,7 @@ from decentdp.algorithms.base import RunFacts, State
 from decentdp.config import ExperimentConfig, checked_config
 from decentdp.errors import ConfigError
 from decentdp.experiment.build import Experiment, build_experiment
-from decentdp.experiment.record import ResultsFolder, summary
+from decentdp.experiment.record import ResultsFolder, refuse_config_inside, summary
 from decentdp.experiment.tracking import Tracker, check_tracking, open_tracker
 from decentdp.privacy.report import AlgorithmPrivacy
 from decentdp.results.files import epsilon_json, epsilon_text
@@ -91,6 +91,8 @@ def run_experiment(config: ExperimentConfig | str | Path, out_dir: str | Path | 
     ``profile`` times every phase of the rounds and records torch's busiest operators over a few
     rounds (see :mod:`decentdp.util.profiling`); the report is logged and saved as ``profile.json``.
     """
+    if isinstance(config, (str, Path)) and out_dir is not None and not resume:
+        refuse_config_inside(config, Path(out_dir))
     config = checked_config(config)  # changed after loading, or a path: validated again as a whole
     retain_freed_memory()
     # A count the user set holds from the start (the build's reductions run on it too); otherwise the round's

@@ -45,6 +45,7 @@ from decentdp.results.files import (
     plot_metrics,
     provenance,
     strict_json,
+    write_atomic,
     write_durably,
     write_failure,
     write_json,
@@ -92,8 +93,22 @@ STARTED_ONLY = frozenset({CONFIG_FILE, PROVENANCE_FILE, SETUP_FILE, DIAGNOSTICS_
                           SHARD_STORE, f".{CHECKPOINT_FILE}.tmp",
                           *(f".{name}.tmp" for name in (CONFIG_FILE, PROVENANCE_FILE, SETUP_FILE, DIAGNOSTICS_FILE,
                                                         TRACKING_FILE))})
+#: Written (atomically) by a run's start once it holds the folder's lock, before anything
+#: else: only a folder holding it was made by a start, so only there are :data:`STARTED_ONLY` entries leftovers to
+#: replace.  Without it those names may be the user's own (a config.toml, old TensorBoard logs): nothing is removed.
+STARTED_FILE = ".started"
 DIAGNOSTICS_WARNING = ("operator diagnostics computed from the raw private data, NOT differentially private: "
                        "do not share this file or the 'diagnostics' entries of metrics.jsonl")
+
+def refuse_config_inside(config_file: str | Path, out: Path) -> None:
+    """Refuse to start a run (not a resume) whose config file lies inside its results folder ``out``: a start
+    replaces what an earlier start left there (``config.toml`` among it), so it could remove the very file it was
+    started from, and a finished run's folder is refused anyway."""
+    if Path(config_file).resolve().is_relative_to(out.resolve()):
+        raise ConfigError("--out", f"the config {config_file} lies inside the results folder {out}, which a new run "
+                                   "fills (and clears of an earlier start's files): copy the config elsewhere, or "
+                                   "choose another --out; to continue the run there, pass --resume")
+
 
 def run_privacy_statement(config: ExperimentConfig) -> dict[str, Any]:
     """:func:`~decentdp.privacy.report.privacy_statement` of a config."""
@@ -161,12 +176,13 @@ def _still_named(descriptor: int, path: Path) -> bool:
 
 def _release(descriptor: int, folder: Path, created: bool) -> None:
     """Drop a results folder's lock; a folder this run created and left empty (it failed before writing
-    anything) goes too, so that a failed start leaves nothing behind."""
+    anything but its start's marker, :data:`STARTED_FILE`) goes too, so that a failed start leaves nothing behind."""
     with contextlib.suppress(OSError):
         (folder / LOCK_FILE).unlink()
     os.close(descriptor)
     with contextlib.suppress(OSError):
-        if created and not any(folder.iterdir()):
+        if created and {entry.name for entry in folder.iterdir()} <= {STARTED_FILE}:
+            (folder / STARTED_FILE).unlink(missing_ok=True)
             folder.rmdir()
 
 
@@ -226,12 +242,35 @@ class ResultsFolder:
         if self._lock is not None:
             self._lock.close()
 
-    def open(self, config: ExperimentConfig, resume: bool) -> dict[str, Any] | None:
-        """Check the folder before anything is written; with ``resume``, the checkpoint to continue from."""
-        checkpoint = self.path / CHECKPOINT_FILE
+    def check(self, config: ExperimentConfig, resume: bool) -> set[str]:
+        """The checks :meth:`open` makes before it writes or locks anything (also ``decentdp run --dry-run``'s): a
+        resume needs a checkpoint; a start needs the keys outside the folder, and the folder absent, empty, or
+        holding only what a killed start left (:data:`STARTED_FILE` with :data:`STARTED_ONLY` entries).  Returns
+        the entries of such a start's that :meth:`open` replaces (none for a resume)."""
         if resume:
-            if not checkpoint.is_file():
+            if not (self.path / CHECKPOINT_FILE).is_file():
                 raise ConfigError("--resume", f"no checkpoint to resume in {self.path}")
+            return set()
+        if config.privacy.noise == "secure" and key_directory(config).absolute().is_relative_to(self.path.absolute()):
+            raise ConfigError("privacy.key_dir", f"{key_directory(config)} lies inside the results folder "
+                                                 f"{self.path}: the agents' keys must never sit with the results")
+        if self.path.exists() and not self.path.is_dir():
+            raise ConfigError("--out", f"{self.path} exists and is not a directory")
+        held = {entry.name for entry in self.path.iterdir()} - {LOCK_FILE} if self.path.is_dir() else set()
+        if held and not (STARTED_FILE in held and held <= STARTED_ONLY | {STARTED_FILE}):
+            raise ConfigError("--out", f"{self.path} already holds files; pass --resume to continue that run (if it "
+                                       "wrote a checkpoint), or to start again remove the folder or choose another "
+                                       "--out")
+        check_creatable(self.path)
+        return held - {STARTED_FILE}  # (the marker is rewritten, before the leftovers go)
+
+    def open(self, config: ExperimentConfig, resume: bool) -> dict[str, Any] | None:
+        """Check the folder before anything is written (:meth:`check`); with ``resume``, the checkpoint to continue
+        from.  A start marks the folder (:data:`STARTED_FILE`) as soon as it holds the lock, then removes what an
+        earlier start killed before its first checkpoint left."""
+        checkpoint = self.path / CHECKPOINT_FILE
+        held = self.check(config, resume)
+        if resume:
             self._acquire(created=False)  # before reading: a run still writing the folder is refused
             saved = read_checkpoint(checkpoint)
             if "shards" in saved:  # written by the workers of a sharded run: their rows merged (for any split)
@@ -253,16 +292,6 @@ class ResultsFolder:
                                               "itself, may change: "
                                               f"{', '.join(PLACEMENT_FIELDS + RECORDING_FIELDS)})")
             return saved
-        if config.privacy.noise == "secure" and key_directory(config).absolute().is_relative_to(self.path.absolute()):
-            raise ConfigError("privacy.key_dir", f"{key_directory(config)} lies inside the results folder "
-                                                 f"{self.path}: the agents' keys must never sit with the results")
-        if self.path.exists() and not self.path.is_dir():
-            raise ConfigError("--out", f"{self.path} exists and is not a directory")
-        held = {entry.name for entry in self.path.iterdir()} - {LOCK_FILE} if self.path.is_dir() else set()
-        if held and not held <= STARTED_ONLY:
-            raise ConfigError("--out", f"{self.path} already holds files; pass --resume to continue that run "
-                                       "or choose an empty directory")
-        check_creatable(self.path)
         created = not self.path.exists()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -270,6 +299,7 @@ class ResultsFolder:
             raise ResultsFolderError("--out", f"cannot create the results folder {self.path}: {exc.strerror}") \
                 from None
         self._acquire(created)
+        write_atomic(self.path / STARTED_FILE, "a decentdp run started in this folder\n")
         for name in held:  # (under the lock) a start that never reached its first checkpoint: nothing to resume
             entry = self.path / name
             if name == SHARD_STORE and entry.is_dir() and not entry.is_symlink():

@@ -754,6 +754,14 @@ class RaySimulator:
         return final
 
 
+def check_worker_count(workers: int, agents: int) -> None:
+    """Refuse more Ray workers than agents (each worker holds at least one): checked by the run before anything is
+    written, and by ``decentdp run --dry-run``."""
+    if workers > agents:
+        raise ConfigError("engine.workers", f"{workers} workers for {agents} agent(s): each worker holds "
+                                            "at least one agent")
+
+
 def distribute(simulator: Simulator, engine: EngineSection, snapshot_every: int,
                log: Callable[[str], None] | None = None, per_agent: list[str] | None = None) -> RaySimulator:
     """The run that ``simulator`` runs in this process, sharded over ``engine.workers`` Ray workers: the
@@ -761,10 +769,7 @@ def distribute(simulator: Simulator, engine: EngineSection, snapshot_every: int,
     checkpoints).  The engine settings are checked before anything is written; ``log`` receives the engine's
     own announcements (a lost worker); ``per_agent`` are the per-agent state entries the checkpoint a resumed
     run continues from recorded (its ``per_agent``), which its state is split by."""
-    agents = simulator.oracle.n_agents
-    if engine.workers > agents:
-        raise ConfigError("engine.workers", f"{engine.workers} workers for {agents} agent(s): each worker holds "
-                                            "at least one agent")
+    check_worker_count(engine.workers, simulator.oracle.n_agents)
     ray, owns = connect(engine.address, engine.workers)
     try:
         return RaySimulator(simulator, engine, snapshot_every, ray, owns, log=log, per_agent=per_agent)
