@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from decentdp.errors import ConfigError
-from decentdp.results.files import check_creatable
+from decentdp.results.files import check_creatable, epsilon_text, lower_bound_text
 from decentdp.util.arguments import add_threads_option, with_threads
 
 _AUDIT_DESCRIPTION = """\
@@ -205,9 +205,10 @@ def _audit(kind: str, config: Any, audit: Any, data_dir: str | None, store: Any 
                else run_message_audit(experiment, audit, store=store))
     summary = outcome.summary
     wall = summary["wall_seconds"]
-    print(f"epsilon lower bound {summary['epsilon_lower_bound']:.3f} (eq. 25 alone: {summary['epsilon_eq25']:.3f}) "
+    print(f"epsilon lower bound {lower_bound_text(summary['epsilon_lower_bound'])} (eq. 25 alone: "
+          f"{lower_bound_text(summary['epsilon_eq25'])}) "
           f"at {100 * summary['confidence']:g}% confidence; nominal epsilon {summary['epsilon_nominal']:g}, the "
-          f"ledger's {summary['epsilon_ledger']:.4g}; "
+          f"ledger's {epsilon_text(summary['epsilon_ledger'], significant=4)}; "
           + (f"{wall:.1f} s of training" if wall is not None
              else "training time unknown (chunks written before chunks recorded their time)"))
     summary["bound_exceeds"] = _verdict(summary)
@@ -237,10 +238,10 @@ def _one_run(config: Any, audit: Any, data_dir: str | None) -> tuple[dict[str, A
           f"{audit.canaries} canaries with probability 1/2")
     outcome = run_one_run_audit(experiment, audit)
     summary = outcome.summary
-    print(f"epsilon lower bound {summary['epsilon_lower_bound']:.3f} at {100 * summary['confidence']:g}% "
+    print(f"epsilon lower bound {lower_bound_text(summary['epsilon_lower_bound'])} at {100 * summary['confidence']:g}% "
           f"confidence: {summary['correct']} of {summary['guesses']} guesses right ({summary['guesses_per_side']} "
           f"in, as many out; the best of {len(summary['guess_grid'])} numbers of guesses); nominal epsilon "
-          f"{summary['epsilon_nominal']:g}, the ledger's {summary['epsilon_ledger']:.4g}; "
+          f"{summary['epsilon_nominal']:g}, the ledger's {epsilon_text(summary['epsilon_ledger'], significant=4)}; "
           f"{summary['wall_seconds']:.1f} s")
     summary["bound_exceeds"] = _verdict(summary)
 
@@ -270,9 +271,10 @@ def _verdict(summary: dict[str, Any]) -> list[str]:
     exceeded = [key for key in _CLAIMS if summary.get(key) is not None and bound > summary[key]]
     if exceeded:
         failure = 100 * (1 - summary["confidence"])
-        claims = " and ".join(f"{_CLAIMS[key]}, {summary[key]:.4g}" for key in exceeded)
-        print(f"WARNING: the bound {bound:.3f} exceeds {claims}: the noise or its accounting is probably wrong (a "
-              f"correct mechanism whose epsilon is exactly tight crosses it in at most {failure:g}% of audits)")
+        claims = " and ".join(f"{_CLAIMS[key]}, {epsilon_text(summary[key], significant=4)}" for key in exceeded)
+        print(f"WARNING: the bound {lower_bound_text(bound)} exceeds {claims}: the noise or its accounting is "
+              f"probably wrong (a correct mechanism whose epsilon is exactly tight crosses it in at most {failure:g}% "
+              "of audits)")
     return exceeded
 
 

@@ -22,6 +22,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
+from decimal import ROUND_CEILING
 from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
@@ -31,7 +32,7 @@ from decentdp.cli import audit as audit_command
 from decentdp.cli import report as report_command
 from decentdp.cli import sweep as sweep_command
 from decentdp.errors import ConfigError, DecentDPError
-from decentdp.results.files import CHECKPOINT_FILE, epsilon_text
+from decentdp.results.files import CHECKPOINT_FILE, epsilon_text, rounded_text
 from decentdp.util.arguments import add_threads_option, with_threads
 
 if TYPE_CHECKING:
@@ -375,7 +376,10 @@ def _answer_privacy(args: argparse.Namespace) -> int:
                                            args.releases_per_step, accountant=args.accountant,
                                            relation=args.neighbouring)
         epsilon = args.epsilon
-        reached = epsilon_spent(sigma, args.delta, sample_rate, steps, args.releases_per_step,
+        # Printed rounded up (more noise spends less), so that the figure a user copies into a config stays within
+        # the budget; the epsilon reached is the printed sigma's, not the unrounded one's.
+        sigma_shown = rounded_text(sigma, None, 6, ROUND_CEILING)
+        reached = epsilon_spent(float(sigma_shown), args.delta, sample_rate, steps, args.releases_per_step,
                                 accountant=args.accountant, relation=args.neighbouring)
     else:
         sigma = args.sigma
@@ -385,10 +389,10 @@ def _answer_privacy(args: argparse.Namespace) -> int:
     name = {"rdp": "RDP (dp_accounting RdpAccountant)", "pld": "PLD (dp_accounting PLDAccountant)",
             "tight": "the smaller of PLD and RDP (dp_accounting)"}[args.accountant]
     if args.question == "sigma":
-        print(f"noise multiplier sigma = {sigma:.6g} reaches epsilon = {epsilon:g} at delta = {args.delta:g}")
-        print(f"  epsilon reached with this sigma: {reached:.6g}")
+        print(f"noise multiplier sigma = {sigma_shown} reaches epsilon = {epsilon:g} at delta = {args.delta:g}")
+        print(f"  epsilon reached with this sigma: {epsilon_text(reached, significant=6)}")
     else:
-        print(f"sigma = {sigma:g} spends epsilon = {epsilon:.6g} at delta = {args.delta:g}")
+        print(f"sigma = {sigma:g} spends epsilon = {epsilon_text(epsilon, significant=6)} at delta = {args.delta:g}")
     if opacus:
         print(f"  sample rate q = B/N = {opacus['batch_size']}/{opacus['dataset_size']}; "
               f"steps = ceil(E * N / B) = ceil({opacus['epochs']:g} * {opacus['dataset_size']} / "
@@ -397,7 +401,8 @@ def _answer_privacy(args: argparse.Namespace) -> int:
           f"neighbouring: {args.neighbouring}")
     if args.json:
         answer: dict[str, Any] = {"sigma": sigma, "epsilon": _finite_or_inf(epsilon)}
-        if args.question == "sigma":
+        if args.question == "sigma":  # (the printed sigma's: the JSON sigma is exact, the printed one rounded up)
+            answer["sigma_printed"] = float(sigma_shown)
             answer["epsilon_reached"] = _finite_or_inf(reached)
         answer.update({"delta": args.delta, "accountant": args.accountant, "neighbouring": args.neighbouring,
                        "sample_rate": sample_rate,

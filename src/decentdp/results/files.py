@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tomllib
 from collections.abc import Callable, Sequence
-from decimal import ROUND_CEILING, Decimal, localcontext
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal, localcontext
 from importlib import metadata
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -124,25 +124,48 @@ def epsilon_json(value: Any) -> Any:
 def epsilon_text(value: float | None, decimals: int | None = 3, significant: int | None = None) -> str:
     """An epsilon for people to read, rounded *up* (a figure below the bound it shows would promise more
     privacy than the run has): to ``decimals`` places, or to ``significant`` figures; "inf" where infinite or
-    ``None`` (no guarantee)."""
+    ``None`` (no guarantee).  See :func:`rounded_text`."""
+    return rounded_text(value, decimals, significant, ROUND_CEILING)
+
+
+def lower_bound_text(value: float | None, decimals: int | None = 3, significant: int | None = None) -> str:
+    """An empirical lower bound (an audit's epsilon) for people to read, rounded *down*: a figure above the bound
+    it shows would claim a violation the audit did not find.  See :func:`rounded_text`."""
+    return rounded_text(value, decimals, significant, ROUND_FLOOR)
+
+
+#: Above this, a figure is printed in scientific notation (a 1e300 epsilon is not worth 300 digits).
+SCIENTIFIC_ABOVE = 1e6
+
+
+def rounded_text(value: float | None, decimals: int | None, significant: int | None, rounding: str) -> str:
+    """``value`` as text rounded in one direction (``decimal.ROUND_CEILING`` for an upper bound, such as an
+    epsilon or a calibrated noise multiplier, ``ROUND_FLOOR`` for a lower bound), so that the text is never on the
+    wrong side of it: to ``decimals`` places, or to ``significant`` figures; above :data:`SCIENTIFIC_ABOVE` to
+    ``significant`` (else 6) figures in scientific notation.  "inf" where infinite or ``None``."""
     if value is None or not math.isfinite(value):
-        return "inf"
+        return "inf" if value is None or value > 0 else "-inf"
+    if abs(value) > SCIENTIFIC_ABOVE:
+        figures = significant or 6
+        shown = _rounded(value, figures - 1 - Decimal(repr(float(value))).adjusted(), rounding)
+        return f"{shown:.{figures - 1}e}"
     if significant is not None:
-        if value <= 0:
+        if value == 0:
             return "0"
         decimals = max(0, significant - 1 - Decimal(repr(float(value))).adjusted())
-        shown = _ceiling(value, decimals)
+        shown = _rounded(value, decimals, rounding)
         return f"{shown:.{significant}g}" if shown < 10**significant else f"{shown:.0f}"
-    return f"{_ceiling(value, decimals or 0):.{decimals or 0}f}"
+    return f"{_rounded(value, decimals or 0, rounding):.{decimals or 0}f}"
 
 
-def _ceiling(value: float, decimals: int) -> float:
-    """``value`` rounded up to ``decimals`` places, in decimal from its shortest round-trip text (``repr``), so that
-    the text read back is never a float below ``value`` (``math.ceil(value * 10**d)`` rounds the product first:
-    83.94200000000001 * 1000 is 83942.0, and it read 83.942), while 4.2 stays 4.200 (its exact binary value,
-    4.2000000000000002, would show as 4.201).  The float returned prints back as those digits."""
+def _rounded(value: float, decimals: int, rounding: str) -> float:
+    """``value`` rounded to ``decimals`` places (negative: to tens, hundreds, ...) in the direction ``rounding``, in
+    decimal from its shortest round-trip text (``repr``), so that the text read back is never a float on the wrong
+    side of ``value`` (``math.ceil(value * 10**d)`` rounds the product first: 83.94200000000001 * 1000 is 83942.0,
+    and it read 83.942), while 4.2 stays 4.200 (its exact binary value, 4.2000000000000002, would show as 4.201).
+    The float returned prints back as those digits."""
     with localcontext(prec=400):  # room for any float64's digits (up to 1.8e308) and the places
-        return float(Decimal(repr(float(value))).quantize(Decimal(1).scaleb(-decimals), rounding=ROUND_CEILING))
+        return float(Decimal(repr(float(value))).quantize(Decimal(1).scaleb(-decimals), rounding=rounding))
 
 
 def _jsonable(value: Any) -> Any:
