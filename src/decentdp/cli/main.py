@@ -20,12 +20,13 @@ import shlex
 import signal
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from decimal import ROUND_CEILING
 from fractions import Fraction
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
 
 from decentdp import __version__
 from decentdp.cli import audit as audit_command
@@ -447,9 +448,20 @@ def _schema_description(section: str, field: str) -> str:
 
 
 def _type_name(annotation: Any) -> str:
+    """An annotation as people write it: a ``Literal``'s values, ``X | None`` for ``Optional[X]``, and the type
+    inside ``Annotated[X, ...]`` (its validators are functions, printed with their memory address)."""
     choices = _literal_values(annotation)
     if choices:
         return " | ".join(str(choice) for choice in choices)
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _type_name(get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(arg) for arg in get_args(annotation))
+    if annotation is type(None):
+        return "None"
+    if origin is not None and get_args(annotation):
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(a) for a in get_args(annotation))}]"
     if isinstance(annotation, type):
         return annotation.__name__
     return str(annotation).replace("typing.", "")
@@ -473,8 +485,9 @@ def _setting_entry(name: str, field: Any) -> Entry:
 
 
 def _first_line(text: str | None) -> str:
-    lines = [line.strip() for line in inspect.cleandoc(text or "").splitlines() if line.strip()]
-    return lines[0] if lines else ""
+    """A docstring's first paragraph, its lines joined into one (its first physical line may end mid-sentence)."""
+    paragraph = inspect.cleandoc(text or "").strip().split("\n\n")[0]
+    return " ".join(line.strip() for line in paragraph.splitlines())
 
 
 def _algorithm_summary(cls: type) -> str:
