@@ -4,6 +4,7 @@ functions with memory addresses, ``X | None`` for optional fields, and an algori
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -25,3 +26,13 @@ def test_list_algorithms_shows_the_whole_first_paragraph(capsys: pytest.CaptureF
     rows = entries if isinstance(entries, list) else next(iter(entries.values()))
     li18 = next(row for row in rows if row["name"] == "li18")
     assert not li18["description"].endswith(" as a"), li18["description"]
+
+
+@pytest.mark.parametrize("template", ["central-dpsgd", "local"])
+def test_templates_of_algorithms_without_messages_set_no_unread_topology(
+        template: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / f"{template}.toml"
+    assert main(["init", str(config), "--template", template]) == 0
+    capsys.readouterr()
+    assert main(["run", str(config), "--dry-run"]) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -696,6 +696,10 @@ def _template(name: str, out: Path) -> tuple[str, dict[str, Any]]:
         raw["algorithm"]["name"] = name
         raw["experiment"]["name"] = f"demo-{name}"
         about = f"The quick-start demo with algorithm '{name}': {_algorithm_summary(algorithm_class(name))}"
+        if not algorithm_class(name).communicates:  # (no graph: the demo's would be reported as changing nothing)
+            raw["topology"] = {"agents": raw["topology"]["agents"]}
+        elif not algorithm_class(name).reads_mixing:
+            del raw["topology"]["mixing"]
         if not algorithm_class(name).adds_noise:  # a run of it must say it is not private
             raw["privacy"]["epsilon"] = "inf"
             about += "\nIt adds no noise, so its run is deliberately non-private: privacy.epsilon = 'inf'."
