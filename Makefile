@@ -5,8 +5,11 @@
 
 PYTHON ?= python3
 VENV ?= .venv
-# The CPU build of torch used in development and CI. Users with a GPU may set TORCH_SPEC to
-# their own build, e.g. `make demo TORCH_SPEC=torch`; the library itself needs torch>=2.2.
+# The torch used in development and CI. `torch==2.13.0` is the CPU build only where pip finds one
+# (the development machine's local wheels hold torch-2.13.0+cpu); from PyPI, Linux wheels are CUDA builds,
+# and the CPU build needs PyTorch's index: install it first (python -m venv .venv; .venv/bin/pip install
+# torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu), then `make install` keeps it.
+# Users may set TORCH_SPEC to their own build, e.g. `make demo TORCH_SPEC=torch`; the library needs torch>=2.2.
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
