@@ -749,9 +749,11 @@ def test_privacy_sigma_reports_the_epsilon_it_reaches(accountant: str, capsys: p
     assert result["epsilon_reached"] <= 1.0
     assert result["epsilon_reached"] == pytest.approx(1.0, rel=0.01)
     assert "epsilon reached with this sigma" in out
-    # the same accountant, asked the other question about the returned sigma, gives the same answer
-    assert main(["privacy", "epsilon", "--sigma", repr(result["sigma"]), *SIGMA_ARGS, "--accountant", accountant,
-                 "--json"]) == 0
+    # the same accountant, asked the other question about the printed sigma (the returned one rounded up), gives
+    # the same answer
+    assert result["sigma_printed"] >= result["sigma"]
+    assert main(["privacy", "epsilon", "--sigma", repr(result["sigma_printed"]), *SIGMA_ARGS, "--accountant",
+                 accountant, "--json"]) == 0
     assert _last_json(capsys.readouterr().out)["epsilon"] == result["epsilon_reached"]
 
 
