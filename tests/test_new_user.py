@@ -253,7 +253,7 @@ def _sweep_file(tmp_path: Path) -> Path:
 def test_sweep_takes_set_and_trials_from_the_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``decentdp sweep --set`` overrides the base config after the file's set table (the command line wins),
     and ``--trials`` replaces sweep.trials; both are kept for a resume (sweep.toml's first line says so)."""
-    from decentdp.cli import sweep as sweep_command
+    from decentdp.tuning import sweep as sweep_module
     from decentdp.tuning.sweep import Sweep
 
     seen = []
@@ -266,7 +266,7 @@ def test_sweep_takes_set_and_trials_from_the_command_line(tmp_path: Path, monkey
             seen.append(sweep)
             raise Stop
 
-    monkeypatch.setattr(sweep_command, "SweepRunner", Runner)
+    monkeypatch.setattr(sweep_module, "SweepRunner", Runner)  # (the command imports it when it runs)
     with pytest.raises(Stop):
         main(["sweep", str(_sweep_file(tmp_path)), "--out", str(tmp_path / "out"), "--set", "experiment.rounds=2",
               "--set", "algorithm.batch_size=8", "--trials", "1"])

@@ -948,6 +948,9 @@ def test_init_algorithm_templates_pass_dry_run_and_build(algorithm: str, tmp_pat
     if not algorithm_class(algorithm).adds_noise:  # its template says the run is not private
         assert config.privacy.epsilon == math.inf
         demo.privacy.epsilon = math.inf
+    if not algorithm_class(algorithm).communicates:  # its template sets no graph, which it would not read
+        assert config.topology.agents == demo.topology.agents
+        demo.topology = config.topology
     assert (config.data, config.topology, config.privacy, config.model) == (demo.data, demo.topology,
                                                                            demo.privacy, demo.model)
     capsys.readouterr()

@@ -4,6 +4,7 @@ the Ctrl-C hint can be pasted back, and building the parser loads no torch."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -109,3 +110,18 @@ def test_importing_the_command_line_loads_no_torch() -> None:
     loaded = subprocess.run([sys.executable, "-c", "import sys, decentdp.cli.main; print('torch' in sys.modules)"],
                             capture_output=True, text=True, check=True).stdout.strip()
     assert loaded == "False"
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only folders")
+def test_an_existing_read_only_out_is_named_as_unwritable_not_uncreatable(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    config = str(_config_file(tmp_path / "configs"))
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    try:
+        assert main(["run", config, "--out", str(read_only), "--no-progress"]) == 2
+    finally:
+        read_only.chmod(0o755)
+    error = capsys.readouterr().err
+    assert f"cannot write in {read_only}" in error and "cannot create" not in error

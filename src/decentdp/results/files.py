@@ -99,7 +99,11 @@ def check_creatable(path: Path) -> None:
     if not ancestor.is_dir():
         raise ConfigError("--out", f"cannot create {path}: {ancestor} is a file, not a directory")
     if not os.access(ancestor, os.W_OK | os.X_OK) or read_only_mount(ancestor):
-        raise ConfigError("--out", f"cannot create {path}: {ancestor} is not writable")
+        why = "a read-only file system" if read_only_mount(ancestor) else "permission denied"
+        cause = f"not writable ({why})"
+        if ancestor == path.absolute():  # (it exists: nothing to create, but it cannot be written)
+            raise ConfigError("--out", f"cannot write in {path}: it is {cause}")
+        raise ConfigError("--out", f"cannot create {path}: {ancestor} is {cause}")
 
 
 def read_only_mount(directory: Path) -> bool:
