@@ -312,7 +312,8 @@ def test_a_sharded_start_whose_first_checkpoint_failed_starts_again(tmp_path: Pa
         with pytest.raises(ConfigError, match=r"cannot write the checkpoint of round 0 in .*run \(No space left on "
                                               r"device\); no checkpoint was written: free space and start again"):
             run_experiment(config, tmp_path / "run", **_quiet())
-    assert {path.name for path in (tmp_path / "run").iterdir()} == {"config.toml", "provenance.json", "setup.json"}
+    left = {path.name for path in (tmp_path / "run").iterdir()}
+    assert left == {".started", "config.toml", "provenance.json", "setup.json"}
     assert run_experiment(config, tmp_path / "run", **_quiet()).summary["finished"]
 
 
