@@ -83,6 +83,19 @@ def test_mish_passes_gradcheck() -> None:
     assert torch.autograd.gradcheck(mish, (x,))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mishs_gradient_is_one_for_large_inputs(dtype: torch.dtype, chunk: int) -> None:
+    """Past the cap of 20 Mish's derivative is 1 to both precisions.  Its second term once took the uncapped x
+    with the capped exp: a float32 gradient of 1.017 at 1e15, 170.9 at 1e19 and inf at 1e21."""
+    x = torch.tensor([20.5, 50.0, 1e4, 1e15, 1e19, 1e21, 1e30, 3e38], dtype=dtype, requires_grad=True)
+    upstream = torch.linspace(0.5, 2.0, x.numel(), dtype=dtype)
+    (grad,) = torch.autograd.grad(mish(x), x, upstream)
+    exact = x.detach().double().requires_grad_()
+    (expected,) = torch.autograd.grad(nn.functional.mish(exact), exact, upstream.double())
+    assert torch.equal(expected, upstream.double())  # the derivative is 1 there
+    assert ((grad.double() - expected).abs() <= 4 * torch.finfo(dtype).eps * expected).all(), grad
+
+
 def test_mish_keeps_atens_non_finite_results() -> None:
     x = torch.tensor([math.inf, -math.inf, math.nan, 1.0])
     assert torch.equal(mish(x).isnan(), nn.functional.mish(x).isnan())

@@ -7,7 +7,8 @@ their arithmetic (``benchmarks/cpu_kernels.py``; BENCHMARKS.md, "CPU kernels for
   seven times the cost of one ``exp``.  The same function needs one exp: with ``e = exp(x)``,
   ``tanh(log(1 + e)) = n / (n + 2)`` where ``n = e (e + 2)``, and ``mish'(x) = n / (n + 2) + 4 x e (e + 1) /
   (n + 2)^2``.  Neither form cancels (``n`` is a product of positive terms; for very negative ``x`` both are
-  ``~ e``), and ``x`` is capped at 20 inside the exp, where ``n / (n + 2)`` is 1 in float32 and float64 alike.
+  ``~ e``), and ``x`` is capped at 20 inside the exp, where ``n / (n + 2)`` is 1 in float32 and float64 alike,
+  and in the derivative's second term, which is below ``4e-16`` from there on.
 * **Max-pooling** whose kernel equals its stride writes an int64 argmax per output.  Without a gradient to
   carry (evaluation) its values are the elementwise maximum of the window's strided views, exactly.  With one,
   ATen's kernel stays: its backward pass needs those indices, and routing the gradient another way (to the first
@@ -83,12 +84,16 @@ def _mish_forward(x: Tensor, *, out: Tensor, scratch: list[Tensor]) -> None:
 
 
 def _mish_backward(x: Tensor, grad: Tensor, *, out: Tensor, scratch: list[Tensor]) -> None:
-    """``grad * mish'(x)`` with ``mish'(x) = n / (n + 2) + 4 x e (e + 1) / (n + 2)^2``, where ``e (e + 1) = n - e``."""
-    e, n, denominator = scratch
+    """``grad * mish'(x)`` with ``mish'(x) = n / (n + 2) + 4 x e (e + 1) / (n + 2)^2``, where ``e (e + 1) = n - e``.
+
+    ``x`` is capped at 20 in the second term too, as ``e`` is: past the cap that term is below ``4e-16`` however
+    it is computed, but with the capped ``e`` and the uncapped ``x`` it grows with ``x`` (170 at ``1e19``, inf at
+    ``1e21``, where the derivative is 1)."""
+    e, n, denominator, capped = scratch
     _mish_terms(x, e, n)
     torch.add(n, 2.0, out=denominator)
     torch.div(n, denominator, out=out)
-    slope = n.sub_(e).mul_(x).mul_(4.0).div_(denominator).div_(denominator)
+    slope = n.sub_(e).mul_(torch.clamp(x, max=_MISH_CAP, out=capped)).mul_(4.0).div_(denominator).div_(denominator)
     out.add_(slope).mul_(grad)
 
 
@@ -107,7 +112,7 @@ class _Mish(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> Tensor:  # type: ignore[override]
         (x,) = ctx.saved_tensors
-        return _elementwise(_mish_backward, 3, x, grad)
+        return _elementwise(_mish_backward, 4, x, grad)
 
 
 def mish(x: Tensor) -> Tensor:
