@@ -668,6 +668,21 @@ class Doubling(nn.Module):
         return 2.0 * x
 
 
+class Centre(nn.Identity):
+    """A subclass of a per-sample module whose forward mixes the samples of its batch: by its type, it is not
+    the module it derives from."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(dim=0)
+
+
+class BatchLayerNorm(nn.LayerNorm):
+    """A parameter-free LayerNorm subclass that normalises over the batch too."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x - x.mean(dim=0))
+
+
 def _with_buffer() -> nn.Module:
     model = nn.Sequential(nn.Flatten(), nn.Linear(4, 2))
     model.register_buffer("offset", torch.zeros(4))
@@ -696,6 +711,11 @@ UNSUPPORTED = {
     "inplace-activation": (lambda: nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.ReLU(inplace=True),
                                                  nn.Linear(4, 2)), "in place"),
     "tied-weights": (_tied_weights, "shared with another layer"),
+    "subclassed-per-sample-module": (lambda: nn.Sequential(nn.Flatten(), nn.Linear(4, 4), Centre(), nn.Linear(4, 2)),
+                                     "Centre"),
+    "subclassed-parameter-free-norm": (lambda: nn.Sequential(nn.Flatten(), nn.Linear(4, 4),
+                                                             BatchLayerNorm(4, elementwise_affine=False),
+                                                             nn.Linear(4, 2)), "BatchLayerNorm"),
 }
 
 
@@ -713,6 +733,23 @@ def test_unsupported_module_falls_back_to_vmap_with_a_logged_reason(name: str, c
     assert len(warnings) == 1 and culprit in warnings[0].getMessage()
     with pytest.raises(Unsupported, match=culprit):
         gradient_model(module, classification_loss, "stacked")
+
+
+def test_a_subclass_that_mixes_samples_cannot_mix_agents() -> None:
+    """The stacked engine applies a per-sample module to all agents' samples merged into one batch; a subclass
+    that mixes its batch (here ``x - x.mean(0)``) there would let one agent's data into another's clipped sum
+    (a reviewer measured a change of 6.38 in agent 0's sum from agent 1's inputs).  It takes the vmap engine,
+    where each agent's sums depend on its own inputs alone."""
+    template = _seeded(0, lambda: nn.Sequential(nn.Flatten(), nn.Linear(4, 4), Centre(), nn.Linear(4, 2)))
+    model = gradient_model(template, classification_loss, "auto")
+    gen = torch.Generator().manual_seed(0)
+    params = model.initial_parameters() + 0.1 * torch.randn(2, model.dim, generator=gen)
+    x, y, mask = _float_inputs(gen, 2, 3, 4), _labels(gen, 2, 2, 3), torch.ones(2, 3)
+    sums, _ = model.clipped_gradient_sums(params, x, y, mask, 10.0)
+    other = x.clone()
+    other[1] = 100.0 * _float_inputs(gen, 3, 4)
+    changed, _ = model.clipped_gradient_sums(params, other, y, mask, 10.0)
+    assert torch.equal(sums[0], changed[0]), "agent 1's inputs changed agent 0's clipped sum"
 
 
 def test_supported_module_compiles_silently_and_vmap_backend_is_respected(caplog: pytest.LogCaptureFixture) -> None:

@@ -484,7 +484,7 @@ def stacked_layer(module: nn.Module) -> ParamLayer:
 
 
 #: Modules without parameters that act on each sample independently, so that they can be applied
-#: to ``(N * B, ...)`` activations as they are.
+#: to ``(N * B, ...)`` activations as they are.  Only these exact types: a subclass may override ``forward``.
 PER_SAMPLE_MODULES: tuple[type[nn.Module], ...] = (
     nn.Identity, nn.Flatten, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
     nn.Mish, nn.Tanh, nn.Sigmoid, nn.Softplus, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid,

@@ -97,8 +97,9 @@ def _compile(module: nn.Module, prefix: str, slots: dict[str, _Slot]) -> _Node:
         raise Unsupported(f"{where.rstrip('.')} ({type(module).__name__}) works in place, which would overwrite "
                           "the activations kept for the per-sample norms")
     if not own and not list(module.children()):
-        if isinstance(module, PER_SAMPLE_MODULES) or (
-                isinstance(module, nn.GroupNorm | nn.LayerNorm) and not list(module.parameters())):
+        # Exact types, not isinstance: a subclass may override forward with something that mixes samples (x -
+        # x.mean(0)), which applied to agents and samples merged into one batch would mix agents too.
+        if type(module) in PER_SAMPLE_MODULES or type(module) in (nn.GroupNorm, nn.LayerNorm):
             return _PerSample(cpu_kernel(module) or module)
         raise Unsupported(f"{where.rstrip('.')} ({type(module).__name__}) is not known to act on each sample alone")
     if list(module.children()):
