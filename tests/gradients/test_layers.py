@@ -864,3 +864,24 @@ def test_a_ghost_norm_bounds_the_computed_gradient_when_positions_cancel(delta: 
     _, true_norms = exact.clipped_gradient_sums(params.double(), x.double(), y, torch.ones(agents, 1,
                                                                                           dtype=torch.float64), 1.0)
     assert (norms.double() >= true_norms * (1 - 1e-6)).all()  # a bound, never the rounded-down norm
+
+
+# ---------------------------------------------------------------------------------------------
+# Empty batches
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["stacked", "vmap"])
+@pytest.mark.parametrize(("agents", "batch"), [(3, 0), (0, 4), (0, 0)])
+@pytest.mark.parametrize("name", ["linear-first", "conv-ghost"])
+def test_no_agents_or_empty_batches_give_zero_sums(backend: str, agents: int, batch: int, name: str) -> None:
+    """An empty mask is a zero clipped sum per agent (a grouped convolution of zero groups and reshapes of zero
+    elements used to raise), written into ``out`` when it is given."""
+    build, sample = NON_FINITE_MODELS[name]
+    model = gradient_model(_seeded(0, build), classification_loss, backend)
+    params = model.initial_parameters().repeat(agents, 1)
+    x, y = torch.zeros(agents, batch, *sample), torch.zeros(agents, batch, dtype=torch.long)
+    out = torch.full((agents, model.dim), 7.0)
+    sums, norms = model.clipped_gradient_sums(params, x, y, torch.zeros(agents, batch), 1.0, out=out)
+    assert sums is out and torch.equal(out, torch.zeros(agents, model.dim))
+    assert norms.shape == (agents, batch)

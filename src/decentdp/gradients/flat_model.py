@@ -80,9 +80,12 @@ class FlatModel:
         are written into ``out`` (an ``(N, d)`` tensor, possibly a view) when it is given.  With
         ``copies = K`` (augmentation multiplicity, De et al. 2022), ``x`` and ``y`` hold ``K``
         consecutive rows per column of ``mask``, augmented copies of one record, and the gradient
-        that is clipped is the mean of the copies' gradients.
+        that is clipped is the mean of the copies' gradients.  No agents (``N = 0``) or empty batches
+        (``B = 0``) give ``(N, d)`` zeros and empty ``(N, B)`` norms.
         """
         check_copies(x, y, mask, copies)
+        if mask.numel() == 0:
+            return empty_clipped_sums(params, mask, out)
         per_sample = self.per_sample_gradients(params, x, y)
         if copies > 1:
             per_sample = per_sample.view(per_sample.shape[0], -1, copies, per_sample.shape[-1]).mean(dim=2)
@@ -138,6 +141,15 @@ class FlatModel:
     def predict(self, params: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """Outputs of every agent's model on one shared batch: ``(N, B, outputs)``."""
         return vmap(self.forward, in_dims=(0, None))(params, inputs)
+
+
+def empty_clipped_sums(params: torch.Tensor, mask: torch.Tensor,
+                       out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``clipped_gradient_sums`` returns for a ``mask`` without entries (no agents, or batches of no samples):
+    zero sums (written into ``out`` when it is given) and no norms.  The model is not run: its layers refuse
+    empty batches (a grouped convolution of zero groups, a reshape of zero elements)."""
+    sums = torch.zeros(params.shape, dtype=params.dtype, device=params.device) if out is None else out.zero_()
+    return sums, torch.zeros(mask.shape, dtype=params.dtype, device=params.device)
 
 
 def check_copies(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, copies: int) -> None:

@@ -29,7 +29,7 @@ from torch import nn
 
 from decentdp.gradients.clipping import clip_factors
 from decentdp.gradients.cpu_kernels import cpu_kernel
-from decentdp.gradients.flat_model import FlatModel, LossFn, check_copies, saved_bytes_per_sample
+from decentdp.gradients.flat_model import FlatModel, LossFn, check_copies, empty_clipped_sums, saved_bytes_per_sample
 from decentdp.gradients.layers import PER_SAMPLE_MODULES, ParamLayer, Recorded, Unsupported, stacked_layer
 from decentdp.models import Residual
 
@@ -188,8 +188,10 @@ class StackedModel(FlatModel):
         through memory at a fraction of the speed of cached ones.
         """
         check_copies(x, y, mask, copies)
+        if mask.numel() == 0:
+            return empty_clipped_sums(params, mask, out)
         sums = torch.empty(params.shape, dtype=params.dtype, device=params.device) if out is None else out
-        if params.device.type != "cpu" or mask.numel() == 0:  # a GPU prefers one wide call, without host reads
+        if params.device.type != "cpu":  # a GPU prefers one wide call, without host reads
             return self._clipped_group(params, x, y, mask, clip, copies, sums)
         per_copy = self._bytes_per_sample(x, y)
         if per_copy < GROUP_MIN_ACTIVATION_RATIO * x[0, 0].numel() * x.element_size():
