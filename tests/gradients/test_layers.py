@@ -47,7 +47,7 @@ from torch import nn
 from torch.nn.utils import vector_to_parameters
 
 from decentdp.gradients import layers, stacked_model
-from decentdp.gradients.clipping import clip_factors
+from decentdp.gradients.clipping import clip_factors, clip_weights
 from decentdp.gradients.flat_model import FlatModel
 from decentdp.gradients.layers import StackedConv2d, StackedLinear, Unsupported
 from decentdp.gradients.stacked_model import StackedModel, gradient_model
@@ -829,6 +829,71 @@ def test_the_flat_path_sums_norms_in_float64() -> None:
         per_sample = torch.full((1, 1, 1_000_000), value)
         totals, _ = clipped_sum(per_sample, torch.ones(1, 1), 1.0)
         assert float(totals.double().norm()) <= 1.0
+
+
+@pytest.mark.parametrize("backend", ["stacked", "vmap"])
+@pytest.mark.parametrize("clip", [1e-2, 1e-3])
+def test_a_record_of_extreme_magnitude_stays_within_the_clip_norm(backend: str, clip: float) -> None:
+    """One pixel between 1e38 and 3.4e38 (one agent per value, one sample each): the clip factor C'/||g||
+    (||g|| ~ 1e38) was subnormal in float32, rounded to nearest, and the clipped sums reached 1.0003 C
+    (a reviewer's sweep, both engines).  Such a sample is now dropped: its norm is above 2^100 C."""
+    model = gradient_model(build_model("linear", (1, 8, 8), 10, seed=0), classification_loss, backend)
+    values = torch.linspace(1e38, 3.4e38, 400)
+    x = torch.zeros(len(values), 1, 1, 8, 8)
+    x[:, 0, 0, 3, 3] = values
+    params = model.initial_parameters().repeat(len(values), 1)
+    top = model.predict(params[:1], x[0])[0, 0].argmax()
+    y = torch.full((len(values), 1), int(top + 1) % 10)  # any label but the top class: a gradient of size ~1e38
+    sums, norms = model.clipped_gradient_sums(params, x, y, torch.ones(len(values), 1), clip)
+    assert float(sums.double().norm(dim=1).max()) <= clip
+    assert (norms >= 1e38).all()  # those beyond float32's range come back as inf (and count as clipped)
+
+
+@pytest.mark.parametrize("clip", [1e-2, 1e-3, 1e-4])
+def test_underflow_in_the_weighted_pass_cannot_lift_a_contribution_above_the_clip_norm(clip: float) -> None:
+    """Inputs near 3e38 under zero weights and a bias that favours the label by 30: the output gradient is
+    ~1e-13, the norm ~1e26 (the clip factor a normal float32), but ``c g`` is subnormal and the weighted pass
+    multiplies its rounding by the input (without the underflow rule: up to 1.0076 C at C = 1e-4, 1.0005 C at
+    C = 1e-2).  The sample is dropped where its underflow bound exceeds ``UNDERFLOW_SHARE`` of C."""
+    model = gradient_model(build_model("linear", (1, 8, 8), 10, seed=0), classification_loss, "stacked")
+    values = torch.logspace(36, 38.5, 300)
+    values = values[values < 3.4e38]
+    params = torch.zeros(len(values), model.dim)
+    params[:, -10] = 30.0  # the bias of class 0
+    x = values.view(-1, 1, 1, 1, 1).expand(-1, 1, 1, 8, 8).contiguous()
+    y = torch.zeros(len(values), 1, dtype=torch.long)
+    sums, _ = model.clipped_gradient_sums(params, x, y, torch.ones(len(values), 1), clip)
+    assert float(sums.double().norm(dim=1).max()) <= clip
+
+
+@pytest.mark.parametrize("name", ["linear-first", "conv-ghost", "conv-materialised"])
+def test_a_dropped_sample_of_absurd_size_leaves_the_others_alone(name: str) -> None:
+    """A finite sample that is dropped for its size contributes nothing, as a non-finite one does, and the other
+    samples' sums are those with it masked out."""
+    build, sample = NON_FINITE_MODELS[name]
+    model = gradient_model(_seeded(0, build), classification_loss, "stacked")
+    gen = torch.Generator().manual_seed(1)
+    params = model.initial_parameters() + 0.1 * torch.randn(2, model.dim, generator=gen)
+    x, y = _float_inputs(gen, 2, 3, *sample), _labels(gen, 3, 2, 3)
+    huge = x.clone()
+    huge[0, 1] = 3e38
+    sums, _ = model.clipped_gradient_sums(params, huge, y, torch.ones(2, 3), 0.5)
+    keep = torch.ones(2, 3)
+    keep[0, 1] = 0.0
+    expected, _ = model.clipped_gradient_sums(params, x, y, keep, 0.5)
+    close(sums, expected, f"{name}: clipped sums with a sample of absurd size")
+
+
+def test_clip_weights_never_exceed_their_float64_factors() -> None:
+    """The float64 clip factor is rounded toward zero into float32, subnormal factors included."""
+    norms = torch.logspace(-3, 60, 20_001, dtype=torch.float64)
+    keep = torch.ones_like(norms, dtype=torch.bool)
+    weights = clip_weights(norms, keep, 1.0, torch.float32)
+    factors = clip_factors(norms, 1.0)
+    assert (weights.double() <= factors).all()
+    assert (weights.double() < factors).any()  # some do round (the check is not vacuous)
+    normal = factors >= 2**-126  # a normal float32 keeps 24 bits; a subnormal one fewer
+    assert (weights.double()[normal] >= factors[normal] * (1 - 2**-23)).all()
 
 
 def _cancelling_ghost_conv(delta: float) -> nn.Sequential:

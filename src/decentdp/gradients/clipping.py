@@ -4,6 +4,20 @@
 which is the sensitivity the Gaussian noise ``sigma * C`` is calibrated to.  Norms are summed in
 float64 (:func:`squared_norms`): a float32 sum of millions of squares can fall 0.3 % short of the true
 norm (measured for 4M equal entries), far more than the clipping margin absorbs.
+
+Two things keep the float32 clipped sum within ``C`` beyond the norm itself:
+
+* **The clip factor is rounded toward zero** (:func:`clip_weights`): the factor is computed in float64,
+  and its float32 value must not be the larger one.
+* **A sample of absurd size is dropped** (:func:`dropped`), as one with a non-finite gradient is: a
+  norm above ``2^100 C`` (a float32 input near ``1e38``, say) makes the factor and the products of the
+  weighted sum subnormal, where float32 keeps few significant bits and rounding to nearest can land
+  well above the exact value (a reviewer's records of that size reached ``1.0015 C``).  The stacked
+  engine also drops a sample whose inputs or output gradients at a layer are so large (entries beyond
+  about ``1e27 C`` in the models here) that underflow in a weighted pass could move its contribution by
+  :data:`UNDERFLOW_SHARE` of ``C`` (:meth:`~decentdp.gradients.layers.ParamLayer.underflow_error`).
+  Dropping a sample because of its own data is a clipping rule like any other: its contribution, zero,
+  is within ``C``.
 """
 
 from __future__ import annotations
@@ -17,6 +31,13 @@ _NORM_EPS = 1e-6
 #: one (measured: clipped norms up to 2e-7 above C through the stacked layers, 9e-7 through the flat path), and
 #: the noise is calibrated to a sensitivity of exactly C, so the clipped norm must not exceed it.
 _CLIP_MARGIN = 1.0 - 1e-5
+#: A sample whose clip factor would fall below this (a norm above ``2^100 C``) is dropped (:func:`dropped`): the
+#: factor stays a normal float32 number (above ``2^-126``), with its full 24 significant bits.
+MIN_CLIP_FACTOR = 2.0**-100
+#: The stacked engine drops a sample when float32 underflow could move its clipped contribution by more than this
+#: fraction of ``C`` (:meth:`~decentdp.gradients.layers.ParamLayer.underflow_error`); with the other roundings
+#: (below 1e-6 of C, see above) it stays inside :data:`_CLIP_MARGIN`.
+UNDERFLOW_SHARE = 1e-6
 #: :func:`squared_norms` converts this many elements to float64 at a time at most (128 MiB).
 _FLOAT64_BLOCK = 2**24
 
@@ -42,6 +63,23 @@ def clip_factors(norms: torch.Tensor, clip: float) -> torch.Tensor:
     return (clip * _CLIP_MARGIN / (norms + _NORM_EPS)).clamp(max=1.0)
 
 
+def dropped(norms: torch.Tensor, clip: float) -> torch.Tensor:
+    """The samples that contribute nothing to a clipped sum whatever their mask: a non-finite norm (0 * inf would
+    be NaN), or one so large that the clip factor would fall below :data:`MIN_CLIP_FACTOR` (module docstring)."""
+    return ~torch.isfinite(norms) | (norms > clip * _CLIP_MARGIN / MIN_CLIP_FACTOR)
+
+
+def clip_weights(norms: torch.Tensor, keep: torch.Tensor, clip: float, dtype: torch.dtype) -> torch.Tensor:
+    """Each sample's weight in its agent's clipped sum, in ``dtype``: :func:`clip_factors` where ``keep``, else 0,
+    rounded toward zero, so that no weight exceeds its float64 value."""
+    factors = torch.where(keep, clip_factors(norms, clip), torch.zeros_like(norms))
+    weights = factors.to(dtype)
+    if dtype == factors.dtype:
+        return weights
+    return torch.where(weights.to(factors.dtype) > factors, torch.nextafter(weights, torch.zeros_like(weights)),
+                       weights)
+
+
 def clipped_sum(per_sample: torch.Tensor, mask: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum over each agent's batch of clipped per-sample gradients.
 
@@ -56,11 +94,12 @@ def clipped_sum(per_sample: torch.Tensor, mask: torch.Tensor, clip: float) -> tu
 
     Returns
     -------
-    The ``(N, d)`` clipped sums and the ``(N, B)`` per-sample norms before clipping.
+    The ``(N, d)`` clipped sums and the ``(N, B)`` per-sample norms before clipping (in ``per_sample``'s dtype:
+    a norm beyond float32's range comes back as inf).  Padding and :func:`dropped` samples contribute nothing.
     """
     norms = squared_norms(per_sample, 1).sqrt()
-    # Padding and non-finite gradients contribute exactly nothing (0 * inf would be NaN).
-    keep = (mask > 0) & torch.isfinite(norms)
-    weights = torch.where(keep, clip_factors(norms, clip), torch.zeros_like(norms)).to(per_sample.dtype)
+    keep = (mask > 0) & ~dropped(norms, clip)
+    weights = clip_weights(norms, keep, clip, per_sample.dtype)
+    # A dropped gradient's entries are zeroed too, since 0 * inf and 0 * NaN are NaN.
     safe = torch.where(keep[..., None], per_sample, torch.zeros_like(per_sample))
     return torch.einsum("nb,nbd->nd", weights, safe), norms.to(per_sample.dtype)

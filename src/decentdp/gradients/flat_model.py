@@ -76,12 +76,13 @@ class FlatModel:
                               copies: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Each agent's sum of clipped per-sample gradients ``(N, d)`` and the norms before clipping ``(N, B)``.
 
-        Padding (``mask == 0``) and samples with a non-finite gradient contribute nothing.  The sums
-        are written into ``out`` (an ``(N, d)`` tensor, possibly a view) when it is given.  With
-        ``copies = K`` (augmentation multiplicity, De et al. 2022), ``x`` and ``y`` hold ``K``
-        consecutive rows per column of ``mask``, augmented copies of one record, and the gradient
-        that is clipped is the mean of the copies' gradients.  No agents (``N = 0``) or empty batches
-        (``B = 0``) give ``(N, d)`` zeros and empty ``(N, B)`` norms.
+        Padding (``mask == 0``) and samples with a non-finite gradient or one of absurd size (above
+        ``2^100 C``; :func:`~decentdp.gradients.clipping.dropped`) contribute nothing; norms beyond
+        float32's range come back as inf.  The sums are written into ``out`` (an ``(N, d)`` tensor,
+        possibly a view) when it is given.  With ``copies = K`` (augmentation multiplicity, De et al.
+        2022), ``x`` and ``y`` hold ``K`` consecutive rows per column of ``mask``, augmented copies of
+        one record, and the gradient that is clipped is the mean of the copies' gradients.  No agents
+        (``N = 0``) or empty batches (``B = 0``) give ``(N, d)`` zeros and empty ``(N, B)`` norms.
         """
         check_copies(x, y, mask, copies)
         if mask.numel() == 0:

@@ -39,7 +39,10 @@ upper bound instead of the norm: the float64 grams' rounding error is at most ``
 weighted pass's at most ``gamma_{K T} S`` (``S = sum_t ||a_t|| ||g_t||``, ``gamma_n ~ n u``, the
 classical bound for a sum of ``n`` products in any order; Higham 2002, Sec. 3.1), both added with a
 factor 2 to spare (:func:`_ghost_bound`).  For the other rules the clipped vector is the tensor whose
-norm was taken, or one product per entry.
+norm was taken, or one product per entry.  Near underflow, the weighted pass from activations
+(``sum_t fl(c g_t) a_t^T``) is off by up to ``2^-126`` per entry of ``c g_t``, which a huge ``a_t`` carries
+far beyond any relative bound; :meth:`ParamLayer.underflow_error` bounds that, and the engine drops a
+sample for which it matters (:data:`~decentdp.gradients.clipping.UNDERFLOW_SHARE`).
 
 The per-sample results are checked against one-sample-at-a-time autograd in
 ``tests/gradients/test_layers.py`` for every layer type, with property-based shapes.
@@ -47,6 +50,7 @@ The per-sample results are checked against one-sample-at-a-time autograd in
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,6 +112,30 @@ def _sum_rounding(scale: Tensor, positions: int, dtype: torch.dtype) -> Tensor:
 
 def _unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
+
+
+#: How far one float32 operation near underflow can be off besides its relative rounding: the smallest normal
+#: number, since a kernel may flush subnormal inputs and results to zero (FTZ/DAZ; gradual underflow: 2^-150).
+_UNDERFLOW = 2.0**-126
+
+
+def _underflow_bound(input_max: Tensor, output_max: Tensor, positions: int, inputs: int, outputs: int) -> Tensor:
+    """A bound on how far underflow moves ``sum_t fl(c g_t) a_t^T`` and ``sum_t fl(c g_t)`` (``c <= 1``) for a
+    sample whose ``positions`` inputs ``a_t`` (``inputs`` entries each) and output gradients ``g_t`` (``outputs``
+    entries) have entries of size at most ``input_max`` and ``output_max``: each entry of ``c g_t`` off by
+    :data:`_UNDERFLOW` (``sqrt(outputs) ||a_t||`` in the product), each entry of ``a_t`` read as zero
+    (``sqrt(inputs) ||g_t||``), with ``||a_t|| <= sqrt(inputs) input_max`` and ``||g_t|| <= sqrt(outputs)
+    output_max``, and each of the ``positions (inputs + 1) outputs`` products and sums off by :data:`_UNDERFLOW`
+    once more (counted twice).  Entries' maxima rather than norms: one float32 pass, no float64 copy."""
+    return _UNDERFLOW * positions * (math.sqrt(inputs * outputs) * (input_max.double() + output_max.double())
+                                     + 2 * math.sqrt((inputs + 1) * outputs))
+
+
+def _sample_max(tensor: Tensor, samples: tuple[int, int]) -> Tensor:
+    """The largest entry's size of each of the ``(N, B)`` samples (consecutive rows) of ``tensor``; NaN stays NaN.
+    (``amax`` and ``amin``: on this project's CPU four times as fast as ``vector_norm(ord=inf)`` or ``aminmax``.)"""
+    rows = tensor.reshape(*samples, -1)
+    return torch.maximum(rows.amax(dim=-1), -rows.amin(dim=-1))
 
 
 def _agent_weighted_sums(weights: Tensor, per_sample: Sequence[Tensor], out: Sequence[Tensor]) -> None:
@@ -181,6 +209,18 @@ class ParamLayer(ABC):
             rows = weights if copies == 1 else weights.repeat_interleave(copies, dim=1)
             self._weighted_from_activations(saved, grad_out, rows, out)
 
+    def underflow_error(self, saved: Tensor, grad_out: Tensor, copies: int = 1) -> Tensor | None:
+        """A bound ``(N, B)`` (float64) on how far float32 underflow can move each sample's weighted gradient when
+        :meth:`weighted_gradients` works from the activations (:meth:`per_sample_sq_norms` returned no per-sample
+        gradients), whatever its clip factor; None where that is negligible.
+
+        The default, None, is for passes that multiply each factor only into values they then sum or copy (the
+        embedding's rows): underflow moves such a gradient by at most ``2^-126`` per entry and position, below
+        ``1e-30`` for any model here.  A linear or convolution layer multiplies ``c g_t`` by its input ``a_t``,
+        which can carry an error of ``2^-126`` in ``c g_t`` into one of any size (module docstring, "Rounding").
+        """
+        return None
+
     @abstractmethod
     def _weighted_from_activations(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
                                    out: Sequence[Tensor]) -> None:
@@ -236,6 +276,12 @@ class StackedLinear(ParamLayer):
         weight = torch.einsum("nbto,nbti->nboi", g, a)
         per_sample = [weight, g.sum(dim=2)] if self.bias else [weight]
         return squared_norms(weight, 2) + bias_sq, per_sample
+
+    def underflow_error(self, saved: Tensor, grad_out: Tensor, copies: int = 1) -> Tensor | None:
+        samples = (grad_out.shape[0], grad_out.shape[1] // copies)
+        positions = saved[0, 0, ..., 0].numel() * copies  # (N, B * K, ..., in): the middle dimensions, all copies
+        return _underflow_bound(_sample_max(saved, samples), _sample_max(grad_out, samples), positions,
+                                saved.shape[-1], grad_out.shape[-1])
 
     def _weighted_from_activations(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
                                    out: Sequence[Tensor]) -> None:
@@ -354,6 +400,12 @@ class StackedConv2d(ParamLayer):
         if bias is not None:
             per_sample.append(bias.view(n_agents, batch, self.out_channels))
         return sq.view(n_agents, batch) + bias_sq, per_sample
+
+    def underflow_error(self, saved: Tensor, grad_out: Tensor, copies: int = 1) -> Tensor | None:
+        samples = (grad_out.shape[0], grad_out.shape[1] // copies)
+        positions = copies * grad_out.shape[3] * grad_out.shape[4]  # a patch is an input position (zero padding)
+        return _underflow_bound(_sample_max(saved, samples), _sample_max(grad_out, samples), positions,
+                                self.in_channels * self.kernel[0] * self.kernel[1], self.out_channels)
 
     def _weighted_from_activations(self, saved: Tensor, grad_out: Tensor, weights: Tensor,
                                    out: Sequence[Tensor]) -> None:

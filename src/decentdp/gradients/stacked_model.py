@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from decentdp.gradients.clipping import clip_factors
+from decentdp.gradients.clipping import UNDERFLOW_SHARE, clip_weights, dropped
 from decentdp.gradients.cpu_kernels import cpu_kernel
 from decentdp.gradients.flat_model import FlatModel, LossFn, check_copies, empty_clipped_sums, saved_bytes_per_sample
 from decentdp.gradients.layers import PER_SAMPLE_MODULES, ParamLayer, Recorded, Unsupported, stacked_layer
@@ -237,18 +237,24 @@ class StackedModel(FlatModel):
         # float64 throughout: a layer's squared norm (a certified bound for ghost norms) must not be
         # rounded down on its way to the clip factor
         squared = torch.zeros(mask.shape, dtype=torch.float64, device=params.device)
+        underflow = torch.zeros_like(squared)
         materialised = []
         for (layer, inputs), grad_out in zip(layers, output_grads, strict=True):
             layer_sq, per_sample = layer.per_sample_sq_norms(inputs, grad_out, copies)
             squared += layer_sq
+            if per_sample is None:  # the weighted pass will work from the activations
+                bound = layer.underflow_error(inputs, grad_out, copies)
+                if bound is not None:
+                    underflow += bound
             materialised.append(per_sample)
         norms = squared.sqrt()
-        # A row with a non-finite gradient (a real sample, or padding re-reading a bad record) must
-        # contribute exactly nothing: its factor, output gradients and inputs are zeroed, since 0 * inf
-        # and 0 * NaN are NaN.  Other padding rows have zero output gradients (their loss is masked).
-        broken = ~torch.isfinite(norms)
+        # A dropped row (a non-finite gradient, from a real sample or from padding re-reading a bad record;
+        # a norm or activations of absurd size) must contribute exactly nothing: its factor, output gradients
+        # and inputs are zeroed, since 0 * inf and 0 * NaN are NaN.  Other padding rows have zero output
+        # gradients (their loss is masked).  (A NaN underflow bound fails the comparison: dropped.)
+        broken = dropped(norms, clip) | ~(underflow <= UNDERFLOW_SHARE * clip)
         any_broken = bool(broken.any())
-        factors = torch.where((mask > 0) & ~broken, clip_factors(norms, clip), torch.zeros_like(norms)).to(params.dtype)
+        factors = clip_weights(norms, (mask > 0) & ~broken, clip, params.dtype)
         sums = torch.empty(params.shape, dtype=params.dtype, device=params.device) if out is None else out
         slots = {id(node.layer): node.slots for node in _param_layers(self.program)}
         keep_copies = ~broken if copies == 1 else (~broken).repeat_interleave(copies, dim=1)
