@@ -5,7 +5,7 @@ which is the sensitivity the Gaussian noise ``sigma * C`` is calibrated to.  Nor
 float64 (:func:`squared_norms`): a float32 sum of millions of squares can fall 0.3 % short of the true
 norm (measured for 4M equal entries), far more than the clipping margin absorbs.
 
-Two things keep the float32 clipped sum within ``C`` beyond the norm itself:
+Three things keep the float32 clipped sum within ``C`` beyond the norm itself:
 
 * **The clip factor is rounded toward zero** (:func:`clip_weights`): the factor is computed in float64,
   and its float32 value must not be the larger one.
@@ -18,11 +18,20 @@ Two things keep the float32 clipped sum within ``C`` beyond the norm itself:
   :data:`UNDERFLOW_SHARE` of ``C`` (:meth:`~decentdp.gradients.layers.ParamLayer.underflow_error`).
   Dropping a sample because of its own data is a clipping rule like any other: its contribution, zero,
   is within ``C``.
+* **Matrix products and convolutions run in IEEE float32** (:func:`ieee_float32`) while the clipped
+  sums are formed: by default cuDNN computes float32 convolutions in TF32 (10-bit mantissa, unit
+  roundoff ``2^-11`` instead of ``2^-24``), and ``torch.set_float32_matmul_precision("high" | "medium")``
+  does the same to cuBLAS products and, on CPUs with bfloat16 units, rounds oneDNN's to bfloat16.  The
+  rounding bounds of :mod:`decentdp.gradients.layers` and the clipping margin assume float32 arithmetic
+  (under an emulation of TF32, a record crafted to make its per-position gradients cancel reached ``1.165 C``).
 """
 
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -40,6 +49,9 @@ MIN_CLIP_FACTOR = 2.0**-100
 UNDERFLOW_SHARE = 1e-6
 #: :func:`squared_norms` converts this many elements to float64 at a time at most (128 MiB).
 _FLOAT64_BLOCK = 2**24
+#: The ``torch.backends`` settings (torch >= 2.9) of the products and convolutions a clipped sum goes through:
+#: cuBLAS, cuDNN (convolutions; RNNs only so that cuDNN's legacy ``allow_tf32`` flag stays readable) and oneDNN.
+_PRECISION_SETTINGS = ("cuda.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")
 
 
 def squared_norms(tensor: torch.Tensor, trailing: int) -> torch.Tensor:
@@ -80,6 +92,69 @@ def clip_weights(norms: torch.Tensor, keep: torch.Tensor, clip: float, dtype: to
                        weights)
 
 
+_precision_lock = threading.Lock()
+_precision_holders = 0
+_saved_precision: tuple[bool | None, str | None, list[str]] | None = None
+
+
+def _precision_settings() -> list[object]:
+    """The objects of :data:`_PRECISION_SETTINGS` (none before torch 2.9, which has only the legacy flags)."""
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        return []
+    settings = []
+    for path in _PRECISION_SETTINGS:
+        owner, operation = path.split(".")
+        settings.append(getattr(getattr(torch.backends, owner), operation))
+    return settings
+
+
+def _legacy(read: object) -> object:
+    """A legacy flag's value, or None where torch refuses to read it (settings mixed through both APIs)."""
+    try:
+        return read()  # type: ignore[operator]
+    except RuntimeError:
+        return None
+
+
+@contextmanager
+def ieee_float32() -> Iterator[None]:
+    """Hold float32 matrix products and convolutions (cuBLAS, cuDNN, oneDNN) at IEEE float32 inside the block.
+
+    Both of torch's interfaces are set, consistently: the legacy flags (``torch.backends.cudnn.allow_tf32 =
+    False``, ``torch.set_float32_matmul_precision("highest")``) and, from torch 2.9, each operation's
+    ``fp32_precision = "ieee"`` (an operation left at ``"none"`` would inherit a TF32 or bfloat16 default set for
+    its whole backend).  The caller's settings come back when the block ends.  Blocks may nest and may run in
+    several threads at once (a sharded run's local shards): the settings are set when the first block starts
+    and restored when the last one ends.
+    """
+    global _precision_holders, _saved_precision
+    with _precision_lock:
+        if _precision_holders == 0:
+            settings = _precision_settings()
+            _saved_precision = (_legacy(lambda: torch.backends.cudnn.allow_tf32),
+                                _legacy(torch.get_float32_matmul_precision),
+                                [setting.fp32_precision for setting in settings])
+            torch.backends.cudnn.allow_tf32 = False
+            torch.set_float32_matmul_precision("highest")
+            for setting in settings:
+                setting.fp32_precision = "ieee"
+        _precision_holders += 1
+    try:
+        yield
+    finally:
+        with _precision_lock:
+            _precision_holders -= 1
+            if _precision_holders == 0 and _saved_precision is not None:
+                allow_tf32, matmul, precisions = _saved_precision
+                if allow_tf32 is not None:
+                    torch.backends.cudnn.allow_tf32 = allow_tf32
+                if matmul is not None:
+                    torch.set_float32_matmul_precision(matmul)
+                for setting, precision in zip(_precision_settings(), precisions, strict=True):
+                    setting.fp32_precision = precision
+                _saved_precision = None
+
+
 def clipped_sum(per_sample: torch.Tensor, mask: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum over each agent's batch of clipped per-sample gradients.
 
@@ -102,4 +177,6 @@ def clipped_sum(per_sample: torch.Tensor, mask: torch.Tensor, clip: float) -> tu
     weights = clip_weights(norms, keep, clip, per_sample.dtype)
     # A dropped gradient's entries are zeroed too, since 0 * inf and 0 * NaN are NaN.
     safe = torch.where(keep[..., None], per_sample, torch.zeros_like(per_sample))
-    return torch.einsum("nb,nbd->nd", weights, safe), norms.to(per_sample.dtype)
+    with ieee_float32():
+        sums = torch.einsum("nb,nbd->nd", weights, safe)
+    return sums, norms.to(per_sample.dtype)

@@ -39,7 +39,9 @@ upper bound instead of the norm: the float64 grams' rounding error is at most ``
 weighted pass's at most ``gamma_{K T} S`` (``S = sum_t ||a_t|| ||g_t||``, ``gamma_n ~ n u``, the
 classical bound for a sum of ``n`` products in any order; Higham 2002, Sec. 3.1), both added with a
 factor 2 to spare (:func:`_ghost_bound`).  For the other rules the clipped vector is the tensor whose
-norm was taken, or one product per entry.  Near underflow, the weighted pass from activations
+norm was taken, or one product per entry.  These bounds take float32 arithmetic (unit roundoff ``2^-24``):
+the weighted passes run under :func:`~decentdp.gradients.clipping.ieee_float32`, since cuDNN computes
+float32 convolutions in TF32 (``2^-11``) by default.  Near underflow, the weighted pass from activations
 (``sum_t fl(c g_t) a_t^T``) is off by up to ``2^-126`` per entry of ``c g_t``, which a huge ``a_t`` carries
 far beyond any relative bound; :meth:`ParamLayer.underflow_error` bounds that, and the engine drops a
 sample for which it matters (:data:`~decentdp.gradients.clipping.UNDERFLOW_SHARE`).

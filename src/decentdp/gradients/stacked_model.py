@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from decentdp.gradients.clipping import UNDERFLOW_SHARE, clip_weights, dropped
+from decentdp.gradients.clipping import UNDERFLOW_SHARE, clip_weights, dropped, ieee_float32
 from decentdp.gradients.cpu_kernels import cpu_kernel
 from decentdp.gradients.flat_model import FlatModel, LossFn, check_copies, empty_clipped_sums, saved_bytes_per_sample
 from decentdp.gradients.layers import PER_SAMPLE_MODULES, ParamLayer, Recorded, Unsupported, stacked_layer
@@ -258,12 +258,13 @@ class StackedModel(FlatModel):
         sums = torch.empty(params.shape, dtype=params.dtype, device=params.device) if out is None else out
         slots = {id(node.layer): node.slots for node in _param_layers(self.program)}
         keep_copies = ~broken if copies == 1 else (~broken).repeat_interleave(copies, dim=1)
-        for (layer, inputs), grad_out, per_sample in zip(layers, output_grads, materialised, strict=True):
-            if any_broken:
-                grad_out, inputs = _zero_rows(grad_out, keep_copies), _zero_rows(inputs, keep_copies)
-                per_sample = None if per_sample is None else [_zero_rows(g, ~broken) for g in per_sample]
-            targets = [sums[:, s.offset:s.offset + s.numel].view(len(sums), *s.shape) for s in slots[id(layer)]]
-            layer.weighted_gradients(inputs, grad_out, factors, per_sample, targets, copies)
+        with ieee_float32():  # the rounding bounds of the layers' rules take float32 arithmetic, not TF32
+            for (layer, inputs), grad_out, per_sample in zip(layers, output_grads, materialised, strict=True):
+                if any_broken:
+                    grad_out, inputs = _zero_rows(grad_out, keep_copies), _zero_rows(inputs, keep_copies)
+                    per_sample = None if per_sample is None else [_zero_rows(g, ~broken) for g in per_sample]
+                targets = [sums[:, s.offset:s.offset + s.numel].view(len(sums), *s.shape) for s in slots[id(layer)]]
+                layer.weighted_gradients(inputs, grad_out, factors, per_sample, targets, copies)
         return sums, norms.to(params.dtype)
 
     def batch_gradients(self, params: Tensor, x: Tensor, y: Tensor, weights: Tensor) -> Tensor:
