@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from scipy import stats
 
 from decentdp.config import validate_config
 from decentdp.errors import ConfigError
 from decentdp.experiment.build import build_experiment
 from decentdp.experiment.loop import run_experiment
-from decentdp.gradients.memory import padded_batch, plan_memory
+from decentdp.gradients.memory import BATCH_TAIL, padded_batch, plan_memory
 from decentdp.util.profiling import PhaseTimer
 
 from conftest import tiny_config
@@ -61,6 +62,26 @@ def test_forced_agents_per_pass_is_checked_against_the_limit() -> None:
 def test_padded_batch_covers_poisson_tails() -> None:
     assert padded_batch(256.0, 6000) >= 256 + 6 * 16
     assert padded_batch(50.0, 60) == 60  # never wider than the agent's data
+    assert padded_batch(3.0, 0) == 0
+
+
+@pytest.mark.parametrize("records", [10, 100, 1000, 60_000])
+def test_a_poisson_batch_exceeds_the_padded_width_with_probability_at_most_1e_9(records: int) -> None:
+    """The docstring's promise, exactly (scipy's binomial tail): ``mean + 6 sd + 1`` was exceeded with
+    probability 8.4e-7 at an expected batch of 1 of 100 records."""
+    for expected in (0.01, 0.3, 1.0, 2.0, 5.0, 32.0, 256.0, 1000.0, 3000.0):
+        if expected >= records:
+            continue
+        width = padded_batch(expected, records)
+        assert stats.binom.sf(width, records, expected / records) <= BATCH_TAIL, (expected, records, width)
+        assert stats.binom.sf(width - 1, records, expected / records) > BATCH_TAIL  # and no wider than needed
+
+
+def test_the_refusal_of_a_forced_agents_per_pass_reads_cleanly() -> None:
+    with pytest.raises(ConfigError) as info:
+        plan_memory(8, 10, state=0, batch_bytes=0, activation_bytes_per_sample=1024, batch_width=1024,
+                    limit_bytes=2 * MIB + 1000, agents_per_pass=3)
+    assert " , " not in info.value.message and "MiB, more than the" in info.value.message
 
 
 def test_chunked_gradients_equal_one_pass() -> None:
