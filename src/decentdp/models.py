@@ -1,15 +1,24 @@
 """Model registry: the networks the experiments train, and the per-sample loss they train with.
 
 Every agent of a simulation runs the same architecture; the engine keeps the agents' parameters
-stacked and evaluates the model through :func:`torch.func.functional_call` under
-:func:`torch.func.vmap` -- once over agents, and once more over samples to obtain the per-sample
-gradients that DP-SGD clips. That dictates the design rules every model here follows:
+stacked, and the module built here is a template that one of two gradient engines evaluates
+(:func:`decentdp.gradients.stacked_model.gradient_model`).  By default it is the stacked engine,
+which compiles the module into a program over all agents at once and clips without per-sample
+gradients; it knows ``Sequential`` chains, :class:`Residual` blocks, ``Linear``, ``Conv2d``,
+``GroupNorm`` and ``Embedding`` layers and a list of parameter-free per-sample modules, by their
+exact classes.  A model with anything else is evaluated through
+:func:`torch.func.functional_call` under :func:`torch.func.vmap` -- once over agents, and once more
+over samples to obtain the per-sample gradients that DP-SGD clips -- with a logged reason.  That
+dictates the design rules every model here follows:
 
 * no layer that mixes samples of a batch (BatchNorm and friends): a per-sample gradient is only
   meaningful, and its clipping only bounds one person's influence, if each sample's output
   depends on that sample alone -- :func:`validate_for_dp` enforces this; GroupNorm is used
   instead;
-* no in-place operations and no data-dependent Python control flow, so ``vmap`` can batch them;
+* no in-place operations and no data-dependent Python control flow, so ``vmap`` can batch them
+  (and the stacked engine keeps the activations it needs);
+* torch's own layer classes in ``Sequential`` chains and :class:`Residual` blocks, so that the
+  stacked engine takes the model;
 * all sizes are worked out from the input shape ``(C, H, W)`` when the model is built, so the
   same builder serves digits (1x8x8), MNIST (1x28x28 or padded 1x32x32) and CIFAR (3x32x32).
 
