@@ -407,6 +407,34 @@ def test_tight_headroom_takes_a_few_compositions(monkeypatch: pytest.MonkeyPatch
     assert epsilon_of_history(((event, room + 1),), 1e-5, "tight", "add-remove") > 4.0
 
 
+@pytest.mark.parametrize(("accountant", "relation"), [("tight", "replace-one"), ("pld", "add-remove")])
+def test_headroom_from_no_known_count_takes_a_few_compositions(accountant: str, relation: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replace-one ledger and the pld accountant have no RDP count to start the exact count from, so the search
+    starts at zero: it predicts from the first count it measures and then interpolates, at most ten compositions,
+    where predicting only at the first step (from 0, which predicts nothing) and then doubling took 23 (tight,
+    replace-one) and 27 (pld) here; the count is the one a plain search finds (doubling and bisecting)."""
+    budget, event = 3.0, gaussian_event(2.0, 0.02)
+    counted: list[int] = []
+
+    def epsilon(history: tuple, delta: float, accountant: str, relation: str) -> float:
+        counted.append(history[-1][1])
+        return epsilon_of_history(history, delta, accountant, relation)
+
+    ledger = PrivacyLedger(1, budget, 1e-5, accountant, relation)
+    event_id = ledger.intern(event)
+    ledger_module._max_count.cache_clear()
+    monkeypatch.setattr(ledger_module, "epsilon_of_history", epsilon)
+    room, exact = ledger._headroom(0, event_id)
+    monkeypatch.undo()
+    assert exact and len(counted) <= 10
+    if relation == "replace-one":  # (a plain search costs about 20 compositions: one relation is enough)
+        assert room == ledger_module._search(
+            lambda count: epsilon_of_history(((event, count),), 1e-5, accountant, relation) <= budget, 0)
+    assert epsilon_of_history(((event, room),), 1e-5, accountant, relation) <= budget
+    assert epsilon_of_history(((event, room + 1),), 1e-5, accountant, relation) > budget
+
+
 def test_alternating_runs_are_priced_as_their_composition_in_any_order() -> None:
     """TOP-DP's joint releases alternate between a few events round by round. The history is priced with its runs
     merged (one distribution per distinct event): the same epsilon as dp_accounting composing every run in order, by
