@@ -395,7 +395,7 @@ def test_secure_warm_start_is_an_exact_grid_laplace_release_of_the_l1_sensitivit
     """Secure mode's output perturbation: every released coordinate is an integer number of grid steps (no
     float support gaps, Mironov 2012), the per-coordinate noise is Laplace of scale sqrt(p) Delta_i / eps
     (mean absolute value = scale, within sampling error), and agents without data are left alone."""
-    from decentdp.privacy.discrete import grid_step
+    from decentdp.privacy.discrete import laplace_grid_step
     from decentdp.rng import AgentKeys, SecureRandom
 
     dim, clip, epsilon = 5, 1.0, 0.5
@@ -405,7 +405,8 @@ def test_secure_warm_start_is_an_exact_grid_laplace_release_of_the_l1_sensitivit
     keys = AgentKeys({agent: bytes([agent % 256, agent // 256]) * 16 for agent in range(300)})  # fixed: no flaky draw
     released = output_perturbation(problem, local, clip, epsilon, SecureRandom(0, keys))
     sensitivity = math.sqrt(dim) * (1 + CERTIFIED_TOLERANCE) * clip / (problem.counts.double() * problem.reg)
-    steps = torch.tensor([grid_step(float(s)) for s in sensitivity], dtype=torch.float64)[:, None]
+    steps = torch.tensor([laplace_grid_step(float(s), dim, 1 / epsilon) for s in sensitivity],
+                         dtype=torch.float64)[:, None]
     assert torch.equal(torch.round(released / steps), released / steps)        # on each agent's grid, exactly
     scaled = ((released - local) * epsilon / sensitivity[:, None]).abs()
     assert abs(float(scaled.mean()) - 1) < 0.08                                # 1500 draws of |Laplace(1)|
@@ -455,13 +456,13 @@ def test_the_secure_warm_starts_exact_loss_stays_within_its_epsilon():
     any output's probability is sum_j |q_j - q'_j| / t (q: the rounded inputs, t: the noise scale in grid
     steps); it must not exceed the warm start's epsilon, including for the l1-worst direction (all
     coordinates equal)."""
-    from decentdp.privacy.discrete import grid_scale, grid_step
+    from decentdp.privacy.discrete import grid_scale, laplace_grid_step
 
     rng = np.random.default_rng(2)
     for _ in range(300):
         dim, delta, epsilon = int(rng.integers(1, 40)), rng.uniform(1e-3, 10.0), rng.uniform(0.01, 2.0)
         l1 = math.sqrt(dim) * delta                         # the sensitivity the release is built for
-        gamma, t = grid_step(l1), grid_scale(1.0 / epsilon, dim, l1)
+        gamma, t = laplace_grid_step(l1, dim, 1.0 / epsilon), grid_scale(1.0 / epsilon, dim, l1)
         theta = rng.normal(scale=rng.choice([1e-2, 1.0, 1e2]) * delta, size=dim)
         direction = np.ones(dim) if rng.uniform() < 0.5 else rng.normal(size=dim)
         other = theta + delta * rng.uniform() * direction / np.linalg.norm(direction)

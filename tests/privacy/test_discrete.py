@@ -21,6 +21,7 @@ from decentdp.privacy.discrete import (
     grid_release,
     grid_scale,
     grid_step,
+    laplace_grid_step,
     product_up,
     rounded_gaussian,
     uniform_below,
@@ -67,7 +68,7 @@ def test_grid_release_lies_on_the_grid_and_neighbours_round_within_the_priced_se
     at no more than the continuous multiplier's epsilon."""
     rng = np.random.default_rng(4)
     clip, dim, multiplier = 1.7, 9, 2.5
-    gamma = grid_step(clip)
+    gamma = laplace_grid_step(clip, dim, multiplier)
     for _ in range(200):
         v = rng.normal(scale=rng.choice([1e-3, 1.0, 1e4]), size=dim)
         direction = rng.normal(size=dim)
@@ -90,7 +91,7 @@ def test_secure_laplace_mechanism_and_personalized_updates_release_on_the_grid()
     mechanism = LaplaceMechanism(torch.tensor([2.0, 3.0, 4.0], dtype=torch.float64), 1.5)
     values = torch.randn(3, 7, dtype=torch.float64)
     mechanism.perturb(values, torch.arange(3), NoiseDraw(secure, torch.arange(3), 0, 0))
-    steps = values.numpy() / grid_step(1.5)
+    steps = values.numpy() / grid_step(1.5 / 8)  # the finest Laplace grid of 7 coordinates: every row lies on it
     assert np.array_equal(steps, np.rint(steps))
 
     noise = calibrate_updates("laplace", "tight", 1.0, 1e-5, np.ones((3, 4)), "pld", "add-remove")
@@ -98,7 +99,7 @@ def test_secure_laplace_mechanism_and_personalized_updates_release_on_the_grid()
     updates = PrivateUpdates(noise, 1.0, ledger, secure, torch.ones(3, dtype=torch.bool))
     sums = torch.randn(2, 5, dtype=torch.float64)
     updates.release(0, torch.tensor([0, 2]), torch.tensor([0, 0]), sums)
-    steps = sums.numpy() / grid_step(1.0)
+    steps = sums.numpy() / grid_step(1.0 / 6)
     assert np.array_equal(steps, np.rint(steps))
     assert (ledger.releases() == np.array([1, 0, 1])).all()
 
@@ -157,12 +158,50 @@ def test_the_exact_loss_of_a_grid_laplace_release_is_within_its_ledger_event(rel
     rng = np.random.default_rng(8)
     for _ in range(300):
         clip, dim, multiplier = rng.uniform(0.1, 10), int(rng.integers(1, 50)), rng.uniform(0.2, 20)
-        gamma, t = grid_step(clip), grid_scale(multiplier, dim, clip)
+        gamma, t = laplace_grid_step(clip, dim, multiplier), grid_scale(multiplier, dim, clip)
         v = rng.normal(scale=rng.choice([1e-3, 1.0, 1e3]) * clip, size=dim)
         direction = rng.normal(size=dim)
         w = v + relation_factor * clip * rng.uniform() * direction / np.abs(direction).sum()
         exact = np.abs(np.rint(v / gamma) - np.rint(w / gamma)).sum() / t
         assert exact <= budget_factor / multiplier * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("dim", [1, 9, 79_510, 10**7])
+def test_a_grid_laplace_release_adds_at_most_a_part_per_million_of_noise_at_any_dimension(dim: int) -> None:
+    """The rounding of ``d`` coordinates adds up to ``d + 1`` steps to the l1 distance the noise is sized for, so
+    the noise's scale ``t gamma`` is ``m C (1 + (d + 1) gamma / C)``: with a grid sized from ``C`` alone it was 1.07
+    times the priced ``m C`` for the MLP's 79 510 parameters.  The grid is finer by ``d + 1``: at most one part per
+    million more at any dimension, and still within the priced epsilon (``K / t <= 1 / m``)."""
+    for clip, multiplier in ((1.0, 1.0), (0.7, 0.37), (282.0, 429.0)):
+        gamma, t = laplace_grid_step(clip, dim, multiplier), grid_scale(multiplier, dim, clip)
+        assert Fraction(t) * Fraction(gamma) <= Fraction(multiplier) * Fraction(clip) * (1 + Fraction(1, 2**19))
+        assert (Fraction(clip) / Fraction(gamma) + dim) / t <= 1 / Fraction(multiplier)
+
+
+def test_the_released_noise_has_the_priced_scale_on_a_large_model() -> None:
+    """A release of the MLP's 79 510 coordinates: the noise's standard deviation is the priced Laplace's,
+    sqrt(2) m C (sample spread about 0.4 %; it was 7 % above with a grid sized from C alone)."""
+    clip, multiplier, dim = 3.0, 2.0, 79_510
+    released = grid_release(np.zeros((1, dim)), clip, np.array([multiplier]), lambda row: _words(21))
+    assert float(np.std(released)) == pytest.approx(math.sqrt(2) * multiplier * clip, rel=0.02)
+
+
+def test_a_huge_noise_scale_coarsens_the_grid_and_the_release_is_its_integer_times_the_step() -> None:
+    """Where ``m (d + 1)`` is so large that the scale in steps would leave the samplers' 64-bit range, the grid is
+    coarsened (a power of two, so still on the finest grid) and the release keeps within the priced epsilon; the
+    released value is the integer ``rounded input + noise`` times the step, formed in integers (beyond 2^53 steps
+    the nearest float of that integer, never a sum of two rounded floats)."""
+    clip, dim, multiplier = 1.0, 3, 2.0**34
+    gamma = laplace_grid_step(clip, dim, multiplier)
+    t = grid_scale(multiplier, dim, clip)
+    assert gamma > grid_step(clip / (dim + 1)) and t < 2**56
+    assert (Fraction(clip) / Fraction(gamma) + dim) / t <= 1 / Fraction(multiplier)
+    values = np.array([[0.3, -1.7, 12345.6789]])
+    released = grid_release(values, clip, np.array([multiplier]), lambda row: _words(22))
+    noise = discrete_laplace(_words(22), np.full(dim, t))
+    assert (np.abs(noise) > 2**53).any()  # (these words draw one beyond float64's exact integers)
+    expected = (np.rint(values[0] / gamma).astype(np.int64) + noise).astype(np.float64) * gamma
+    assert np.array_equal(released[0], expected)
 
 
 def test_noise_scales_are_never_rounded_below_the_priced_product() -> None:
@@ -261,12 +300,12 @@ def _worst_small_grid_excess(slack: bool) -> mpmath.mpf:
 
 
 def test_the_real_grid_keeps_its_loss_profile_under_the_priced_laplace() -> None:
-    """The same check at the real grid (C / gamma >= 2^20, so the shift K is about a million steps and the
-    excess the slack covers is about 1 / 8t^2): one coordinate at the full shift, in closed form over a spread of
-    the loss intervals (all of them would be a million), with the concave maximum inside each."""
+    """The same check at the real grid (one coordinate: C / gamma >= 2 * 2^20, so the shift K is about two million
+    steps and the excess the slack covers is about 1 / 8t^2): one coordinate at the full shift, in closed form over
+    a spread of the loss intervals (all of them would be millions), with the concave maximum inside each."""
     with mpmath.workdps(50):
         for clip, multiplier in ((1.0, 1.0), (0.7, 0.37), (3.3, 12.0)):
-            distance = int(clip / grid_step(clip)) + 1
+            distance = int(clip / laplace_grid_step(clip, 1, multiplier)) + 1
             t = grid_scale(multiplier, 1, clip)
             r = mpmath.exp(-mpmath.mpf(1) / t)
             c = (1 - r) / (1 + r)
