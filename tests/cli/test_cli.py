@@ -180,6 +180,36 @@ def test_privacy_epsilon_human_readable_names_accountant(paper_sigma: float,
     assert "accountant: the smaller of PLD and RDP" in out and "neighbouring: add-remove" in out
 
 
+def test_privacy_under_replace_one_with_sampling_names_pld_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    """RDP has no replace-one bound for Poisson-sampled releases, so the tight answer is PLD's: the label says so
+    (it said "the smaller of PLD and RDP"); at sample rate 1 RDP prices replace-one, and the label is the usual."""
+    assert main(["privacy", "epsilon", "--sigma", "2", *SIGMA_ARGS, "--neighbouring", "replace-one"]) == 0
+    out = capsys.readouterr().out
+    assert "accountant: PLD (dp_accounting PLDAccountant; RDP has no replace-one bound" in out
+    assert "smaller of PLD and RDP" not in out
+    assert main(["privacy", "epsilon", "--sigma", "20", "--delta", "1e-5", "--sample-rate", "1", "--steps", "10",
+                 "--neighbouring", "replace-one"]) == 0
+    assert "accountant: the smaller of PLD and RDP" in capsys.readouterr().out
+
+
+def test_privacy_releases_no_accountant_prices_get_one_coherent_message(capsys: pytest.CaptureFixture[str]) -> None:
+    """sigma 0.05 (below PLD's 0.1) with Poisson-sampled replace-one (no RDP bound): every accountant says that
+    neither can price them and what would let one, naming the setting as a run and this command spell it; the
+    tight answer used to join PLD's "use the RDP accountant" with RDP's "use privacy.accountant = 'tight' or
+    'pld'"."""
+    for accountant in ("tight", "pld", "rdp"):
+        code = main(["privacy", "epsilon", "--sigma", "0.05", "--delta", "1e-5", "--sample-rate", "0.5", "--steps",
+                     "3", "--neighbouring", "replace-one", "--accountant", accountant])
+        err = capsys.readouterr().err
+        _assert_user_error(code, err, "decentdp: error: neither accountant can price these releases: PLD")
+        assert "use the RDP accountant" not in err and "tight' or 'pld'" not in err
+        assert "noise multiplier of at least 0.1 (for PLD)" in err and "--neighbouring" in err
+    code = main(["privacy", "epsilon", "--sigma", "1", "--delta", "1e-5", "--sample-rate", "0.5", "--steps", "3",
+                 "--neighbouring", "replace-one", "--accountant", "rdp"])  # PLD prices this one: use it
+    _assert_user_error(code, capsys.readouterr().err, "the RDP accountant has no replace-one bound for "
+                       "Poisson-sampled releases; use the tight or PLD accountant (privacy.accountant, or --accountant")
+
+
 def test_more_releases_per_step_need_more_noise(paper_sigma: float, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["privacy", "sigma", "--epsilon", "1", *SIGMA_ARGS, "--releases-per-step", "2", "--json"]) == 0
     result = _last_json(capsys.readouterr().out)

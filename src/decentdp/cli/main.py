@@ -389,6 +389,8 @@ def _answer_privacy(args: argparse.Namespace) -> int:
     releases = steps * args.releases_per_step
     name = {"rdp": "RDP (dp_accounting RdpAccountant)", "pld": "PLD (dp_accounting PLDAccountant)",
             "tight": "the smaller of PLD and RDP (dp_accounting)"}[args.accountant]
+    if args.accountant == "tight" and args.neighbouring == "replace-one" and sample_rate < 1:
+        name = "PLD (dp_accounting PLDAccountant; RDP has no replace-one bound for sampled releases)"
     if args.question == "sigma":
         print(f"noise multiplier sigma = {sigma_shown} reaches epsilon = {epsilon:g} at delta = {args.delta:g}")
         print(f"  epsilon reached with this sigma: {epsilon_text(reached, significant=6)}")

@@ -111,6 +111,33 @@ def check_relation(relation: str) -> None:
         raise ConfigError("privacy.neighbouring", f"unknown relation {relation!r}; allowed: {', '.join(RELATIONS)}")
 
 
+#: Where the accountant is chosen: a run's config field and ``decentdp privacy``'s option, named together so that one
+#: message is true in both contexts.
+ACCOUNTANT_SETTING = "privacy.accountant, or --accountant of `decentdp privacy`"
+#: Where the neighbouring relation is chosen (as :data:`ACCOUNTANT_SETTING`).
+RELATION_SETTING = "privacy.neighbouring, or --neighbouring of `decentdp privacy`"
+
+
+class UnpricedError(PrivacyError):
+    """One accountant cannot price a history: ``reason`` says why, ``remedy`` what change to the releases would let
+    it (empty where none would), and the message adds ``advice`` (which accountant to use instead).  Where neither
+    PLD nor RDP can price a history, :func:`neither_prices` combines the two reasons and remedies into one
+    message, so that no message sends the user from one accountant to the other and back."""
+
+    def __init__(self, reason: str, remedy: str = "", advice: str = "") -> None:
+        self.reason, self.remedy = reason, remedy
+        super().__init__(f"{reason}; {advice}" if advice else reason)
+
+
+def neither_prices(errors: list[UnpricedError]) -> PrivacyError:
+    """The one message for a history that neither accountant can price: each reason, and the changes that would let
+    one of them (``errors``: the accountants' :class:`UnpricedError`, PLD's first)."""
+    reasons = ", and ".join(dict.fromkeys(error.reason for error in errors))
+    remedies = " or ".join(dict.fromkeys(error.remedy for error in errors if error.remedy))
+    return PrivacyError(f"neither accountant can price these releases: {reasons}" +
+                        (f"; to price them, use {remedies}" if remedies else ""))
+
+
 def make_accountant(name: str, relation: str = DEFAULT_RELATION,
                     interval: float = PLD_DISCRETIZATION) -> dp_accounting.PrivacyAccountant:
     """A fresh dp_accounting accountant by name (``rdp`` or ``pld``, discretised at ``interval``) for ``relation``.
@@ -151,8 +178,9 @@ def priced_event(event: dp_accounting.DpEvent, accountant: str, relation: str) -
             return event
         if inner is event:
             return dp_accounting.GaussianDpEvent(inner.noise_multiplier / 2)
-        raise PrivacyError("the RDP accountant has no replace-one bound for Poisson-sampled releases; use "
-                           "privacy.accountant = 'tight' or 'pld'")
+        raise UnpricedError("the RDP accountant has no replace-one bound for Poisson-sampled releases",
+                            f"the add-remove relation (for RDP: {RELATION_SETTING})",
+                            f"use the tight or PLD accountant ({ACCOUNTANT_SETTING})")
     raise PrivacyError(f"no replace-one accounting for {type(event).__name__}")
 
 
@@ -203,12 +231,12 @@ def rdp_curve(event: dp_accounting.DpEvent) -> np.ndarray:
         with _quiet_absl():
             accountant = rdp_privacy_accountant.RdpAccountant()
             if not accountant.supports(event):
-                raise PrivacyError(f"the RDP accountant cannot price {type(event).__name__}; use privacy.accountant "
-                                   "= 'pld'")
+                raise UnpricedError(f"the RDP accountant cannot price {type(event).__name__}",
+                                    advice=f"use the PLD accountant ({ACCOUNTANT_SETTING})")
             curve = accountant.compose(event).rdp.copy()
     if np.any(curve < 0):  # a divergence is never negative: rounding made it so, and the conversion would read 0
-        raise PrivacyError(f"the RDP of {type(event).__name__} came out negative at some order (numerical "
-                           "instability): use privacy.accountant = 'pld'")
+        raise UnpricedError(f"the RDP of {type(event).__name__} came out negative at some order (numerical "
+                            "instability)", advice=f"use the PLD accountant ({ACCOUNTANT_SETTING})")
     curve.setflags(write=False)
     return curve
 
@@ -261,25 +289,25 @@ def _epsilon_of_merged(history: History, delta: float, accountant: str, relation
         for name in ("pld", "rdp"):
             try:
                 values.append(_epsilon_of_merged(history, delta, name, relation))
-            except PrivacyError as error:
-                errors.append(str(error))
+            except UnpricedError as error:  # (any other PrivacyError holds for both, e.g. already combined)
+                errors.append(error)
         if not values:
-            raise PrivacyError("; ".join(errors))
+            raise neither_prices(errors)
         return min(values)
-    priced = tuple((priced_event(event, accountant, relation), count) for event, count in history)
     if accountant == "rdp":
-        return rdp_epsilon(np.asarray(rdp_total(priced)), delta)
+        try:
+            priced = tuple((priced_event(event, accountant, relation), count) for event, count in history)
+            total = rdp_total(priced)
+        except UnpricedError as error:
+            pld = _pld_obstacle(tuple((priced_event(event, "pld", relation), count) for event, count in history))
+            raise error if pld is None else neither_prices([pld, error]) from None
+        return rdp_epsilon(np.asarray(total), delta)
+    priced = tuple((priced_event(event, accountant, relation), count) for event, count in history)
     if all(type(event) is dp_accounting.GaussianDpEvent for event, _ in priced):
         return _gaussian_epsilon(priced, delta, relation)  # exact, no discretisation: no minimum multiplier either
-    smallest = min((multiplier for event, count in priced
-                    if (multiplier := _effective_multiplier(event, count)) is not None), default=math.inf)
-    if accountant == "pld" and smallest < PLD_MIN_NOISE_MULTIPLIER:
-        raise PrivacyError(f"PLD accounting is impractical for sigma = {smallest:g} < {PLD_MIN_NOISE_MULTIPLIER}; "
-                           "use the RDP accountant")
-    releases = sum(count for _, count in priced)
-    if accountant == "pld" and releases > PLD_MAX_RELEASES:
-        raise PrivacyError(f"PLD accounting is impractical for {releases:.3g} releases (more than "
-                           f"{PLD_MAX_RELEASES:.0e}); use the RDP accountant")
+    obstacle = _pld_obstacle(priced)
+    if obstacle is not None:
+        raise _pld_unpriced(obstacle, history, relation)
     interval = _pld_interval(history, delta, relation)
     try:
         # Past a loss of about 709 nats dp_accounting's mass ratio overflows and its epsilon reads infinite: an
@@ -291,8 +319,36 @@ def _epsilon_of_merged(history: History, delta: float, accountant: str, relation
                 return float(accountant_.compose(history_event(priced)).get_epsilon(delta))
             return _replace_one_pld_epsilon(priced, delta, interval)
     except (MemoryError, OverflowError):  # a distribution too wide to discretise: epsilons far beyond any budget
-        raise PrivacyError("PLD accounting is impractical for this history (its loss distribution does not fit in "
-                           "memory); use the RDP accountant") from None
+        raise _pld_unpriced(UnpricedError("PLD accounting is impractical for this history (its loss distribution does "
+                                          "not fit in memory)", "more noise (for PLD)"), history, relation) from None
+
+
+def _pld_obstacle(priced: History) -> UnpricedError | None:
+    """Why PLD accounting is impractical for a history of events priced for it (a multiplier below
+    :data:`PLD_MIN_NOISE_MULTIPLIER`, more than :data:`PLD_MAX_RELEASES` releases), or None; unsampled Gaussians alone
+    are composed in closed form, which has neither limit."""
+    if all(type(event) is dp_accounting.GaussianDpEvent for event, _ in priced):
+        return None
+    smallest = min((multiplier for event, count in priced
+                    if (multiplier := _effective_multiplier(event, count)) is not None), default=math.inf)
+    if smallest < PLD_MIN_NOISE_MULTIPLIER:
+        return UnpricedError(f"PLD accounting is impractical for sigma = {smallest:g} < {PLD_MIN_NOISE_MULTIPLIER}",
+                             f"a noise multiplier of at least {PLD_MIN_NOISE_MULTIPLIER} (for PLD)")
+    releases = sum(count for _, count in priced)
+    if releases > PLD_MAX_RELEASES:
+        return UnpricedError(f"PLD accounting is impractical for {releases:.3g} releases (more than "
+                             f"{PLD_MAX_RELEASES:.0e})", f"at most {PLD_MAX_RELEASES:.0e} releases (for PLD)")
+    return None
+
+
+def _pld_unpriced(obstacle: UnpricedError, history: History, relation: str) -> PrivacyError:
+    """The error for a history PLD cannot price: use RDP instead, or, where RDP cannot price it either, both
+    reasons (:func:`neither_prices`)."""
+    try:
+        rdp_total(tuple((priced_event(event, "rdp", relation), count) for event, count in history))
+    except UnpricedError as rdp:
+        return neither_prices([obstacle, rdp])
+    return UnpricedError(obstacle.reason, obstacle.remedy, f"use the RDP accountant ({ACCOUNTANT_SETTING})")
 
 
 def pure_epsilon(history: History, relation: str = DEFAULT_RELATION) -> float | None:
