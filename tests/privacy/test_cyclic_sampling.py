@@ -50,7 +50,8 @@ def test_each_record_is_in_one_fixed_batch_that_no_other_record_moves() -> None:
 
 
 def test_the_ledger_charges_one_release_per_pass_over_the_batches(tmp_path: Path) -> None:
-    """10 rounds over 4 batches: 3 releases per agent (rounds 0, 4, 8), calibrated for and spent exactly."""
+    """10 rounds over 4 batches: 3 charges per agent (rounds 0, 4, 8; privacy.json's ``releases`` counts charges),
+    calibrated for and spent exactly."""
     result = run_experiment(validate_config(_cyclic(algorithm={"name": "dp-dsgd"})), tmp_path / "run",
                             progress=False)
     setup = json.loads((tmp_path / "run" / "setup.json").read_text())
@@ -64,6 +65,8 @@ def test_the_ledger_charges_one_release_per_pass_over_the_batches(tmp_path: Path
     assert privacy["ledger"]["events"][0] == {"type": "GaussianDpEvent", "noise_multiplier": sigma}
     assert max(result.summary["epsilon_per_agent"]) <= 5.0 and min(result.summary["epsilon_per_agent"]) > 4.99
     assert "once per pass" in result.summary["epsilon_observer"]
+    # The assumption names what the run publishes about sizes: agent_sizes (its sample rates here are 1, not L/|D_i|).
+    assert "agent_sizes" in privacy["neighbouring_assumption"] and len(setup["agent_sizes"]) == 4
 
 
 def test_an_agent_out_at_a_passes_first_round_is_charged_when_it_first_releases() -> None:

@@ -19,8 +19,8 @@ runs, and its epsilon comes from one of dp_accounting's accountants:
 
 **Neighbouring relation.**  Datasets are neighbours if they differ by adding or removing one record
 (``add-remove``, the relation under which Poisson subsampling amplifies privacy and the one DP-SGD
-papers state) or by replacing one (``replace-one``).  A run publishes each agent's sample rate
-``q_i = L / |D_i|``, so ``|D_i|`` is public, and with sizes public the consistent relation is
+papers state) or by replacing one (``replace-one``).  A run publishes each agent's dataset size ``|D_i|``
+(a Poisson sample rate ``q_i = L / |D_i|`` depends on it), and with sizes public the consistent relation is
 replace-one, which costs about twice the epsilon.  dp_accounting's PLD prices replace-one natively
 for (sampled) Gaussian releases; for Laplace releases replace-one doubles the l1 sensitivity (and
 sampling is not credited, a sound but loose bound).  RDP has no replace-one bound for Poisson

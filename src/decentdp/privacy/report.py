@@ -19,8 +19,9 @@ from decentdp.rng import SIMULATION_NOTICE
 
 NEIGHBOURING_ASSUMPTIONS = {
     "add-remove": "neighbouring datasets differ by adding or removing one record of one agent; the run publishes "
-                  "each agent's sample rate q_i = L/|D_i|, so this assumes dataset sizes are not secret (the "
-                  "DP-SGD papers' relation; use replace-one when sizes must be covered)",
+                  "each agent's dataset size |D_i| (setup.json's agent_sizes, on which a Poisson sample rate "
+                  "q_i = L/|D_i| depends), so this assumes dataset sizes are not secret (the DP-SGD papers' relation; "
+                  "use replace-one when sizes must be covered)",
     "replace-one": "neighbouring datasets differ by replacing one record of one agent (sizes public, as the run "
                    "publishes them); about twice the epsilon of add-remove for the same noise",
 }
@@ -87,11 +88,13 @@ class AlgorithmPrivacy:
 def privacy_report(ledger: PrivacyLedger, delta: float, statement: dict[str, Any],
                    paper_accounting: dict[str, Any] | None = None, extras: AlgorithmPrivacy | None = None,
                    observer: str = AGENT_VIEW) -> dict[str, Any]:
-    """``privacy.json``'s content: each agent's epsilon on the view budgets hold on (and by RDP), releases made
-    and refused, the ledger, the statement; the per-receiver composition when messages went to single
-    receivers (a paper's view, labelled); an algorithm's own results (``extras``, e.g. Muffliato's pairwise
-    network DP) and the paper's own accounting, labelled; ``observer`` names who the budgets' epsilon is about
-    (every observer together unless the run's mechanism was calibrated for a narrower view, e.g. DECOR's)."""
+    """``privacy.json``'s content: each agent's epsilon on the view budgets hold on (and by RDP), the charges its
+    ledger took and refused (``releases``: one per release, one per pass under cyclic sampling, one for a
+    prepaid mechanism's whole run), the ledger, the statement; the per-receiver composition when messages went
+    to single receivers (a paper's view, labelled); an algorithm's own results (``extras``, e.g. Muffliato's
+    pairwise network DP) and the paper's own accounting, labelled; ``observer`` names who the budgets' epsilon
+    is about (every observer together unless the run's mechanism was calibrated for a narrower view, e.g.
+    DECOR's)."""
     epsilons, accountant = ledger.reported_epsilon()
     report: dict[str, Any] = {
         "delta": delta,
