@@ -28,7 +28,7 @@ running RDP total of its closed runs, so that composition stays linear in the nu
 whatever the events.  Beside it sits each account's *headroom*: how many more releases of one
 event fit in the budget, consulted again only when the agent's event changes.  With the RDP
 accountant the headroom has a closed form over the orders (checked against dp_accounting's
-conversion); with PLD it is a bisection over cached compositions.
+conversion); with PLD it is an aimed search over cached compositions (:func:`_largest_within`).
 """
 
 from __future__ import annotations
